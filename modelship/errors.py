@@ -1,0 +1,154 @@
+"""The one exception tree of modelship.
+
+Every error a user can meet is a :class:`ModelshipError`. Each carries structured fields,
+a message that names the problem, and a ``hint`` that says what to do next. Vendor
+exceptions (botocore, mlflow, tritonclient, prefect, slack_sdk) are translated at the
+boundary with ``raise ... from exc`` and never leak into ``flows/``.
+
+::
+
+    ModelshipError                      exit 1 unless stated
+    ├── UsageError                      exit 2  bad flags, bad policy file, bad settings
+    │   └── PolicyError                 exit 2
+    ├── InfrastructureError             exit 1  something we talk to is not there / broke
+    │   ├── Unreachable                         a server did not answer (names the endpoint)
+    │   ├── StackError                          the embedded stack could not start / stop
+    │   └── StorageError                        S3 refused or failed
+    └── ReleaseError                    a release stopped on purpose
+        ├── PreflightError              exit 1
+        ├── ModelNotFound               exit 2
+        ├── ExportError                 exit 3
+        ├── ValidationFailed            exit 3
+        ├── StagingError                exit 3
+        ├── GateFailed                  exit 4
+        ├── GatesInconclusive           exit 6
+        ├── ApprovalDenied              exit 5
+        ├── SwapAborted                 exit 1
+        └── ReleaseLocked               exit 1
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ModelshipError(Exception):
+    """Base of every modelship error.
+
+    Args:
+        message: What happened, naming the object and, where relevant, the measured value
+            and the threshold.
+        hint: What the user should do next.
+        **details: Structured fields (JSON-serialisable) for ``--json`` output and logs.
+    """
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, *, hint: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.details = details
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}. {self.hint}" if not self.message.endswith(".") else (
+                f"{self.message} {self.hint}"
+            )
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description, used by ``--json`` output."""
+        return {
+            "error": type(self).__name__,
+            "message": self.message,
+            "hint": self.hint,
+            "exit_code": self.exit_code,
+            **({"details": self.details} if self.details else {}),
+        }
+
+
+class UsageError(ModelshipError):
+    """The user asked for something malformed: flags, settings, files."""
+
+    exit_code = 2
+
+
+class PolicyError(UsageError):
+    """A release policy file is invalid (unknown key, wrong type, bad value)."""
+
+
+class InfrastructureError(ModelshipError):
+    """Something modelship talks to is missing, down or broken."""
+
+    exit_code = 1
+
+
+class Unreachable(InfrastructureError):
+    """A server did not answer within its timeout."""
+
+
+class StackError(InfrastructureError):
+    """The embedded local stack could not be started, inspected or stopped."""
+
+
+class StorageError(InfrastructureError):
+    """The object store refused or failed a request."""
+
+
+class ReleaseError(ModelshipError):
+    """A release stopped on purpose; production keeps serving what it served."""
+
+
+class PreflightError(ReleaseError):
+    """One or more endpoints could not be reached before anything changed."""
+
+
+class ModelNotFound(ReleaseError):
+    """The model, version or alias does not exist in the registry."""
+
+    exit_code = 2
+
+
+class ExportError(ReleaseError):
+    """The model could not be turned into a valid ONNX graph."""
+
+    exit_code = 3
+
+
+class ValidationFailed(ReleaseError):
+    """The candidate broke the contract, the config lint, the data checks or the trial load."""
+
+    exit_code = 3
+
+
+class StagingError(ReleaseError):
+    """The candidate could not be staged (e.g. an immutable version would change)."""
+
+    exit_code = 3
+
+
+class GateFailed(ReleaseError):
+    """At least one canary gate failed."""
+
+    exit_code = 4
+
+
+class GatesInconclusive(ReleaseError):
+    """The gates could not decide (too few samples, no data)."""
+
+    exit_code = 6
+
+
+class ApprovalDenied(ReleaseError):
+    """The approver rejected the release, or the approval expired."""
+
+    exit_code = 5
+
+
+class SwapAborted(ReleaseError):
+    """The fleet swap was aborted; every replica was returned to the previous version."""
+
+
+class ReleaseLocked(ReleaseError):
+    """Another release or swap of the same model is already running."""
