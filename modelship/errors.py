@@ -51,11 +51,10 @@ class ModelshipError(Exception):
         self.details = details
 
     def __str__(self) -> str:
-        if self.hint:
-            return f"{self.message}. {self.hint}" if not self.message.endswith(".") else (
-                f"{self.message} {self.hint}"
-            )
-        return self.message
+        if not self.hint:
+            return self.message
+        hint = self.hint[0].upper() + self.hint[1:]
+        return f"{self.message.rstrip('.')}. {hint.rstrip('.')}."
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready description, used by ``--json`` output."""

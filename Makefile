@@ -1,0 +1,49 @@
+# modelship: `make demo` and `make test` are the two commands a newcomer needs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+RUNTIME := .venv-triton
+BIN := $(VENV)/bin
+UV := $(shell command -v uv 2>/dev/null)
+export DO_NOT_TRACK := true
+export MLFLOW_DISABLE_TELEMETRY := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export GX_ANALYTICS_ENABLED := false
+
+.PHONY: install demo test lint unit bench clean-stack
+
+install: $(VENV)/.installed $(RUNTIME)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(UV)" || $(PYTHON) -m pip install -q uv
+	@uv=$$(command -v uv); \
+	  test -x $(BIN)/python || $$uv venv -q --python $(PYTHON) $(VENV); \
+	  $$uv pip install -q --python $(BIN)/python -e '.[dev]'
+	@touch $@
+
+$(RUNTIME)/.installed: requirements-triton.txt
+	@test -n "$(UV)" || $(PYTHON) -m pip install -q uv
+	@uv=$$(command -v uv); \
+	  test -x $(RUNTIME)/bin/python || $$uv venv -q --python $(PYTHON) $(RUNTIME); \
+	  $$uv pip install -q --python $(RUNTIME)/bin/python -r requirements-triton.txt
+	@touch $@
+
+demo: install
+	$(BIN)/modelship stack up
+	$(BIN)/modelship demo
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: install lint
+	$(BIN)/pytest -q -p no:cacheprovider
+
+unit: install
+	$(BIN)/pytest -q -p no:cacheprovider tests/unit
+
+bench: install
+	$(BIN)/python -m bench
+
+clean-stack:
+	-$(BIN)/modelship stack down

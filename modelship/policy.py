@@ -1,0 +1,1057 @@
+"""The per-model release policy: one YAML file per model, validated strictly.
+
+A policy holds every knob of a release that may differ between models: the Triton config,
+export tolerances, data expectations, the canary load, the gates, approval, the swap,
+staging and notifications. Without a file the documented defaults apply (they suit the
+embedded CPU stack).
+
+Every section forbids unknown keys. A misspelt gate bound that silently fell back to its
+default is how a bad model ships, so a typo is an error that names the file and the dotted
+key path (``policies/fraud.yaml: unknown key 'gates.0.mxa'``).
+
+::
+
+    Policy
+    ├── triton          TritonPolicy         max_batch_size, dynamic_batching, instance_group
+    ├── export          ExportPolicy         opsets, parity tolerances, golden rows
+    ├── validation      ValidationPolicy     input expectations, output checks, class mix
+    ├── canary          CanaryPolicy         load shape, windows, agreement
+    ├── gates           list[GateRule]       the rules the canary is judged by
+    ├── approval        ApprovalPolicy       required, approvers, timeout
+    ├── swap            SwapPolicy           pause_batching, deadline
+    ├── staging         StagingPolicy        retention, multipart sizes
+    └── notifications   NotificationsPolicy  Slack channel
+
+Lists replace their default rather than merging with it: a ``gates:`` list in a file is the
+whole rule set.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import types
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from modelship.errors import PolicyError
+
+__all__ = [
+    "KNOWN_METRICS",
+    "LATENCY_METRICS",
+    "AgreementPolicy",
+    "ApprovalPolicy",
+    "CanaryPolicy",
+    "ColumnExpectation",
+    "DynamicBatchingPolicy",
+    "ExportPolicy",
+    "GateRule",
+    "InputExpectations",
+    "InstanceGroupPolicy",
+    "NotificationsPolicy",
+    "OutputChecks",
+    "ParityPolicy",
+    "Policy",
+    "StagingPolicy",
+    "SwapPolicy",
+    "Target",
+    "TritonPolicy",
+    "ValidationPolicy",
+    "default_gates",
+    "load_policy",
+    "policy_for",
+    "policy_reference_markdown",
+]
+
+Target = Literal["cpu", "gpu"]
+"""Where the model is served: the embedded stack is ``cpu``, the production fleet ``gpu``."""
+
+MiB = 1024 * 1024
+
+
+class _Section(BaseModel):
+    """Base of every policy section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------------------
+# triton
+
+
+class DynamicBatchingPolicy(_Section):
+    """Triton's dynamic batcher: merges concurrent requests into one model execution."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Let Triton merge concurrent requests into one batch. `true` or `false`. "
+        "Default `true`; needs `triton.max_batch_size` > 0.",
+    )
+    preferred_batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=list,
+        description="Batch sizes the scheduler tries to form, each in 1..`max_batch_size`. "
+        "Default `[]`: Triton then prefers `max_batch_size`.",
+    )
+    max_queue_delay_us: int = Field(
+        default=100,
+        ge=0,
+        description="How long a request may wait for a batch to fill, in µs. Integer ≥ 0. "
+        "Default 100.",
+    )
+
+
+class InstanceGroupPolicy(_Section):
+    """How many model instances Triton runs and on which device."""
+
+    kind: Literal["auto", "cpu", "gpu"] = Field(
+        default="auto",
+        description="Device of the instances: `auto` (follow `triton.target`), `cpu` or `gpu`. "
+        "Default `auto`.",
+    )
+    count: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Instances per device. Integer 1..64. Default 1.",
+    )
+
+
+class TritonPolicy(_Section):
+    """The knobs of the rendered Triton model config."""
+
+    target: Target = Field(
+        default="cpu",
+        description="Where the model is served: `cpu` (the embedded stack) or `gpu` (the "
+        "production fleet). Default `cpu`.",
+    )
+    backend: str = Field(
+        default="onnxruntime",
+        min_length=1,
+        description="Triton backend name. Default `onnxruntime` (the C++ backend on GPUs, the "
+        "Python-based one on the local CPU stack; the same config works on both).",
+    )
+    max_batch_size: int = Field(
+        default=32,
+        ge=0,
+        description="Largest batch Triton may form; 0 turns batching off and then the dims "
+        "include the batch dimension. Integer ≥ 0. Default 32.",
+    )
+    dynamic_batching: DynamicBatchingPolicy = Field(
+        default_factory=DynamicBatchingPolicy,
+        description="Dynamic batcher settings (see the keys below).",
+    )
+    instance_group: InstanceGroupPolicy = Field(
+        default_factory=InstanceGroupPolicy,
+        description="Instance group settings (see the keys below).",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TritonPolicy:
+        batching = self.dynamic_batching
+        if batching.enabled and self.max_batch_size == 0:
+            raise ValueError(
+                "dynamic_batching.enabled needs max_batch_size > 0 (Triton accepts the pair "
+                "and then every request fails); set max_batch_size or disable batching"
+            )
+        too_big = [n for n in batching.preferred_batch_sizes if n > self.max_batch_size]
+        if batching.enabled and too_big:
+            raise ValueError(
+                f"dynamic_batching.preferred_batch_sizes {too_big} exceed max_batch_size "
+                f"{self.max_batch_size}"
+            )
+        if self.instance_group.kind == "gpu" and self.target == "cpu":
+            raise ValueError(
+                "instance_group.kind 'gpu' cannot run on target 'cpu'; use kind 'auto' or "
+                "target 'gpu'"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# export
+
+
+class ParityPolicy(_Section):
+    """How close ONNX Runtime must be to the native model: |a - b| <= atol + rtol * |b|."""
+
+    atol: float = Field(
+        default=1e-4,
+        ge=0,
+        description="Absolute tolerance of the ONNX-vs-native parity check. Float ≥ 0. "
+        "Default 1e-4.",
+    )
+    rtol: float = Field(
+        default=1e-3,
+        ge=0,
+        description="Relative tolerance of the parity check. Float ≥ 0. Default 1e-3.",
+    )
+
+
+class ExportPolicy(_Section):
+    """Export to ONNX: the opset window and the parity check."""
+
+    max_opset: int = Field(
+        default=21,
+        ge=7,
+        description="Highest ONNX opset accepted; newer graphs are rejected because the "
+        "serving runtime may not implement them. Integer ≥ 7. Default 21.",
+    )
+    min_opset: int | None = Field(
+        default=None,
+        ge=7,
+        description="Lowest ONNX opset accepted. Integer ≥ 7, or `null` for no floor. "
+        "Default `null`.",
+    )
+    target_opset: int = Field(
+        default=17,
+        ge=7,
+        description="Opset that skl2onnx converts sklearn models to. Integer within "
+        "[`min_opset`, `max_opset`]. Default 17.",
+    )
+    parity: ParityPolicy = Field(
+        default_factory=ParityPolicy,
+        description="Parity tolerances (see the keys below).",
+    )
+    golden_max_rows: int = Field(
+        default=1000,
+        ge=1,
+        description="Cap on the golden input rows used for parity, validation and canary "
+        "replay. Integer ≥ 1. Default 1000.",
+    )
+    allow_synthetic_golden: bool = Field(
+        default=True,
+        description="When the MLflow run logged no input example, synthesise golden rows from "
+        "the signature. `true` or `false`. Default `true`; `false` rejects such models.",
+    )
+
+    @model_validator(mode="after")
+    def _opset_window(self) -> ExportPolicy:
+        low = self.min_opset if self.min_opset is not None else self.target_opset
+        if not low <= self.target_opset <= self.max_opset:
+            raise ValueError(
+                f"target_opset {self.target_opset} must lie within [min_opset "
+                f"{self.min_opset}, max_opset {self.max_opset}]"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# validation
+
+
+class ColumnExpectation(_Section):
+    """Expectations for one input column of the golden data."""
+
+    min: float | None = Field(
+        default=None,
+        description="Smallest allowed value. Number or `null` (no bound). Default `null`.",
+    )
+    max: float | None = Field(
+        default=None,
+        description="Largest allowed value. Number or `null` (no bound). Default `null`.",
+    )
+    not_null: bool | None = Field(
+        default=None,
+        description="Reject nulls/NaN in this column. `true`, `false`, or `null` to follow "
+        "`validation.inputs.not_null`. Default `null`.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ColumnExpectation:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min} is greater than max {self.max}")
+        return self
+
+
+class InputExpectations(_Section):
+    """Great Expectations checks on the golden inputs (types always come from the signature)."""
+
+    not_null: bool = Field(
+        default=True,
+        description="Reject nulls/NaN in every input column unless a column says otherwise. "
+        "`true` or `false`. Default `true`.",
+    )
+    columns: dict[str, ColumnExpectation] = Field(
+        default_factory=dict,
+        description="Per-column expectations, keyed by input column name. Default `{}`.",
+    )
+
+
+def _auto_or_names(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return value
+    raise ValueError(f"expected 'auto' or a list of output names, got {value!r}")
+
+
+class OutputChecks(_Section):
+    """Checks on the model's outputs for the golden inputs.
+
+    NaN and infinity are always rejected in every output; that is not configurable.
+    """
+
+    probabilities: Annotated[
+        Literal["auto"] | list[str], BeforeValidator(_auto_or_names)
+    ] = Field(
+        default="auto",
+        description="Outputs holding class probabilities, checked to lie in [0, 1] and sum to "
+        "1 per row: `auto` (float outputs named like `prob*` with one column per class), a "
+        "list of output names, or `[]` for none. Default `auto`.",
+    )
+    sum_tolerance: float = Field(
+        default=1e-3,
+        ge=0,
+        description="Allowed |sum - 1| of each probability row. Float ≥ 0. Default 1e-3.",
+    )
+
+
+class ValidationPolicy(_Section):
+    """The contract, breaking-change and data checks of the validate stage."""
+
+    inputs: InputExpectations = Field(
+        default_factory=InputExpectations,
+        description="Input expectations (see the keys below).",
+    )
+    outputs: OutputChecks = Field(
+        default_factory=OutputChecks,
+        description="Output checks (see the keys below).",
+    )
+    allow_breaking_changes: bool = Field(
+        default=False,
+        description="Accept a change of input/output names, dtypes or dims against the "
+        "production version. `true` or `false`. Default `false`.",
+    )
+    max_class_share: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Largest share of golden rows one predicted class may take (a sanity check "
+        "on the class mix). Float in (0, 1], or `null` for no check. Default `null`.",
+    )
+
+
+# --------------------------------------------------------------------------------------
+# canary
+
+
+class AgreementPolicy(_Section):
+    """When candidate and baseline outputs count as agreeing on the same input."""
+
+    kind: Literal["auto", "classifier", "regressor"] = Field(
+        default="auto",
+        description="`classifier` (same predicted label), `regressor` (values within "
+        "tolerance) or `auto` (classifier when the model has a label or probability "
+        "output). Default `auto`.",
+    )
+    regressor_rel_tol: float = Field(
+        default=1e-3,
+        ge=0,
+        description="Regressor agreement: |c - b| <= regressor_abs_tol + regressor_rel_tol * "
+        "|b|. Float ≥ 0. Default 1e-3.",
+    )
+    regressor_abs_tol: float = Field(
+        default=1e-6,
+        ge=0,
+        description="Absolute part of the regressor tolerance, so values near 0 can agree. "
+        "Float ≥ 0. Default 1e-6.",
+    )
+
+
+class CanaryPolicy(_Section):
+    """The replay load run against candidate and baseline side by side."""
+
+    mode: Literal["concurrency", "rate"] = Field(
+        default="concurrency",
+        description="Load shape: `concurrency` (a fixed number of requests in flight) or "
+        "`rate` (a fixed request rate). Default `concurrency`.",
+    )
+    concurrency: int = Field(
+        default=4,
+        ge=1,
+        description="Requests in flight per version in `concurrency` mode. Integer ≥ 1. "
+        "Default 4 (the local stack has 2 cores).",
+    )
+    rate_rps: float = Field(
+        default=200.0,
+        gt=0,
+        description="Requests per second per version in `rate` mode. Float > 0. Default 200.",
+    )
+    poisson: bool = Field(
+        default=False,
+        description="In `rate` mode, send with Poisson (exponential) gaps instead of constant "
+        "ones. `true` or `false`. Default `false`.",
+    )
+    protocol: Literal["http", "grpc"] = Field(
+        default="grpc",
+        description="Inference protocol of the load: `grpc` or `http`. Default `grpc`.",
+    )
+    warmup_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="Seconds of load discarded before measuring. Float ≥ 0. Default 5.",
+    )
+    window_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Length of one measurement window, in s. Float > 0. Default 30.",
+    )
+    stability_pct: float = Field(
+        default=10.0,
+        gt=0,
+        le=100,
+        description="Windows count as stable when their throughput and p99 latency differ "
+        "by at most this percentage. Float in (0, 100]. Default 10.",
+    )
+    max_duration_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Hard cap on the whole canary run, in s; reaching it before enough "
+        "samples makes the gates inconclusive. Float > 0. Default 300.",
+    )
+    min_samples: int = Field(
+        default=1000,
+        ge=1,
+        description="Floor on requests per version, whatever the computed sample size says. "
+        "Integer ≥ 1. Default 1000.",
+    )
+    agreement: AgreementPolicy = Field(
+        default_factory=AgreementPolicy,
+        description="Output agreement settings (see the keys below).",
+    )
+
+    @model_validator(mode="after")
+    def _fits(self) -> CanaryPolicy:
+        if self.warmup_s + self.window_s > self.max_duration_s:
+            raise ValueError(
+                f"warmup_s + window_s ({self.warmup_s + self.window_s:g} s) exceed "
+                f"max_duration_s ({self.max_duration_s:g} s)"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# gates
+
+LATENCY_METRICS: tuple[str, ...] = (
+    "latency_p50_ms",
+    "latency_p90_ms",
+    "latency_p95_ms",
+    "latency_p99_ms",
+    "latency_mean_ms",
+)
+
+KNOWN_METRICS: dict[str, str] = {
+    "latency_p50_ms": "client-side median latency of the candidate, ms",
+    "latency_p90_ms": "client-side 90th percentile latency of the candidate, ms",
+    "latency_p95_ms": "client-side 95th percentile latency of the candidate, ms",
+    "latency_p99_ms": "client-side 99th percentile latency of the candidate, ms",
+    "latency_mean_ms": "client-side mean latency of the candidate, ms",
+    "error_rate": "failed / sent requests of the candidate, fraction in [0, 1]",
+    "agreement": "share of inputs where candidate and baseline outputs agree, in [0, 1]",
+    "throughput_ratio": "candidate / baseline requests per second under the same load",
+    "queue_us_mean": "server-side mean queue time per request of the candidate, µs",
+    "compute_us_mean": "server-side mean compute time per request of the candidate, µs",
+}
+"""Metric names a gate may use, with their meaning and units."""
+
+GateTest = Literal["mann_whitney", "exact_rate", "threshold"]
+
+_TEST_FIELDS: dict[str, tuple[str, ...]] = {
+    "mann_whitney": ("max_increase_pct", "min_effect_ms"),
+    "exact_rate": ("max_rate",),
+    "threshold": ("min", "max"),
+}
+
+
+class GateRule(_Section):
+    """One canary gate; :mod:`tasks.gates` turns it into a verdict.
+
+    Three tests exist:
+
+    - ``mann_whitney``: latency metrics only. A one-sided Mann-Whitney U test on the
+      per-request latencies, candidate against the baseline run at the same time. It fails
+      when the candidate is significantly slower by more than the tolerance:
+      ``max(max_increase_pct% of the baseline's metric, min_effect_ms)``, where the shift is
+      the Hodges-Lehmann estimate.
+    - ``exact_rate``: ``error_rate`` only. An exact binomial test that the candidate's error
+      rate is at most ``max_rate``; it stays correct with zero errors.
+    - ``threshold``: the metric's point value must be ``>= min`` and/or ``<= max``.
+
+    When ``test`` is omitted it follows from the bounds given (``min``/``max``: threshold,
+    ``max_increase_pct``: mann_whitney, ``max_rate``: exact_rate), else from the metric.
+    """
+
+    name: str = Field(
+        min_length=1,
+        description="Unique rule name, shown in reports. Required.",
+    )
+    metric: str = Field(
+        description="What is measured: one of " + ", ".join(f"`{m}`" for m in KNOWN_METRICS)
+        + ". Required.",
+    )
+    test: GateTest | None = Field(
+        default=None,
+        description="`mann_whitney` (latency metrics), `exact_rate` (`error_rate`) or "
+        "`threshold`. Default: inferred from the bounds given, else from the metric.",
+    )
+    min: float | None = Field(
+        default=None,
+        description="threshold: lowest passing value (inclusive). Number or `null`. At least "
+        "one of `min`/`max` is required. Default `null`.",
+    )
+    max: float | None = Field(
+        default=None,
+        description="threshold: highest passing value (inclusive). Number or `null`. "
+        "Default `null`.",
+    )
+    max_increase_pct: float | None = Field(
+        default=None,
+        gt=0,
+        description="mann_whitney: tolerated slowdown against the baseline, in percent of the "
+        "baseline's metric (Hodges-Lehmann shift). Float > 0; required for mann_whitney.",
+    )
+    min_effect_ms: float | None = Field(
+        default=None,
+        ge=0,
+        description="mann_whitney: effect-size floor in ms; a shift below it never fails, "
+        "however significant. Float ≥ 0 or `null` (no floor). Default `null`.",
+    )
+    max_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="exact_rate: highest tolerated error rate, a fraction in [0, 1] "
+        "(0.001 = 0.1%). Required for exact_rate.",
+    )
+    dry_run: bool = Field(
+        default=False,
+        description="Report the verdict but never block the release. `true` or `false`. "
+        "Default `false`.",
+    )
+    alpha: float = Field(
+        default=0.05,
+        gt=0,
+        lt=0.5,
+        description="Significance level of the statistical tests. Float in (0, 0.5). "
+        "Default 0.05.",
+    )
+    power: float = Field(
+        default=0.8,
+        gt=0,
+        lt=1,
+        description="Probability of detecting a true violation of size `effect`; the canary "
+        "sizes its load from it. Float in (0, 1). Default 0.8.",
+    )
+    effect: float | None = Field(
+        default=None,
+        gt=0,
+        description="Smallest violation the canary must detect with `power`, in percent for "
+        "mann_whitney and as a rate for exact_rate. Float > 0 or `null` (use "
+        "`max_increase_pct` / `max_rate`). Unused by threshold. Default `null`.",
+    )
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, metric: str) -> str:
+        if metric not in KNOWN_METRICS:
+            close = difflib.get_close_matches(metric, list(KNOWN_METRICS), n=1)
+            guess = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(
+                f"unknown metric '{metric}'{guess}; known metrics are " + ", ".join(KNOWN_METRICS)
+            )
+        return metric
+
+    @model_validator(mode="after")
+    def _coherent(self) -> GateRule:
+        test = self.test or _infer_test(self.model_dump())
+        for other, names in _TEST_FIELDS.items():
+            if other == test:
+                continue
+            stray = [n for n in names if getattr(self, n) is not None]
+            if stray:
+                raise ValueError(
+                    f"rule '{self.name}': {', '.join(stray)} do not apply to test '{test}' "
+                    f"(they belong to '{other}')"
+                )
+        if test == "threshold":
+            if self.min is None and self.max is None:
+                raise ValueError(
+                    f"threshold rule '{self.name}' needs at least one of min or max"
+                )
+            if self.min is not None and self.max is not None and self.min > self.max:
+                raise ValueError(f"rule '{self.name}': min {self.min} is greater than max "
+                                 f"{self.max}")
+        elif test == "mann_whitney":
+            if self.metric not in LATENCY_METRICS:
+                raise ValueError(
+                    f"rule '{self.name}': mann_whitney compares latencies, so the metric must "
+                    f"be one of {', '.join(LATENCY_METRICS)}, not '{self.metric}'"
+                )
+            if self.max_increase_pct is None:
+                raise ValueError(f"mann_whitney rule '{self.name}' needs max_increase_pct")
+        else:
+            if self.metric != "error_rate":
+                raise ValueError(
+                    f"rule '{self.name}': exact_rate tests an error rate, so the metric must be "
+                    f"'error_rate', not '{self.metric}'"
+                )
+            if self.max_rate is None:
+                raise ValueError(f"exact_rate rule '{self.name}' needs max_rate")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_test(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("test") is None and "metric" in data:
+            return {**data, "test": _infer_test(data)}
+        return data
+
+
+def _infer_test(data: dict[str, Any]) -> GateTest:
+    """The test a rule means when it names none: from its bounds first, then its metric."""
+    if data.get("min") is not None or data.get("max") is not None:
+        return "threshold"
+    if data.get("max_increase_pct") is not None or data.get("min_effect_ms") is not None:
+        return "mann_whitney"
+    if data.get("max_rate") is not None:
+        return "exact_rate"
+    if data.get("metric") in LATENCY_METRICS:
+        return "mann_whitney"
+    if data.get("metric") == "error_rate":
+        return "exact_rate"
+    return "threshold"
+
+
+def default_gates() -> list[GateRule]:
+    """The documented default rule set (DESIGN §2.6)."""
+    return [
+        GateRule(
+            name="latency_p99",
+            metric="latency_p99_ms",
+            test="mann_whitney",
+            max_increase_pct=10.0,
+            min_effect_ms=0.5,
+        ),
+        GateRule(name="error_rate", metric="error_rate", test="exact_rate", max_rate=0.001),
+        GateRule(name="agreement", metric="agreement", test="threshold", min=0.98),
+    ]
+
+
+# --------------------------------------------------------------------------------------
+# approval, swap, staging, notifications
+
+
+class ApprovalPolicy(_Section):
+    """Human approval between the gates and the swap (four-eyes: never the requester)."""
+
+    required: bool = Field(
+        default=False,
+        description="Wait for an approval click before the swap. `true` or `false`. "
+        "Default `false` (`--require-approval` overrides it).",
+    )
+    approvers: list[str] = Field(
+        default_factory=list,
+        description="Slack user ids allowed to approve (e.g. `U024BE7LH`). Needs at least one "
+        "when `required` is true (`--approvers` overrides it). Default `[]`.",
+    )
+    timeout_s: int = Field(
+        default=3600,
+        gt=0,
+        description="Seconds before an unanswered approval expires and the release fails "
+        "closed. Integer > 0. Default 3600.",
+    )
+    channel: str | None = Field(
+        default=None,
+        description="Slack channel for the approval request, or `null` to use "
+        "`notifications.slack_channel`. Default `null`.",
+    )
+
+    @model_validator(mode="after")
+    def _someone_can_approve(self) -> ApprovalPolicy:
+        if self.required and not self.approvers:
+            raise ValueError("required is true but approvers is empty, so nobody could approve")
+        return self
+
+
+class SwapPolicy(_Section):
+    """The fleet-wide atomic swap (DESIGN §4)."""
+
+    pause_batching: bool = Field(
+        default=True,
+        description="Turn dynamic batching off on every replica for the switch and back on "
+        "after (≈4 s to 100% new instead of ≈2 s, 0 failed requests either way). `true` or "
+        "`false`. Default `true`.",
+    )
+    deadline_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds every replica has to report the candidate ready and answer a "
+        "probe as it; past it the swap aborts back to the production version. Float > 0. "
+        "Default 60.",
+    )
+    probe_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Timeout of one probe inference, in s. Float > 0, below `deadline_s`. "
+        "Default 5.",
+    )
+
+    @model_validator(mode="after")
+    def _probe_fits(self) -> SwapPolicy:
+        if self.probe_timeout_s >= self.deadline_s:
+            raise ValueError(
+                f"probe_timeout_s ({self.probe_timeout_s:g}) must be below deadline_s "
+                f"({self.deadline_s:g})"
+            )
+        return self
+
+
+class StagingPolicy(_Section):
+    """The S3 model repository."""
+
+    keep_versions: int = Field(
+        default=3,
+        ge=2,
+        description="Version folders kept per model (Triton downloads every one on each load, "
+        "so retired ones are pruned); at least 2, so rollback stays a swap. Integer ≥ 2. "
+        "Default 3.",
+    )
+    multipart_threshold_bytes: int = Field(
+        default=64 * MiB,
+        ge=5 * MiB,
+        description="Files at least this large upload in parts, in bytes. Integer ≥ 5 MiB. "
+        "Default 67108864 (64 MiB).",
+    )
+    multipart_chunk_bytes: int = Field(
+        default=16 * MiB,
+        ge=5 * MiB,
+        le=5 * 1024 * MiB,
+        description="Size of one upload part, in bytes (S3 allows 5 MiB to 5 GiB). Default "
+        "16777216 (16 MiB).",
+    )
+
+
+class NotificationsPolicy(_Section):
+    """Where the release thread goes."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Post the release thread to Slack. `true` or `false`. Default `true` "
+        "(without Slack settings nothing is posted either way).",
+    )
+    slack_channel: str = Field(
+        default="#releases",
+        pattern=r"^(#[a-z0-9][a-z0-9_.-]{0,79}|[CG][A-Z0-9]{8,})$",
+        description="Slack channel name (`#releases`) or id (`C0123456789`). Default "
+        "`#releases`.",
+    )
+
+
+# --------------------------------------------------------------------------------------
+# the policy
+
+
+class Policy(_Section):
+    """The release policy of one model. ``Policy()`` is the documented default."""
+
+    triton: TritonPolicy = Field(
+        default_factory=TritonPolicy, description="The Triton model config knobs."
+    )
+    export: ExportPolicy = Field(
+        default_factory=ExportPolicy, description="ONNX export and parity."
+    )
+    validation: ValidationPolicy = Field(
+        default_factory=ValidationPolicy, description="Contract and data checks."
+    )
+    canary: CanaryPolicy = Field(
+        default_factory=CanaryPolicy, description="The canary replay load."
+    )
+    gates: list[GateRule] = Field(
+        default_factory=default_gates,
+        min_length=1,
+        description="The canary gates; a list here replaces the defaults. Default: p99 latency "
+        "≤ 10% (floor 0.5 ms) worse than the baseline by Mann-Whitney U, error rate ≤ 0.1% by "
+        "an exact test, agreement ≥ 0.98. At least one rule (use `dry_run` to observe only).",
+    )
+    approval: ApprovalPolicy = Field(
+        default_factory=ApprovalPolicy, description="Human approval."
+    )
+    swap: SwapPolicy = Field(default_factory=SwapPolicy, description="The fleet swap.")
+    staging: StagingPolicy = Field(
+        default_factory=StagingPolicy, description="The S3 repository."
+    )
+    notifications: NotificationsPolicy = Field(
+        default_factory=NotificationsPolicy, description="Slack notifications."
+    )
+
+    @model_validator(mode="after")
+    def _unique_gate_names(self) -> Policy:
+        names = [rule.name for rule in self.gates]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"gate names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# loading
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that rejects duplicate keys, which PyYAML would silently overwrite."""
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"found duplicate key {key!r}",
+                key_node.start_mark,
+            )
+        seen[key] = True
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
+)
+
+
+def load_policy(path: Path) -> Policy:
+    """Read and validate one policy file.
+
+    An empty file, or an empty section (``triton:`` with nothing under it), means the
+    defaults.
+
+    Raises:
+        PolicyError: the file is missing or unreadable, is not valid YAML (with line and
+            column), is not a mapping, or breaks the schema. The message names the file and
+            the dotted key path of every problem; the hint lists the known keys.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise PolicyError(
+            f"{path}: policy file not found",
+            hint="check the path, or omit --policy to use policies/MODEL.yaml or the defaults",
+            file=str(path),
+        ) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError(
+            f"{path}: cannot read the policy file ({exc})",
+            hint="make it a readable UTF-8 YAML file",
+            file=str(path),
+        ) from exc
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise PolicyError(
+            f"{path}: YAML syntax error{where}: {problem}",
+            hint="fix the YAML there (indentation, a missing ':', an unclosed quote or a "
+            "repeated key)",
+            file=str(path),
+            line=mark.line + 1 if mark else None,
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise PolicyError(
+            f"{path}: YAML error: {exc}", hint="fix the YAML syntax", file=str(path)
+        ) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PolicyError(
+            f"{path}: a policy must be a mapping of sections, got {_yaml_kind(data)}",
+            hint="start the file with section keys such as 'triton:' or 'gates:'; known "
+            f"sections are {', '.join(Policy.model_fields)}",
+            file=str(path),
+        )
+    # `triton:` with every key commented out parses as null: treat it as the defaults.
+    data = {k: v for k, v in data.items() if not (v is None and k in Policy.model_fields)}
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        raise _policy_error(path, exc) from exc
+
+
+def policy_for(model: str, policies_dir: Path, explicit: Path | None = None) -> Policy:
+    """The policy of ``model``: the explicit file, else ``policies_dir/MODEL.yaml``, else defaults.
+
+    An explicit file that does not exist is an error (the user asked for it); a missing
+    per-model file is not (most models run on the defaults).
+    """
+    if explicit is not None:
+        return load_policy(explicit)
+    if not model or Path(model).name != model or model in {".", ".."}:
+        raise PolicyError(
+            f"model name {model!r} cannot name a policy file",
+            hint="use the MLflow registered-model name, without path separators",
+            model=model,
+        )
+    for suffix in (".yaml", ".yml"):
+        candidate = policies_dir / f"{model}{suffix}"
+        if candidate.is_file():
+            return load_policy(candidate)
+    return Policy()
+
+
+def _yaml_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r})"
+    return f"a {type(value).__name__}"
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def _unwrap(tp: Any) -> Any:
+    """Strip ``X | None`` and ``Annotated`` down to the type that holds keys."""
+    while True:
+        origin = get_origin(tp)
+        if origin is Annotated:
+            tp = get_args(tp)[0]
+        elif origin is Union or origin is types.UnionType:
+            args = [a for a in get_args(tp) if a is not type(None)]
+            holders = [
+                a for a in args
+                if get_origin(a) in (list, dict)
+                or (isinstance(a, type) and issubclass(a, BaseModel))
+            ]
+            if not holders:
+                return tp
+            tp = holders[0]
+        else:
+            return tp
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The section model found at a key path, or None when the path leaves the schema."""
+    tp: Any = Policy
+    for part in loc:
+        tp = _unwrap(tp)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = tp.model_fields.get(part) if isinstance(part, str) else None
+            if field is None:
+                return None
+            tp = field.annotation
+        elif get_origin(tp) is list and isinstance(part, int):
+            tp = get_args(tp)[0]
+        elif get_origin(tp) is dict:
+            tp = get_args(tp)[1]
+        else:
+            return None
+    tp = _unwrap(tp)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _policy_error(path: Path, exc: ValidationError) -> PolicyError:
+    problems: list[str] = []
+    hints: list[str] = []
+    details: list[dict[str, Any]] = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        key = _dotted(loc)
+        if err["type"] == "extra_forbidden":
+            parent, name = loc[:-1], str(loc[-1])
+            section = _model_at(parent)
+            known = sorted(section.model_fields) if section else []
+            close = difflib.get_close_matches(name, known, n=1)
+            problem = f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+            where = f"under '{_dotted(parent)}'" if parent else "at the top level"
+            hint = f"known keys {where} are: {', '.join(known)}" if known else ""
+        elif err["type"] == "missing":
+            problem = f"missing key '{key}'"
+            section = _model_at(loc[:-1])
+            field = section.model_fields.get(str(loc[-1])) if section else None
+            hint = field.description or "" if field else ""
+        else:
+            custom = err["type"] == "value_error"
+            msg = err["msg"].removeprefix("Value error, ")
+            shown = json.dumps(err.get("input"), default=str)
+            if len(shown) > 60:
+                shown = shown[:57] + "..."
+            if not loc or _model_at(loc) is not None:
+                # A rule across several keys of one section (or list item) was broken.
+                problem = f"{key or 'policy'}: {msg}"
+                hint = f"see policies/README.md for the keys of '{key or 'policy'}'"
+            else:
+                problem = f"'{key}': {msg}" + ("" if custom else f" (got {shown})")
+                section = _model_at(loc[:-1])
+                field = None
+                if section is not None and isinstance(loc[-1], str):
+                    field = section.model_fields.get(loc[-1])
+                hint = f"'{key}': {field.description}" if field and field.description else ""
+        problems.append(problem)
+        if hint and hint not in hints:
+            hints.append(hint)
+        details.append({"key": key, "problem": problem, "hint": hint or None})
+    return PolicyError(
+        f"{path}: " + "; ".join(problems),
+        hint=" | ".join(hints) or "see policies/README.md for every key and its default",
+        file=str(path),
+        errors=details,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# reference documentation
+
+
+def policy_reference_markdown() -> str:
+    """The key reference of ``policies/README.md``, generated so it cannot drift from the code."""
+    lines = ["| Key | Default | Meaning and accepted values |", "|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            key = f"{prefix}{name}"
+            tp = _unwrap(field.annotation)
+            if isinstance(tp, type) and issubclass(tp, BaseModel):
+                walk(tp, f"{key}.")
+                continue
+            if field.is_required():
+                shown = "required"
+            else:
+                default = field.get_default(call_default_factory=True)
+                listed = isinstance(default, list) and default
+                if listed and isinstance(default[0], BaseModel):
+                    shown = "see below"
+                else:
+                    shown = f"`{json.dumps(default)}`"
+            text = (field.description or "").replace("|", "\\|")
+            lines.append(f"| `{key}` | {shown} | {text} |")
+            item = get_args(tp)[0] if get_origin(tp) is list else None
+            value = get_args(tp)[1] if get_origin(tp) is dict else None
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                walk(item, f"{key}[].")
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                walk(value, f"{key}.<name>.")
+
+    walk(Policy, "")
+    gates = [rule.model_dump(exclude_defaults=True) for rule in default_gates()]
+    lines += ["", "Default `gates`:", "", "```yaml", "gates:"]
+    for rule in gates:
+        first = True
+        for k, v in rule.items():
+            lines.append(f"  {'- ' if first else '  '}{k}: {json.dumps(v)}")
+            first = False
+    lines.append("```")
+    return "\n".join(lines) + "\n"

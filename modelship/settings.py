@@ -1,0 +1,237 @@
+"""Typed settings for every command and flow.
+
+Sources, highest priority first:
+
+1. explicit keyword arguments (tests, flows);
+2. environment variables: ``MODELSHIP_*`` plus the standard ``MLFLOW_TRACKING_URI``,
+   ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_DEFAULT_REGION``,
+   ``MLFLOW_S3_ENDPOINT_URL`` and ``PREFECT_API_URL``;
+3. ``$MODELSHIP_HOME/stack.json``, the file ``modelship stack up`` writes, so that a user of
+   the embedded stack sets nothing at all;
+4. the documented defaults.
+
+Nothing is read at import time: call :func:`load_settings` at the edge.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, BaseModel, Field, SecretStr
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from modelship.errors import UsageError
+
+STACK_FILE_NAME = "stack.json"
+
+
+class TritonEndpoint(BaseModel):
+    """One Triton server, addressed by its three loopback or cluster endpoints."""
+
+    http: str = Field(description="HTTP base URL, e.g. http://127.0.0.1:8000.")
+    grpc: str = Field(
+        description="gRPC address host:port, e.g. 127.0.0.1:8001. Control calls use it."
+    )
+    metrics: str = Field(description="Prometheus metrics URL, e.g. http://127.0.0.1:8002/metrics.")
+    name: str | None = Field(default=None, description="A label for messages (replica-0, canary).")
+
+
+def _env(*names: str) -> AliasChoices:
+    return AliasChoices(*names)
+
+
+class Settings(BaseSettings):
+    """Where modelship finds its servers, and how long it waits for them."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MODELSHIP_",
+        extra="ignore",
+        populate_by_name=True,
+    )
+
+    home: Path = Field(
+        default=Path(".modelship"),
+        description="State folder of the embedded stack (stack.json, logs, data). "
+        "Default: ./.modelship.",
+    )
+    policies_dir: Path = Field(
+        default=Path("policies"),
+        description="Folder holding one release policy YAML per model (MODEL.yaml).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        validation_alias=_env("MODELSHIP_MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI",
+                              "mlflow_tracking_uri"),
+        description="MLflow tracking server URL (MLFLOW_TRACKING_URI).",
+    )
+    s3_endpoint: str | None = Field(
+        default=None,
+        validation_alias=_env("MODELSHIP_S3_ENDPOINT", "MLFLOW_S3_ENDPOINT_URL", "s3_endpoint"),
+        description="S3/MinIO endpoint URL, e.g. http://127.0.0.1:8333.",
+    )
+    bucket: str = Field(
+        default="modelship",
+        description="Bucket holding the Triton model repository and MLflow artifacts.",
+    )
+    repository_prefix: str = Field(
+        default="triton",
+        description="Key prefix of the Triton model repository inside the bucket.",
+    )
+    aws_access_key_id: str | None = Field(
+        default=None,
+        validation_alias=_env("MODELSHIP_AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID",
+                              "aws_access_key_id"),
+        description="S3 access key (AWS_ACCESS_KEY_ID).",
+    )
+    aws_secret_access_key: SecretStr | None = Field(
+        default=None,
+        validation_alias=_env("MODELSHIP_AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY",
+                              "aws_secret_access_key"),
+        description="S3 secret key (AWS_SECRET_ACCESS_KEY).",
+    )
+    aws_region: str = Field(
+        default="us-east-1",
+        validation_alias=_env("MODELSHIP_AWS_REGION", "AWS_DEFAULT_REGION", "aws_region"),
+        description="S3 region (AWS_DEFAULT_REGION). SeaweedFS and MinIO accept any.",
+    )
+    prefect_api_url: str | None = Field(
+        default=None,
+        validation_alias=_env("MODELSHIP_PREFECT_API_URL", "PREFECT_API_URL", "prefect_api_url"),
+        description="Prefect API URL, e.g. http://127.0.0.1:4200/api (PREFECT_API_URL).",
+    )
+    slack_api_url: str | None = Field(
+        default=None,
+        description="Slack Web API base URL ending in /api/. None disables Slack (null notifier).",
+    )
+    slack_token: SecretStr | None = Field(
+        default=None, description="Slack bot token (xoxb-...)."
+    )
+    slack_signing_secret: SecretStr | None = Field(
+        default=None, description="Slack signing secret, for verifying button clicks."
+    )
+    slack_channel: str = Field(
+        default="#releases", description="Channel for release threads when the policy sets none."
+    )
+    approvals_url: str | None = Field(
+        default=None, description="URL of the Slack interactivity endpoint (approvals serve)."
+    )
+    triton_replicas: list[TritonEndpoint] = Field(
+        default_factory=list,
+        description="The production Triton fleet (static discovery), as a JSON list.",
+    )
+    triton_canary: TritonEndpoint | None = Field(
+        default=None, description="The canary Triton server, as a JSON object."
+    )
+    http_timeout_s: float = Field(
+        default=10.0, gt=0, description="Timeout of one HTTP request to any server, in seconds."
+    )
+    control_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Deadline of one Triton model-control call (load/unload), in seconds.",
+    )
+    ping_timeout_s: float = Field(
+        default=3.0, gt=0, description="Timeout of one health check, in seconds."
+    )
+    triton_runtime: Path = Field(
+        default=Path(".venv-triton"),
+        description="The server runtime venv holding nvidia-pytriton (tritonserver) and "
+        "onnxruntime with numpy<2; `make install` builds it.",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        import os
+
+        home = getattr(init_settings, "init_kwargs", {}).get("home") or os.environ.get(
+            "MODELSHIP_HOME", ".modelship"
+        )
+        return (init_settings, env_settings, StackFileSource(settings_cls, Path(home)))
+
+    @property
+    def stack_file(self) -> Path:
+        """Path of the embedded stack's state file."""
+        return self.home / STACK_FILE_NAME
+
+    @property
+    def repository_url(self) -> str:
+        """The Triton ``--model-repository`` URL of the S3 repository."""
+        if not self.s3_endpoint:
+            raise UsageError(
+                "no S3 endpoint is configured",
+                hint="set MODELSHIP_S3_ENDPOINT or run `modelship stack up`",
+            )
+        host = self.s3_endpoint.split("://", 1)[-1].rstrip("/")
+        return f"s3://{host}/{self.bucket}/{self.repository_prefix}"
+
+
+class StackFileSource(PydanticBaseSettingsSource):
+    """Fills settings from ``$MODELSHIP_HOME/stack.json`` when the stack is running."""
+
+    def __init__(self, settings_cls: type[BaseSettings], home: Path) -> None:
+        super().__init__(settings_cls)
+        self.home = home
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = self.home / STACK_FILE_NAME
+        if not path.is_file():
+            return {}
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UsageError(
+                f"{path} is not readable JSON ({exc})",
+                hint="run `modelship stack down` to clear it, then `modelship stack up`",
+            ) from exc
+        return settings_from_stack_state(state)
+
+
+def settings_from_stack_state(state: dict[str, Any]) -> dict[str, Any]:
+    """Map the stack state file onto settings fields (pure)."""
+    triton = state.get("triton") or {}
+    values: dict[str, Any] = {
+        "mlflow_tracking_uri": state.get("mlflow_uri"),
+        "s3_endpoint": state.get("s3_endpoint"),
+        "bucket": state.get("bucket"),
+        "repository_prefix": state.get("repository_prefix"),
+        "aws_access_key_id": state.get("access_key"),
+        "aws_secret_access_key": state.get("secret_key"),
+        "aws_region": state.get("region"),
+        "prefect_api_url": state.get("prefect_api_url"),
+        "slack_api_url": state.get("slack_api_url"),
+        "slack_token": state.get("slack_token"),
+        "slack_signing_secret": state.get("slack_signing_secret"),
+        "approvals_url": state.get("approvals_url"),
+        "triton_replicas": triton.get("replicas"),
+        "triton_canary": triton.get("canary"),
+    }
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build settings at the edge; translate validation errors into a usage error."""
+    from pydantic import ValidationError
+
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise UsageError(
+            f"invalid settings: {problems}",
+            hint="fix the MODELSHIP_* environment variables (see `modelship --help`)",
+        ) from exc

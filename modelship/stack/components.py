@@ -1,0 +1,115 @@
+"""Command lines and environments of the embedded stack's servers (pure functions).
+
+Every server binds to 127.0.0.1 only, on ports chosen by the caller, with telemetry off.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from modelship.stack.process import LOOPBACK
+
+# Ports SeaweedFS `weed mini` needs: HTTP and gRPC for each of its servers, plus admin.
+SEAWEED_PORT_NAMES = (
+    "s3", "s3_grpc", "master", "master_grpc", "volume", "volume_grpc",
+    "filer", "filer_grpc", "admin", "admin_grpc",
+)
+
+QUIET_TELEMETRY = {
+    "DO_NOT_TRACK": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "GX_ANALYTICS_ENABLED": "false",
+}
+
+
+def seaweed_command(
+    weed: Path, *, data_dir: Path, bucket: str, ports: Mapping[str, int]
+) -> list[str]:
+    """``weed mini``: a real S3 server that enforces credentials (given in the env)."""
+    return [
+        str(weed), "mini",
+        f"-dir={data_dir}",
+        f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
+        "-master.telemetry=false",
+        f"-bucket={bucket}",
+        f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3_grpc']}",
+        f"-master.port={ports['master']}", f"-master.port.grpc={ports['master_grpc']}",
+        f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume_grpc']}",
+        f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer_grpc']}",
+        f"-admin.port={ports['admin']}", f"-admin.port.grpc={ports['admin_grpc']}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-webdav=false", "-admin.ui=false",
+    ]
+
+
+def seaweed_env(base: Mapping[str, str], *, access_key: str, secret_key: str) -> dict[str, str]:
+    """SeaweedFS enforces exactly these credentials on its S3 API."""
+    return {**base, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
+
+
+def mlflow_command(venv_bin: Path, *, db_path: Path, port: int, bucket: str) -> list[str]:
+    """MLflow with a SQLite backend and artifacts proxied to the S3 bucket."""
+    return [
+        str(venv_bin / "mlflow"), "server",
+        "--backend-store-uri", f"sqlite:///{db_path}",
+        "--artifacts-destination", f"s3://{bucket}/mlflow",
+        "--serve-artifacts",
+        "--host", LOOPBACK, "--port", str(port),
+        "--workers", "1",
+    ]
+
+
+def mlflow_env(
+    base: Mapping[str, str], *, s3_endpoint: str, access_key: str, secret_key: str, region: str
+) -> dict[str, str]:
+    """The server (not the clients) holds the S3 credentials."""
+    return {
+        **base,
+        **QUIET_TELEMETRY,
+        "MLFLOW_S3_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": access_key,
+        "AWS_SECRET_ACCESS_KEY": secret_key,
+        "AWS_DEFAULT_REGION": region,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
+
+
+def prefect_command(venv_bin: Path, *, port: int) -> list[str]:
+    return [
+        str(venv_bin / "prefect"), "server", "start",
+        "--host", LOOPBACK, "--port", str(port), "--analytics-off",
+    ]
+
+
+def prefect_env(base: Mapping[str, str], *, prefect_home: Path, db_path: Path) -> dict[str, str]:
+    env = {
+        key: value for key, value in base.items() if not key.startswith("PREFECT_API_")
+    }
+    return {
+        **env,
+        **QUIET_TELEMETRY,
+        "PREFECT_HOME": str(prefect_home),
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{db_path}",
+        "PREFECT_SERVER_API_HOST": LOOPBACK,
+        "PREFECT_UI_ENABLED": "false",
+    }
+
+
+def slack_emulator_command(*, port: int, token: str, state_file: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "modelship.slack.emulator",
+        "--host", LOOPBACK, "--port", str(port),
+        "--token", token, "--state-file", str(state_file),
+    ]
+
+
+def endpoint_urls(http_port: int, grpc_port: int, metrics_port: int) -> dict[str, str]:
+    """The three endpoints of one Triton server, as the state file records them."""
+    return {
+        "http": f"http://{LOOPBACK}:{http_port}",
+        "grpc": f"{LOOPBACK}:{grpc_port}",
+        "metrics": f"http://{LOOPBACK}:{metrics_port}/metrics",
+    }

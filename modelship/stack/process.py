@@ -1,0 +1,266 @@
+"""Start, watch and stop the stack's server processes.
+
+Each component runs in its own session (process group), so that ``stack down`` can stop it
+and everything it forked by PID, and nothing else. A PID is only trusted together with the
+process start time recorded next to it, so a recycled PID is never signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from modelship.errors import StackError
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """What the state file keeps about one started process."""
+
+    name: str
+    pid: int
+    start_ticks: int | None
+    ports: tuple[int, ...]
+    log: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "pid": self.pid,
+            "start_ticks": self.start_ticks,
+            "ports": list(self.ports),
+            "log": self.log,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> ProcessRecord:
+        ticks = data.get("start_ticks")
+        ports = data.get("ports") or []
+        assert isinstance(ports, list)
+        return cls(
+            name=str(data["name"]),
+            pid=int(str(data["pid"])),
+            start_ticks=int(str(ticks)) if ticks is not None else None,
+            ports=tuple(int(p) for p in ports),
+            log=str(data.get("log", "")),
+        )
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def free_ports(count: int, *, avoid: set[int] | None = None) -> list[int]:
+    """``count`` distinct free loopback ports, none of them in ``avoid``."""
+    chosen: list[int] = []
+    taken = set(avoid or ())
+    while len(chosen) < count:
+        port = free_port()
+        # SeaweedFS derives gRPC ports as HTTP + 10000: keep HTTP ports below 55535.
+        if port in taken or port > 55000:
+            continue
+        taken.add(port)
+        chosen.append(port)
+    return chosen
+
+
+def port_open(port: int, host: str = LOOPBACK, timeout_s: float = 0.5) -> bool:
+    """True when something accepts TCP connections on ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The process start time in clock ticks since boot (Linux), or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces; fields after the last ')' are fixed.
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[19])
+
+
+def is_alive(record: ProcessRecord) -> bool:
+    """True when the recorded process still runs and is the one we started."""
+    ticks = process_start_ticks(record.pid)
+    if ticks is None:
+        return False
+    if record.start_ticks is not None and ticks != record.start_ticks:
+        return False
+    try:
+        state = Path(f"/proc/{record.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_process(
+    name: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    log_path: Path,
+    cwd: Path | None = None,
+    ports: Sequence[int] = (),
+) -> tuple[subprocess.Popen[bytes], ProcessRecord]:
+    """Start ``argv`` detached in its own session, output appended to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"\n--- modelship: starting {name}: {' '.join(argv)}\n".encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise StackError(
+                f"{name}: cannot run {argv[0]} ({exc.strerror})",
+                hint="run `make install` to (re)build the virtualenvs, then try again",
+                component=name,
+            ) from exc
+    record = ProcessRecord(
+        name=name,
+        pid=proc.pid,
+        start_ticks=process_start_ticks(proc.pid),
+        ports=tuple(ports),
+        log=str(log_path),
+    )
+    return proc, record
+
+
+def log_tail(path: str | Path, lines: int = 8) -> str:
+    """The last lines of a log file, for error messages."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def wait_ready(
+    record: ProcessRecord,
+    proc: subprocess.Popen[bytes] | None,
+    check: Callable[[], bool],
+    *,
+    deadline_s: float,
+    interval_s: float = 0.2,
+) -> float:
+    """Poll ``check`` until it passes; fail fast if the process dies. Returns seconds waited."""
+    started = time.monotonic()
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise StackError(
+                f"{record.name} exited with code {proc.returncode} during startup; "
+                f"see {record.log}:\n{log_tail(record.log)}",
+                hint=f"read {record.log}, fix the cause, then run `modelship stack up` again",
+                component=record.name,
+                log=record.log,
+            )
+        try:
+            if check():
+                return time.monotonic() - started
+        except Exception:  # noqa: BLE001 - any failure of a probe just means "not yet"
+            pass
+        if time.monotonic() - started > deadline_s:
+            raise StackError(
+                f"{record.name} was not ready after {deadline_s:.0f} s; see {record.log}:\n"
+                f"{log_tail(record.log)}",
+                hint=f"read {record.log}; the machine may be overloaded, retry "
+                "`modelship stack up`",
+                component=record.name,
+                log=record.log,
+            )
+        time.sleep(interval_s)
+
+
+def stop_process(record: ProcessRecord, *, grace_s: float = 10.0) -> bool:
+    """Stop the recorded process group (SIGTERM, then SIGKILL). False if it was not running."""
+    if not is_alive(record):
+        return False
+    try:
+        pgid = os.getpgid(record.pid)
+    except ProcessLookupError:
+        return False
+    # Only signal the group if the process leads it: we started it with its own session.
+    target_group = pgid == record.pid
+    _signal(record.pid, signal.SIGTERM, target_group)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not is_alive(record):
+            break
+        time.sleep(0.1)
+    else:
+        _signal(record.pid, signal.SIGKILL, target_group)
+    if target_group:
+        # Children of the group (e.g. Triton's Python backend stubs) may outlive the leader.
+        _kill_group_leftovers(pgid, grace_s=3.0)
+    try:  # reap it if it is our own child (same process ran `up` and `down`)
+        os.waitpid(record.pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return True
+
+
+def _signal(pid: int, sig: signal.Signals, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_members(pgid: int) -> list[int]:
+    members: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _kill_group_leftovers(pgid: int, *, grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _group_members(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def reap(proc: subprocess.Popen[bytes] | None) -> None:
+    """Collect the exit status of a child we started, so it does not linger as a zombie."""
+    if proc is not None:
+        try:
+            proc.wait(timeout=0)
+        except subprocess.TimeoutExpired:
+            pass

@@ -1,0 +1,121 @@
+"""One Triton server: health over HTTP and gRPC, model control over gRPC only.
+
+RECIPES: in Triton 2.51 an HTTP load call blocks an HTTP worker thread and stalls serving
+connections pinned to it, so every control call (load, unload, index, config) uses gRPC.
+tritonclient errors are translated here into modelship errors.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from modelship.errors import InfrastructureError, Unreachable
+from modelship.http import expect_ok
+from modelship.settings import TritonEndpoint
+
+if TYPE_CHECKING:
+    import tritonclient.grpc as grpcclient
+
+
+class TritonServer:
+    """A Triton server. The constructor does no I/O; the gRPC channel opens on first use.
+
+    Args:
+        endpoint: Its HTTP, gRPC and metrics endpoints.
+        timeout_s: Timeout of one health or inference request, in seconds.
+        control_timeout_s: Deadline of one load or unload, in seconds.
+    """
+
+    def __init__(
+        self, endpoint: TritonEndpoint, *, timeout_s: float, control_timeout_s: float
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = endpoint.name or endpoint.http
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._grpc: grpcclient.InferenceServerClient | None = None
+
+    @property
+    def grpc(self) -> grpcclient.InferenceServerClient:
+        if self._grpc is None:
+            import tritonclient.grpc as grpcclient
+
+            self._grpc = grpcclient.InferenceServerClient(self.endpoint.grpc)
+        return self._grpc
+
+    def close(self) -> None:
+        if self._grpc is not None:
+            self._grpc.close()
+            self._grpc = None
+
+    def _unreachable(self, exc: Exception, action: str) -> Exception:
+        text = str(exc)
+        if "UNAVAILABLE" in text or "DEADLINE_EXCEEDED" in text or "Deadline" in text:
+            return Unreachable(
+                f"Triton {self.name} ({self.endpoint.grpc}) did not answer while trying to "
+                f"{action}: {text.strip()}",
+                hint="check that the server is running (`modelship doctor`)",
+                endpoint=self.endpoint.grpc,
+            )
+        return InfrastructureError(
+            f"Triton {self.name} failed to {action}: {text.strip()}",
+            hint="see the Triton server log",
+            endpoint=self.endpoint.grpc,
+        )
+
+    def ping(self) -> None:
+        """Ready over HTTP and over gRPC, or raise naming the endpoint."""
+        expect_ok(f"{self.endpoint.http}/v2/health/ready", timeout_s=self.timeout_s,
+                  what=f"Triton {self.name} (HTTP)")
+        try:
+            ready = self.grpc.is_server_ready(client_timeout=self.timeout_s)
+        except Exception as exc:
+            raise self._unreachable(exc, "report readiness over gRPC") from exc
+        if not ready:
+            raise InfrastructureError(
+                f"Triton {self.name} ({self.endpoint.grpc}) is live but not ready",
+                hint="see its log: a model in the repository may have failed to load",
+            )
+
+    def load_model(
+        self, name: str, *, config_json: str | None = None, files: dict[str, bytes] | None = None
+    ) -> None:
+        """Load (or reload) ``name``; with ``config_json`` the override replaces the config."""
+        try:
+            self.grpc.load_model(name, config=config_json, files=files,
+                                 client_timeout=self.control_timeout_s)
+        except Exception as exc:
+            raise self._unreachable(exc, f"load model {name}") from exc
+
+    def unload_model(self, name: str) -> None:
+        try:
+            self.grpc.unload_model(name, client_timeout=self.control_timeout_s)
+        except Exception as exc:
+            raise self._unreachable(exc, f"unload model {name}") from exc
+
+    def is_model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            return bool(self.grpc.is_model_ready(name, version, client_timeout=self.timeout_s))
+        except Exception as exc:
+            raise self._unreachable(exc, f"check readiness of {name}") from exc
+
+    def repository_index(self) -> list[dict[str, Any]]:
+        """Every model the server knows: name, version, state, reason."""
+        try:
+            index = self.grpc.get_model_repository_index(as_json=True,
+                                                         client_timeout=self.timeout_s)
+        except Exception as exc:
+            raise self._unreachable(exc, "read the repository index") from exc
+        return list(index.get("models", []))
+
+    def model_config(self, name: str) -> dict[str, Any]:
+        """The live config of ``name`` as JSON, with server-added ``runtime`` stripped."""
+        try:
+            response = self.grpc.get_model_config(name, as_json=True,
+                                                  client_timeout=self.timeout_s)
+        except Exception as exc:
+            raise self._unreachable(exc, f"read the config of {name}") from exc
+        config = dict(response.get("config", {}))
+        config.pop("runtime", None)
+        return json.loads(json.dumps(config))

@@ -1,0 +1,610 @@
+"""Triton model configs, built and checked with Triton's own protobuf schema.
+
+Everything here is pure: configs are rendered from a :class:`ModelSpec` and the policy,
+serialised for ``config.pbtxt`` or for the load-with-config override, compared by digest,
+rewritten for the swap protocol and linted. No function mutates its input.
+
+Why lint ourselves: Triton 2.51 *accepts* ``max_batch_size: 0`` with dynamic batching and
+then every client request fails (RECIPES.md). A config that reaches a server must already
+be known to be sane.
+
+Facts about live configs (measured on Triton 2.51 with the Python-based ``onnxruntime``
+backend), which :func:`from_live_json` and the digests account for:
+
+- Triton adds ``runtime: "model.py"``, ``platform: "onnxruntime_onnx"``,
+  ``default_model_filename: "model.onnx"``, instance group names ``MODEL_0``, ... and an
+  ``optimization`` block with pinned input/output memory enabled.
+- With dynamic batching and no preferred sizes, Triton fills in ``[max_batch_size]``.
+- Without a ``version_policy``, Triton uses ``latest { num_versions: 1 }``.
+- The JSON override takes int64 fields as strings (``"dims": ["4"]``), as
+  ``json_format.MessageToJson`` writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from google.protobuf import json_format, text_format
+from onnx import TensorProto
+from tritonclient.grpc import model_config_pb2
+from tritonclient.grpc.model_config_pb2 import ModelConfig
+
+from modelship.errors import ValidationFailed
+from modelship.policy import Target, TritonPolicy
+
+__all__ = [
+    "LintFinding",
+    "ModelConfig",
+    "ModelSpec",
+    "TensorSpec",
+    "assert_lint_clean",
+    "config_digest",
+    "from_live_json",
+    "from_pbtxt",
+    "lint",
+    "numpy_dtype_from_onnx",
+    "numpy_dtype_from_triton",
+    "onnx_elem_type",
+    "render_model_config",
+    "serving_digest",
+    "to_json",
+    "to_pbtxt",
+    "triton_dtype",
+    "with_versions",
+    "without_dynamic_batching",
+]
+
+# --------------------------------------------------------------------------------------
+# dtypes
+
+# numpy dtype name -> (Triton data type name, ONNX TensorProto elem type)
+_DTYPES: dict[str, tuple[str, int]] = {
+    "bool": ("TYPE_BOOL", TensorProto.BOOL),
+    "uint8": ("TYPE_UINT8", TensorProto.UINT8),
+    "uint16": ("TYPE_UINT16", TensorProto.UINT16),
+    "uint32": ("TYPE_UINT32", TensorProto.UINT32),
+    "uint64": ("TYPE_UINT64", TensorProto.UINT64),
+    "int8": ("TYPE_INT8", TensorProto.INT8),
+    "int16": ("TYPE_INT16", TensorProto.INT16),
+    "int32": ("TYPE_INT32", TensorProto.INT32),
+    "int64": ("TYPE_INT64", TensorProto.INT64),
+    "float16": ("TYPE_FP16", TensorProto.FLOAT16),
+    "float32": ("TYPE_FP32", TensorProto.FLOAT),
+    "float64": ("TYPE_FP64", TensorProto.DOUBLE),
+    "bfloat16": ("TYPE_BF16", TensorProto.BFLOAT16),
+    "object": ("TYPE_STRING", TensorProto.STRING),
+}
+# Names that mean "variable-length bytes/strings": Triton's BYTES, numpy's object arrays.
+_STRING_ALIASES = {"object", "string", "str", "bytes", "bytes_", "str_", "object_", "O"}
+_FROM_TRITON = {triton: name for name, (triton, _) in _DTYPES.items()}
+_FROM_ONNX = {elem: name for name, (_, elem) in _DTYPES.items()}
+
+
+def _canonical_dtype(dtype: str) -> str:
+    """Normalise a numpy dtype name ("<f4", "float", "string") to the names of the table."""
+    if dtype in _STRING_ALIASES:
+        return "object"
+    if dtype in _DTYPES:
+        return dtype
+    try:
+        import numpy as np
+
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = dtype
+    if name in _DTYPES:
+        return name
+    if name.startswith(("str", "bytes")):
+        return "object"
+    raise ValidationFailed(
+        f"dtype {dtype!r} has no Triton equivalent",
+        hint="use one of " + ", ".join(sorted(_DTYPES)) + " (strings as 'object')",
+        dtype=dtype,
+    )
+
+
+def triton_dtype(dtype: str) -> str:
+    """Triton's data type name (``"TYPE_FP32"``) for a numpy dtype name (``"float32"``)."""
+    return _DTYPES[_canonical_dtype(dtype)][0]
+
+
+def numpy_dtype_from_triton(data_type: str | int) -> str:
+    """The numpy dtype name for a Triton data type, given by name or enum value.
+
+    Strings come back as ``"object"``, the dtype Triton's Python clients use for BYTES.
+    """
+    if isinstance(data_type, int):
+        known = data_type in model_config_pb2.DataType.values()
+        data_type = model_config_pb2.DataType.Name(data_type) if known else str(data_type)
+    try:
+        return _FROM_TRITON[data_type]
+    except KeyError:
+        raise ValidationFailed(
+            f"Triton data type {data_type!r} is not supported",
+            hint="use one of " + ", ".join(sorted(_FROM_TRITON)),
+            data_type=data_type,
+        ) from None
+
+
+def onnx_elem_type(dtype: str) -> int:
+    """The ONNX ``TensorProto`` element type for a numpy dtype name."""
+    return _DTYPES[_canonical_dtype(dtype)][1]
+
+
+def numpy_dtype_from_onnx(elem_type: int) -> str:
+    """The numpy dtype name for an ONNX ``TensorProto`` element type."""
+    try:
+        return _FROM_ONNX[elem_type]
+    except KeyError:
+        name = (
+            TensorProto.DataType.Name(elem_type)
+            if elem_type in TensorProto.DataType.values()
+            else str(elem_type)
+        )
+        raise ValidationFailed(
+            f"ONNX element type {name} has no Triton equivalent",
+            hint="cast the graph's inputs/outputs to a supported type (e.g. float32, int64)",
+            elem_type=elem_type,
+        ) from None
+
+
+# --------------------------------------------------------------------------------------
+# specs
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output as Triton sees it.
+
+    Attributes:
+        name: Tensor name; it must match the ONNX graph.
+        dtype: numpy dtype name (``"float32"``, ``"int64"``, ``"bool"``, ``"object"`` for
+            strings).
+        dims: Shape **without** the batch dimension when the model batches
+            (``max_batch_size > 0``); ``-1`` marks a variable dimension.
+    """
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
+        object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The I/O contract of one model: the Triton model name and its tensors."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
+    outputs: tuple[TensorSpec, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+
+
+# --------------------------------------------------------------------------------------
+# rendering and serialisation
+
+
+_KINDS = {
+    "cpu": model_config_pb2.ModelInstanceGroup.KIND_CPU,
+    "gpu": model_config_pb2.ModelInstanceGroup.KIND_GPU,
+}
+
+
+def render_model_config(
+    spec: ModelSpec,
+    triton_policy: TritonPolicy,
+    *,
+    versions: Sequence[int] | None = None,
+    target: Target | None = None,
+) -> ModelConfig:
+    """Render the full Triton config of a model from its I/O spec and its policy.
+
+    Every field is explicit (instance group, version policy), because a load override
+    replaces the whole config rather than merging with it.
+
+    Args:
+        spec: Model name and tensors (dims without the batch dimension when batching).
+        triton_policy: The ``triton`` section of the release policy.
+        versions: Serve exactly these versions (``version_policy: specific``); ``None``
+            serves the latest one.
+        target: Overrides ``triton_policy.target``, e.g. ``"cpu"`` for the local stack when
+            the policy targets the GPU fleet. An instance group kind ``auto`` follows it.
+
+    Raises:
+        ValidationFailed: a dtype has no Triton equivalent, or ``versions`` is empty.
+    """
+    where = target or triton_policy.target
+    cfg = ModelConfig(
+        name=spec.name,
+        backend=triton_policy.backend,
+        max_batch_size=triton_policy.max_batch_size,
+    )
+    for tensor in spec.inputs:
+        cfg.input.add(
+            name=tensor.name,
+            data_type=model_config_pb2.DataType.Value(triton_dtype(tensor.dtype)),
+            dims=list(tensor.dims),
+        )
+    for tensor in spec.outputs:
+        cfg.output.add(
+            name=tensor.name,
+            data_type=model_config_pb2.DataType.Value(triton_dtype(tensor.dtype)),
+            dims=list(tensor.dims),
+        )
+    batching = triton_policy.dynamic_batching
+    if batching.enabled:
+        cfg.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
+        cfg.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
+    group = triton_policy.instance_group
+    kind = where if group.kind == "auto" else group.kind
+    cfg.instance_group.add(kind=_KINDS[kind], count=group.count)
+    if versions is None:
+        cfg.version_policy.latest.num_versions = 1
+    else:
+        _set_specific(cfg, versions)
+    return cfg
+
+
+def _set_specific(cfg: ModelConfig, versions: Iterable[int]) -> None:
+    wanted = sorted({int(v) for v in versions})
+    if not wanted:
+        raise ValidationFailed(
+            f"model '{cfg.name}': an empty version list would serve nothing",
+            hint="pass at least one version number",
+        )
+    cfg.ClearField("version_policy")
+    cfg.version_policy.specific.versions.extend(wanted)
+
+
+def _copy(cfg: ModelConfig) -> ModelConfig:
+    out = ModelConfig()
+    out.CopyFrom(cfg)
+    return out
+
+
+def to_pbtxt(cfg: ModelConfig) -> str:
+    """The ``config.pbtxt`` text of a config."""
+    return str(text_format.MessageToString(cfg))
+
+
+def from_pbtxt(text: str) -> ModelConfig:
+    """Parse ``config.pbtxt`` text.
+
+    Raises:
+        ValidationFailed: the text is not a valid ModelConfig (names the line).
+    """
+    try:
+        return text_format.Parse(text, ModelConfig())
+    except text_format.ParseError as exc:
+        raise ValidationFailed(
+            f"config.pbtxt does not parse: {exc}",
+            hint="fix the field named there; see Triton's model_config.proto for the schema",
+        ) from exc
+
+
+def to_json(cfg: ModelConfig) -> str:
+    """The JSON for Triton's load-with-config override (``load_model(name, config=...)``).
+
+    Field names follow the proto (``max_batch_size``), as Triton expects; int64 fields come
+    out as strings, which Triton accepts.
+    """
+    return str(json_format.MessageToJson(cfg, preserving_proto_field_name=True, indent=None))
+
+
+_DEFAULT_OPTIMIZATION = ModelConfig(
+    optimization={"input_pinned_memory": {"enable": True}, "output_pinned_memory": {"enable": True}}
+).optimization
+
+
+def from_live_json(obj: Mapping[str, Any]) -> ModelConfig:
+    """A config read back from a server, cleaned so it can be sent again or compared.
+
+    Accepts the HTTP ``/config`` document or the gRPC ``get_model_config(as_json=True)``
+    answer (``{"config": {...}}``). Unknown fields (a newer server) are ignored. Removed,
+    because the server derives them and they would pin this server's choices elsewhere:
+
+    - ``runtime`` (``model.py`` here: it would force the Python runtime on a GPU server,
+      where the C++ onnxruntime backend should run);
+    - ``platform`` when ``backend`` is set (derived from the backend);
+    - ``default_model_filename`` when it is the backend's default ``model.onnx``;
+    - instance group names Triton generated (``MODEL_0``, ``MODEL_1``, ...);
+    - the ``optimization`` block when it equals the one Triton fills in by default.
+
+    Raises:
+        ValidationFailed: the document is not a ModelConfig.
+    """
+    doc = obj.get("config", obj) if isinstance(obj.get("config"), Mapping) else obj
+    try:
+        cfg = json_format.ParseDict(dict(doc), ModelConfig(), ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        raise ValidationFailed(
+            f"the server's model config does not parse: {exc}",
+            hint="check that the document is a Triton model config",
+        ) from exc
+    cfg.ClearField("runtime")
+    if cfg.backend:
+        cfg.ClearField("platform")
+    if cfg.default_model_filename == "model.onnx":
+        cfg.ClearField("default_model_filename")
+    for i, group in enumerate(cfg.instance_group):
+        if group.name == f"{cfg.name}_{i}":
+            group.ClearField("name")
+    if cfg.HasField("optimization") and cfg.optimization == _DEFAULT_OPTIMIZATION:
+        cfg.ClearField("optimization")
+    return cfg
+
+
+def _normalised(cfg: ModelConfig, *, keep_versions: bool) -> ModelConfig:
+    """Apply Triton's own defaults, so a rendered config and its live copy digest alike."""
+    out = _copy(cfg)
+    if not out.HasField("version_policy"):
+        out.version_policy.latest.num_versions = 1
+    if not keep_versions:
+        out.ClearField("version_policy")
+    batching = out.dynamic_batching
+    if out.HasField("dynamic_batching") and not batching.preferred_batch_size:
+        if out.max_batch_size > 0:
+            batching.preferred_batch_size.append(out.max_batch_size)
+    return out
+
+
+def _digest(cfg: ModelConfig) -> str:
+    canonical = json_format.MessageToJson(
+        cfg, preserving_proto_field_name=True, indent=None, sort_keys=True
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def config_digest(cfg: ModelConfig) -> str:
+    """sha256 (hex) of the whole config, version policy included.
+
+    The serialisation is canonical (sorted JSON of the proto) and Triton's defaults are
+    applied first, so a rendered config and the same config read back with
+    :func:`from_live_json` give the same digest.
+    """
+    return _digest(_normalised(cfg, keep_versions=True))
+
+
+def serving_digest(cfg: ModelConfig) -> str:
+    """sha256 (hex) of how the model is served: the config without its version policy.
+
+    The swap protocol changes only ``version_policy`` (``specific [P]`` → ``[C]``), so two
+    replicas, or P's and C's production configs, that agree on I/O, batching and instances
+    share this digest while serving different versions. Which versions are served is
+    checked separately, from the replicas' ready versions.
+    """
+    return _digest(_normalised(cfg, keep_versions=False))
+
+
+# --------------------------------------------------------------------------------------
+# swap helpers
+
+
+def with_versions(cfg: ModelConfig, versions: Sequence[int]) -> ModelConfig:
+    """A copy of ``cfg`` that serves exactly ``versions`` (``version_policy: specific``).
+
+    Raises:
+        ValidationFailed: ``versions`` is empty.
+    """
+    out = _copy(cfg)
+    _set_specific(out, versions)
+    return out
+
+
+def without_dynamic_batching(cfg: ModelConfig) -> ModelConfig:
+    """A copy of ``cfg`` with dynamic batching off: the "pause batching" step of the swap."""
+    out = _copy(cfg)
+    out.ClearField("dynamic_batching")
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# lint
+
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class LintFinding:
+    """One problem in a config: which rule, what is wrong, how to fix it.
+
+    ``error`` findings block a release; ``warning`` findings are reported only.
+    """
+
+    rule: str
+    message: str
+    hint: str
+    severity: Severity = "error"
+
+
+_VERSION_DIR = re.compile(r"^[1-9][0-9]*$")
+
+
+def lint(
+    cfg: ModelConfig,
+    *,
+    target: Target,
+    version_dirs: Sequence[str] | None = None,
+    graph_rank: Mapping[str, int] | None = None,
+) -> list[LintFinding]:
+    """Check a config for what Triton accepts but then serves wrongly, or refuses late.
+
+    Rules (``rule`` id: what it checks):
+
+    - ``backend``: ``backend`` or ``platform`` is set.
+    - ``max-batch-size``: ``max_batch_size`` ≥ 0.
+    - ``batching-needs-max-batch-size``: dynamic batching needs ``max_batch_size`` > 0.
+    - ``preferred-batch-size``: every preferred size is in 1..``max_batch_size``.
+    - ``io-declared``: at least one input and one output.
+    - ``unique-names``: no two inputs, and no two outputs, share a name.
+    - ``data-type``: every tensor has a data type.
+    - ``dims-empty``: every tensor has dims.
+    - ``dims-value``: every dim is > 0 or -1 (variable).
+    - ``batch-dim-included`` / ``rank-mismatch`` (only with ``graph_rank``, the rank of
+      each tensor in the ONNX graph): with ``max_batch_size`` > 0 the dims must be the
+      graph's shape minus its leading batch dimension, so ``len(dims) == rank - 1``;
+      without batching ``len(dims) == rank``.
+    - ``instance-kind``: ``KIND_GPU`` on a cpu target is an error (the model cannot load);
+      ``KIND_CPU`` on a gpu target is a warning (it serves, slowly; legitimate for cheap
+      models, so it does not block). ``count`` ≥ 1.
+    - ``version-dirs`` (only with ``version_dirs``): version folders are positive integers
+      without leading zeros (Triton skips other folders, so the version would silently not
+      exist), and every ``specific`` version has a folder.
+
+    ``max_queue_delay_microseconds`` needs no rule: it is a uint64, so the schema rejects a
+    negative value when the config is parsed.
+
+    Args:
+        cfg: The config to check.
+        target: Where it will be served, ``"cpu"`` or ``"gpu"``.
+        version_dirs: Names of the folders in the model's repository directory.
+        graph_rank: Tensor name to rank in the ONNX graph, for the batch-dimension check.
+    """
+    findings: list[LintFinding] = []
+
+    def add(rule: str, message: str, hint: str, severity: Severity = "error") -> None:
+        findings.append(LintFinding(rule, message, hint, severity))
+
+    name = cfg.name or "<unnamed>"
+    if not cfg.backend and not cfg.platform:
+        add("backend", f"model '{name}' names no backend", "set backend: \"onnxruntime\"")
+    mbs = cfg.max_batch_size
+    if mbs < 0:
+        add("max-batch-size", f"max_batch_size is {mbs}", "use 0 (no batching) or a positive size")
+    if cfg.HasField("dynamic_batching"):
+        if mbs <= 0:
+            add(
+                "batching-needs-max-batch-size",
+                f"dynamic_batching is on but max_batch_size is {mbs}; Triton accepts this and "
+                "then every request fails",
+                "set triton.max_batch_size > 0, or disable triton.dynamic_batching",
+            )
+        else:
+            bad = [n for n in cfg.dynamic_batching.preferred_batch_size if not 0 < n <= mbs]
+            if bad:
+                add(
+                    "preferred-batch-size",
+                    f"preferred_batch_size {bad} outside 1..max_batch_size ({mbs})",
+                    "make every triton.dynamic_batching.preferred_batch_sizes entry between 1 "
+                    "and max_batch_size",
+                )
+    if not cfg.input or not cfg.output:
+        add(
+            "io-declared",
+            f"model '{name}' declares {len(cfg.input)} inputs and {len(cfg.output)} outputs",
+            "render the config from the ONNX graph so every input and output is listed",
+        )
+    tensors: list[tuple[str, Any]] = [("input", t) for t in cfg.input]
+    tensors += [("output", t) for t in cfg.output]
+    for role, group in (("input", cfg.input), ("output", cfg.output)):
+        names = [t.name for t in group]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            add(
+                "unique-names",
+                f"{role} names repeated: {dupes}",
+                f"give each {role} its graph name once",
+            )
+    for role, t in tensors:
+        if t.data_type == model_config_pb2.TYPE_INVALID:
+            add(
+                "data-type",
+                f"{role} '{t.name}' has no data_type",
+                "set the graph's dtype, e.g. TYPE_FP32",
+            )
+        dims = list(t.dims)
+        if not dims:
+            add(
+                "dims-empty",
+                f"{role} '{t.name}' has no dims",
+                "use dims: [ 1 ] for one value per batch row",
+            )
+        bad_dims = [d for d in dims if d == 0 or d < -1]
+        if bad_dims:
+            add(
+                "dims-value",
+                f"{role} '{t.name}' has dims {dims}",
+                "make each dim > 0, or -1 for a variable dim",
+            )
+        if graph_rank is not None and t.name in graph_rank:
+            rank = graph_rank[t.name]
+            expected = rank - 1 if mbs > 0 else rank
+            if len(dims) != expected:
+                if mbs > 0 and len(dims) == rank:
+                    add(
+                        "batch-dim-included",
+                        f"{role} '{t.name}' dims {dims} include the batch dimension "
+                        f"(graph rank {rank}, max_batch_size {mbs})",
+                        f"drop the leading dim: dims {dims[1:]}",
+                    )
+                else:
+                    add(
+                        "rank-mismatch",
+                        f"{role} '{t.name}' has {len(dims)} dims but the graph tensor has rank "
+                        f"{rank} (expected {expected} with max_batch_size {mbs})",
+                        "render the dims from the graph shape",
+                    )
+    for group in cfg.instance_group:
+        kind = group.kind
+        if target == "cpu" and kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
+            add(
+                "instance-kind",
+                "instance_group KIND_GPU on a cpu target: the model cannot load",
+                "use triton.instance_group.kind 'auto' or 'cpu', or target 'gpu'",
+            )
+        elif target == "gpu" and kind == model_config_pb2.ModelInstanceGroup.KIND_CPU:
+            add(
+                "instance-kind",
+                "instance_group KIND_CPU on a gpu target: the model runs on the CPU",
+                "use triton.instance_group.kind 'auto' or 'gpu' unless CPU is intended",
+                "warning",
+            )
+        if group.count < 1:
+            add("instance-kind", f"instance_group count is {group.count}", "use count ≥ 1")
+    if version_dirs is not None:
+        bad_dirs = sorted(d for d in version_dirs if not _VERSION_DIR.match(d))
+        if bad_dirs:
+            add(
+                "version-dirs",
+                f"version folders {bad_dirs} are not positive integers; Triton ignores them",
+                "name each version folder by its MLflow version number, e.g. '2'",
+            )
+        present = {int(d) for d in version_dirs if _VERSION_DIR.match(d)}
+        if cfg.version_policy.WhichOneof("policy_choice") == "specific":
+            missing = sorted(set(cfg.version_policy.specific.versions) - present)
+            if missing:
+                add(
+                    "version-dirs",
+                    f"version_policy names versions {missing} that have no folder",
+                    "stage those versions first, or serve the versions that exist",
+                )
+    return findings
+
+
+def assert_lint_clean(findings: Sequence[LintFinding], *, model: str | None = None) -> None:
+    """Raise if any finding is an error; warnings alone pass.
+
+    Raises:
+        ValidationFailed: lists every error with its fix; ``findings`` holds all findings.
+    """
+    errors = [f for f in findings if f.severity == "error"]
+    if not errors:
+        return
+    subject = f"Triton config of '{model}'" if model else "Triton config"
+    listed = "; ".join(f"[{f.rule}] {f.message} (fix: {f.hint})" for f in errors)
+    raise ValidationFailed(
+        f"{subject} failed lint with {len(errors)} error(s): {listed}",
+        hint="fix the policy's triton section or the model's I/O, then run modelship check",
+        findings=[f.__dict__ for f in findings],
+    )
