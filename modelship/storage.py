@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from modelship.errors import StorageError, Unreachable
 
 if TYPE_CHECKING:
+    from boto3.s3.transfer import TransferConfig
     from mypy_boto3_s3 import S3Client
 
 # HEAD requests carry no error body, so a refusal shows up as a bare "403".
@@ -176,21 +177,96 @@ class S3Storage:
         except Exception as exc:
             raise self._translate(exc, f"read s3://{self.bucket}/{key}") from exc
 
-    def upload_file(self, path: Path, key: str, *, metadata: dict[str, str] | None = None) -> None:
-        """Upload a file, in parallel parts above the multipart threshold."""
+    def _transfer_config(
+        self, threshold_bytes: int | None = None, chunk_bytes: int | None = None
+    ) -> TransferConfig:
+        """Managed-transfer settings: parallel parts above the threshold (sizes in bytes)."""
         from boto3.s3.transfer import TransferConfig
 
-        config = TransferConfig(
-            multipart_threshold=self._threshold,
-            multipart_chunksize=self._chunk,
+        return TransferConfig(
+            multipart_threshold=threshold_bytes or self._threshold,
+            multipart_chunksize=chunk_bytes or self._chunk,
             max_concurrency=8,
             use_threads=True,
         )
+
+    def upload_file(self, path: Path, key: str, *, metadata: dict[str, str] | None = None) -> None:
+        """Upload a file, in parallel parts above the multipart threshold."""
+        config = self._transfer_config()
         try:
             self.client.upload_file(str(path), self.bucket, key, Config=config,
                                     ExtraArgs={"Metadata": metadata or {}})
         except Exception as exc:
             raise self._translate(exc, f"upload {path} to s3://{self.bucket}/{key}") from exc
+
+    def upload_file_parts(
+        self,
+        path: Path,
+        key: str,
+        *,
+        metadata: dict[str, str] | None = None,
+        multipart_threshold_bytes: int | None = None,
+        multipart_chunk_bytes: int | None = None,
+    ) -> None:
+        """Upload a file with per-call part sizes (bytes), e.g. from a model's policy.
+
+        Like :meth:`upload_file`, whose defaults come from the constructor; a multipart
+        upload only becomes visible when it completes, so a reader never sees half a file.
+        """
+        config = self._transfer_config(multipart_threshold_bytes, multipart_chunk_bytes)
+        try:
+            self.client.upload_file(str(path), self.bucket, key, Config=config,
+                                    ExtraArgs={"Metadata": metadata or {}})
+        except Exception as exc:
+            raise self._translate(exc, f"upload {path} to s3://{self.bucket}/{key}") from exc
+
+    def copy_object(
+        self,
+        source_key: str,
+        key: str,
+        *,
+        metadata: dict[str, str] | None = None,
+        multipart_threshold_bytes: int | None = None,
+        multipart_chunk_bytes: int | None = None,
+    ) -> None:
+        """Server-side copy inside the bucket: no bytes travel through this process.
+
+        Uses boto3's managed copy, so objects above the threshold are copied in parallel
+        parts (``UploadPartCopy``), which also lifts CopyObject's 5 GB limit.
+
+        Args:
+            source_key: The object to copy.
+            key: The destination key; an existing object there is replaced.
+            metadata: User metadata of the copy; None keeps the source's.
+            multipart_threshold_bytes: Copy in parts at or above this size, in bytes.
+            multipart_chunk_bytes: Size of one copied part, in bytes.
+        """
+        config = self._transfer_config(multipart_threshold_bytes, multipart_chunk_bytes)
+        extra: dict[str, Any] = {"MetadataDirective": "COPY"}
+        if metadata is not None:
+            extra = {"MetadataDirective": "REPLACE", "Metadata": metadata}
+        try:
+            self.client.copy({"Bucket": self.bucket, "Key": source_key}, self.bucket, key,
+                             ExtraArgs=extra, Config=config)
+        except Exception as exc:
+            raise self._translate(
+                exc, f"copy s3://{self.bucket}/{source_key} to s3://{self.bucket}/{key}"
+            ) from exc
+
+    def iter_bytes(self, key: str, *, chunk_bytes: int = 8 * 1024 * 1024) -> Iterator[bytes]:
+        """Stream an object in chunks of ``chunk_bytes`` (bytes), e.g. to hash a large file."""
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            yield from response["Body"].iter_chunks(chunk_size=chunk_bytes)
+        except Exception as exc:
+            raise self._translate(exc, f"read s3://{self.bucket}/{key}") from exc
+
+    def delete_key(self, key: str) -> None:
+        """Delete one object (S3 treats a missing key as deleted)."""
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            raise self._translate(exc, f"delete s3://{self.bucket}/{key}") from exc
 
     def list_keys(self, prefix: str) -> Iterator[str]:
         """Every key under ``prefix``."""

@@ -155,6 +155,13 @@ def up(
     n_triton = replicas + 1
     ports = _allocate_ports(len(c.SEAWEED_PORT_NAMES) + 3 + 3 * n_triton, base_port)
     seaweed_ports = dict(zip(c.SEAWEED_PORT_NAMES, ports, strict=False))
+    # SeaweedFS's built-in worker always dials the admin port + 10000, whatever the flag says.
+    seaweed_ports["admin_grpc"] = seaweed_ports["admin"] + 10000
+    if port_open(seaweed_ports["admin_grpc"]):
+        raise StackError(
+            f"port {seaweed_ports['admin_grpc']} (SeaweedFS admin gRPC) is already in use",
+            hint="run `modelship stack up` again to pick other ports, or free that port",
+        )
     rest = ports[len(c.SEAWEED_PORT_NAMES):]
     mlflow_port, prefect_port, slack_port = rest[0], rest[1], rest[2]
     triton_ports = [tuple(rest[3 + 3 * i: 6 + 3 * i]) for i in range(n_triton)]

@@ -230,17 +230,21 @@ def render_model_config(
         max_batch_size=triton_policy.max_batch_size,
     )
     for tensor in spec.inputs:
-        cfg.input.add(
+        added = cfg.input.add(
             name=tensor.name,
             data_type=model_config_pb2.DataType.Value(triton_dtype(tensor.dtype)),
-            dims=list(tensor.dims),
+            dims=list(tensor.dims) or [1],
         )
+        if not tensor.dims:  # one scalar per batch item: Triton's idiom is [1] reshaped to []
+            added.reshape.SetInParent()
     for tensor in spec.outputs:
-        cfg.output.add(
+        added_out = cfg.output.add(
             name=tensor.name,
             data_type=model_config_pb2.DataType.Value(triton_dtype(tensor.dtype)),
-            dims=list(tensor.dims),
+            dims=list(tensor.dims) or [1],
         )
+        if not tensor.dims:
+            added_out.reshape.SetInParent()
     batching = triton_policy.dynamic_batching
     if batching.enabled:
         cfg.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us

@@ -249,7 +249,8 @@ class TritonPythonModel:
             if _is_fixed(g) and c >= 0 and g != c:
                 problems.append(
                     f"{kind} '{spec.name}': the graph's shape {_shape_text(graph_shape)} does "
-                    f"not match the configuration's {config_text}"
+                    f"not match the configuration's complete shape {_shape_text(expected)}"
+                    + (" (batch dimension first)" if self.max_batch_size > 0 else "")
                 )
                 break
         return problems

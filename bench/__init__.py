@@ -1,0 +1,1 @@
+"""Benchmarks that write figures to ``bench/results/`` (not tests)."""
