@@ -250,6 +250,15 @@ def up(
             c.prefect_env(base_env, prefect_home=data / "prefect", db_path=data / "prefect.db"),
             [prefect_port],
         )
+        # MLflow touches S3 only when artifacts move, so it can boot while SeaweedFS does.
+        mlflow_proc = launch(
+            "mlflow",
+            c.mlflow_command(venv_bin, db_path=data / "mlflow.db", port=mlflow_port,
+                             bucket=bucket),
+            c.mlflow_env(base_env, s3_endpoint=s3_endpoint, access_key=access_key,
+                         secret_key=secret_key, region=settings.aws_region),
+            [mlflow_port],
+        )
         slack_proc = launch(
             "slack",
             c.slack_emulator_command(port=slack_port, token=slack_token,
@@ -271,14 +280,6 @@ def up(
             ]
             await_ready(*weed_proc, s3_ready)
 
-            mlflow_proc = launch(
-                "mlflow",
-                c.mlflow_command(venv_bin, db_path=data / "mlflow.db", port=mlflow_port,
-                                 bucket=bucket),
-                c.mlflow_env(base_env, s3_endpoint=s3_endpoint, access_key=access_key,
-                             secret_key=secret_key, region=settings.aws_region),
-                [mlflow_port],
-            )
             waits.append(pool.submit(await_ready, *mlflow_proc,
                                      lambda: http_ok(f"{state['mlflow_uri']}/health")))
             env = server_env(runtime, base_env, s3_access_key=access_key,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from modelship.stack.process import ProcessRecord, is_alive, port_open, process_start_ticks
-from tests.conftest import RUNTIME_VENV, run_cli
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.e2e
 

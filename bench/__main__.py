@@ -1,0 +1,20 @@
+"""Run every benchmark in turn: ``.venv/bin/python -m bench`` (``make bench``)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = ["bench.stack_startup", "bench.staging"]
+
+
+def main() -> None:
+    for name in BENCHMARKS:
+        print(f"\n=== {name}", flush=True)
+        module = importlib.import_module(name)
+        sys.argv = [name]
+        module.main()
+
+
+if __name__ == "__main__":
+    main()

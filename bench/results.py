@@ -1,0 +1,32 @@
+"""Write benchmark figures to ``bench/results/NAME.json`` and print a short table."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def write_results(name: str, figures: dict[str, Any]) -> Path:
+    """Save ``figures`` with the machine and time they were measured on."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    document = {
+        "benchmark": name,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+        **figures,
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+    return path
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    from modelship.output import table
+
+    print(f"\n{title}\n{table(headers, rows)}")
