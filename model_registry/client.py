@@ -1,8 +1,29 @@
-"""The MLflow model registry client: the only module that talks to MLflow."""
+"""The MLflow model registry client: the only module that talks to MLflow.
+
+Aliases and tags only, never stages (deprecated since MLflow 2.9). MLflow exceptions are
+translated here into :class:`ModelNotFound`, :class:`Unreachable` and
+:class:`InfrastructureError`, with messages that list what does exist.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modelship.candidate import ResolvedVersion
+from modelship.errors import InfrastructureError, ModelNotFound, UsageError
 from modelship.http import expect_ok
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+#: Flavors modelship can export, in the order it prefers them.
+SUPPORTED_FLAVORS = ("onnx", "pytorch", "sklearn")
+PRODUCTION_ALIAS = "production"
+PREVIOUS_ALIAS = "previous"
 
 
 class RegistryClient:
@@ -20,3 +41,178 @@ class RegistryClient:
     def ping(self) -> None:
         """Raise Unreachable/InfrastructureError unless ``/health`` answers 200."""
         expect_ok(f"{self.tracking_uri}/health", timeout_s=self.timeout_s, what="MLflow")
+
+    @contextmanager
+    def _mlflow(self) -> Iterator[MlflowClient]:
+        """An MlflowClient with this client's timeout and few retries (MLflow's own default
+        retries for minutes against a dead server)."""
+        import mlflow
+        from mlflow import MlflowClient
+
+        # Some MLflow helpers (logged-model URIs behind models:/name/N) consult the global
+        # tracking URI whatever is passed to them; without this they create ./mlflow.db.
+        mlflow.set_tracking_uri(self.tracking_uri)
+        mlflow.set_registry_uri(self.tracking_uri)
+        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, self.timeout_s)))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        try:
+            yield MlflowClient(tracking_uri=self.tracking_uri,
+                               registry_uri=self.tracking_uri)
+        except (ModelNotFound, UsageError):
+            raise
+        except Exception as exc:
+            from mlflow.exceptions import MlflowException
+
+            if isinstance(exc, MlflowException):
+                raise InfrastructureError(
+                    f"MLflow at {self.tracking_uri} failed: {exc.message}",
+                    hint="see the MLflow server log",
+                    endpoint=self.tracking_uri,
+                ) from exc
+            raise
+
+    # -- reading -------------------------------------------------------------------------
+
+    def aliases(self, name: str) -> dict[str, int]:
+        """Alias -> version number for a registered model."""
+        self.ping()
+        with self._mlflow() as client:
+            model = self._registered_model(client, name)
+            return {alias: int(version) for alias, version in model.aliases.items()}
+
+    def _registered_model(self, client: MlflowClient, name: str) -> Any:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return client.get_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            known = sorted(m.name for m in client.search_registered_models(max_results=50))
+            raise ModelNotFound(
+                f"no registered model named {name!r} in MLflow at {self.tracking_uri}",
+                hint=f"registered models are: {', '.join(known) or 'none'}; register it first "
+                "with mlflow.<flavor>.log_model(..., registered_model_name=...)",
+                model=name,
+            ) from exc
+
+    def version_number(self, name: str, *, version: int | None, alias: str | None) -> int:
+        """Turn ``--version`` or ``--alias`` into a version number that exists."""
+        from mlflow.exceptions import MlflowException
+
+        if (version is None) == (alias is None):
+            raise UsageError("pass exactly one of --version and --alias",
+                             hint="e.g. `--version 3` or `--alias candidate`")
+        self.ping()
+        with self._mlflow() as client:
+            model = self._registered_model(client, name)
+            if alias is not None:
+                if alias not in model.aliases:
+                    existing = ", ".join(f"{a} -> v{v}" for a, v in sorted(model.aliases.items()))
+                    raise ModelNotFound(
+                        f"model {name!r} has no alias {alias!r}",
+                        hint=f"its aliases are: {existing or 'none'}; pass --version N "
+                        "instead, or set the alias in MLflow",
+                        model=name, alias=alias,
+                    )
+                return int(model.aliases[alias])
+            try:
+                client.get_model_version(name, str(version))
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                versions = sorted(int(v.version) for v in
+                                  client.search_model_versions(f"name='{name}'"))
+                raise ModelNotFound(
+                    f"model {name!r} has no version {version}",
+                    hint=f"its versions are: {', '.join(map(str, versions)) or 'none'}",
+                    model=name, version=version,
+                ) from exc
+            assert version is not None
+            return int(version)
+
+    def resolve(
+        self, name: str, *, version: int | None = None, alias: str | None = None,
+        download_dir: Path,
+    ) -> ResolvedVersion:
+        """Resolve a reference, download the model's artifacts and read its metadata."""
+        import mlflow.artifacts
+        from mlflow.models import Model
+
+        number = self.version_number(name, version=version, alias=alias)
+        with self._mlflow() as client:
+            mv = client.get_model_version(name, str(number))
+            target = download_dir / f"{name}-v{number}"
+            target.mkdir(parents=True, exist_ok=True)
+            local = Path(mlflow.artifacts.download_artifacts(
+                artifact_uri=f"models:/{name}/{number}", dst_path=str(target),
+                tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri))
+            mlmodel = Model.load(str(local))
+            flavors = tuple(mlmodel.flavors)
+            metrics: dict[str, float] = {}
+            if mv.run_id:
+                metrics = dict(client.get_run(mv.run_id).data.metrics)
+            registered = client.get_registered_model(name)
+        version_aliases = tuple(sorted(a for a, v in registered.aliases.items()
+                                       if int(v) == number))
+        signature = mlmodel.signature.to_dict() if mlmodel.signature else None
+        return ResolvedVersion(
+            name=name,
+            version=number,
+            flavor=pick_flavor(flavors),
+            flavors=flavors,
+            source=str(mv.source),
+            run_id=mv.run_id,
+            signature=signature,
+            metrics=metrics,
+            aliases=version_aliases,
+            tags=dict(mv.tags or {}),
+            local_dir=local,
+        )
+
+    def download_run_artifact(self, run_id: str, path: str, dst: Path) -> Path | None:
+        """Download one artifact of a run, or None when it does not exist."""
+        import mlflow.artifacts
+        from mlflow.exceptions import MlflowException
+
+        with self._mlflow() as client:
+            parent = str(Path(path).parent) if Path(path).parent != Path(".") else None
+            names = {f.path for f in client.list_artifacts(run_id, parent)}
+            if path not in names:
+                return None
+            try:
+                return Path(mlflow.artifacts.download_artifacts(
+                    run_id=run_id, artifact_path=path, dst_path=str(dst),
+                    tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri))
+            except MlflowException:
+                return None
+
+    # -- writing -------------------------------------------------------------------------
+
+    def set_alias(self, name: str, alias: str, version: int) -> None:
+        with self._mlflow() as client:
+            client.set_registered_model_alias(name, alias, str(version))
+
+    def delete_alias(self, name: str, alias: str) -> None:
+        with self._mlflow() as client:
+            client.delete_registered_model_alias(name, alias)
+
+    def set_tags(self, name: str, version: int, tags: dict[str, str]) -> None:
+        with self._mlflow() as client:
+            for key, value in tags.items():
+                client.set_model_version_tag(name, str(version), key, value)
+
+    def production_version(self, name: str) -> int | None:
+        """The version the ``production`` alias points at, or None."""
+        return self.aliases(name).get(PRODUCTION_ALIAS)
+
+
+def pick_flavor(flavors: tuple[str, ...]) -> str:
+    """The flavor to export from: the first supported one, else the first real flavor
+    (so the export stage can name it in its refusal)."""
+    for flavor in SUPPORTED_FLAVORS:
+        if flavor in flavors:
+            return flavor
+    real = [f for f in flavors if f != "python_function"]
+    return real[0] if real else "python_function"

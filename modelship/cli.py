@@ -8,6 +8,8 @@ Heavy libraries are imported inside the commands, so ``--help`` stays fast.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -141,8 +143,90 @@ def doctor(as_json: JsonOpt = False) -> None:
     ))
 
 
+ModelArg = Annotated[str, typer.Argument(help="Registered model name (= Triton model name).")]
+VersionOpt = Annotated[int | None, typer.Option("--version", "-v", help="Model version.")]
+AliasOpt = Annotated[str | None, typer.Option("--alias", help="Model alias, e.g. candidate.")]
+PolicyOpt = Annotated[
+    Path | None, typer.Option("--policy", help="Release policy YAML (default policies/MODEL.yaml).")
+]
+BreakingOpt = Annotated[
+    bool, typer.Option("--allow-breaking-changes",
+                       help="Accept an I/O change against the production version.")
+]
+
+
+def _run_artifact_gate(model: str, version: int | None, alias: str | None, policy_file:
+                       Path | None, *, stage: bool, allow_breaking: bool, as_json: bool) -> None:
+    from flows.check import parse_ref, run_check
+    from modelship.clients import build_clients
+    from modelship.policy import policy_for
+
+    def action() -> Any:
+        ref_version, ref_alias = parse_ref(version, alias)
+        settings = _settings()
+        policy = policy_for(model, settings.policies_dir, policy_file)
+        workdir = _workdir(settings, model)
+        clients = build_clients(settings)
+        try:
+            return run_check(settings, clients, policy, model=model, version=ref_version,
+                             alias=ref_alias, workdir=workdir, stage=stage,
+                             allow_breaking_changes=allow_breaking, progress=progress)
+        finally:
+            clients.close()
+
+    def render(report: Any) -> str:
+        rows = [(s["stage"], "ok" if s["ok"] else "FAILED", f"{s.get('seconds', 0):.1f}")
+                for s in report.stages]
+        lines = [table(["stage", "result", "seconds"], rows)]
+        if report.golden and report.golden.source == "synthetic":
+            lines.append("note: golden inputs were synthetic (generated from the signature)")
+        verb = "staged" if stage else "passed every check"
+        lines.append(f"{model} v{report.version} {verb}")
+        if report.staged:
+            lines.append(f"manifest: s3://.../{report.staged['manifest_key']} "
+                         f"({report.staged['bytes_uploaded']} bytes uploaded)")
+        elif not stage:
+            lines.append(f"next: `modelship stage {model} --version {report.version}`")
+        return "\n".join(lines)
+
+    _finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda r: r.to_dict()))
+
+
+def _workdir(settings: Any, model: str) -> Path:
+    """A fresh folder for this run's artifacts (exported graph, GX results, Data Docs)."""
+    import time
+
+    path = settings.home / "runs" / f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@app.command("check")
+def check(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
+          policy: PolicyOpt = None, allow_breaking_changes: BreakingOpt = False,
+          as_json: JsonOpt = False) -> None:
+    """Resolve, export, validate and trial-load a version. No side effects on production."""
+    _run_artifact_gate(model, version, alias, policy, stage=False,
+                       allow_breaking=allow_breaking_changes, as_json=as_json)
+
+
+@app.command("stage")
+def stage(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
+          policy: PolicyOpt = None, allow_breaking_changes: BreakingOpt = False,
+          as_json: JsonOpt = False) -> None:
+    """Check, then stage the version in the S3 model repository (idempotent)."""
+    _run_artifact_gate(model, version, alias, policy, stage=True,
+                       allow_breaking=allow_breaking_changes, as_json=as_json)
+
+
 def main() -> None:
     """Console-script entry point."""
+    # No network but loopback here, and progress bars would garble stderr progress lines.
+    for key, value in {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
+                       "GX_ANALYTICS_ENABLED": "false",
+                       "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                       "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}.items():
+        os.environ.setdefault(key, value)
     app()
 
 

@@ -77,6 +77,7 @@ class EndpointCheck:
     endpoint: str
     ok: bool
     reason: str
+    exit_code: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"component": self.component, "endpoint": self.endpoint, "ok": self.ok,
@@ -117,13 +118,16 @@ def check_endpoints(clients: Clients, settings: Settings) -> list[EndpointCheck]
         if ping is None:
             key = name.split()[0]
             return EndpointCheck(name, endpoint, ok=key == "slack",
-                                 reason=f"not configured: {NOT_CONFIGURED[key]}")
+                                 reason=f"not configured: {NOT_CONFIGURED[key]}",
+                                 exit_code=0 if key == "slack" else 2)
         try:
             ping()
         except ModelshipError as exc:
-            return EndpointCheck(name, endpoint, ok=False, reason=str(exc))
+            return EndpointCheck(name, endpoint, ok=False, reason=str(exc),
+                                 exit_code=exc.exit_code)
         except Exception as exc:  # noqa: BLE001 - doctor reports every failure as a row
-            return EndpointCheck(name, endpoint, ok=False, reason=f"{type(exc).__name__}: {exc}")
+            return EndpointCheck(name, endpoint, ok=False, reason=f"{type(exc).__name__}: {exc}",
+                                 exit_code=1)
         return EndpointCheck(name, endpoint, ok=True, reason="OK")
 
     with ThreadPoolExecutor(max_workers=8) as pool:

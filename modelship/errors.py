@@ -9,7 +9,8 @@ boundary with ``raise ... from exc`` and never leak into ``flows/``.
 
     ModelshipError                      exit 1 unless stated
     ├── UsageError                      exit 2  bad flags, bad policy file, bad settings
-    │   └── PolicyError                 exit 2
+    │   ├── PolicyError                 exit 2
+    │   └── CredentialsRejected         exit 2  a server refused the configured credentials
     ├── InfrastructureError             exit 1  something we talk to is not there / broke
     │   ├── Unreachable                         a server did not answer (names the endpoint)
     │   ├── StackError                          the embedded stack could not start / stop
@@ -75,6 +76,10 @@ class UsageError(ModelshipError):
 
 class PolicyError(UsageError):
     """A release policy file is invalid (unknown key, wrong type, bad value)."""
+
+
+class CredentialsRejected(UsageError):
+    """A server answered, but refused the credentials modelship was configured with."""
 
 
 class InfrastructureError(ModelshipError):

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modelship.errors import StorageError, Unreachable
+from modelship.errors import CredentialsRejected, StorageError, Unreachable
 
 if TYPE_CHECKING:
     from boto3.s3.transfer import TransferConfig
@@ -105,7 +105,7 @@ class S3Storage:
         if isinstance(exc, ClientError):
             code = str(exc.response.get("Error", {}).get("Code", "Unknown"))
             if code in CREDENTIAL_ERRORS:
-                return StorageError(
+                return CredentialsRejected(
                     f"S3 at {self.endpoint} refused the credentials ({code}) while trying to "
                     f"{action}",
                     hint="check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (the embedded "

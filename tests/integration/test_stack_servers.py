@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from modelship.clients import build_clients, check_endpoints
-from modelship.errors import StorageError
+from modelship.errors import CredentialsRejected
 from modelship.settings import Settings
 from modelship.storage import S3Storage
 
@@ -27,7 +27,7 @@ def test_s3_accepts_the_stack_keys_and_refuses_others(stack_settings: Settings) 
 
     forged = S3Storage(endpoint=str(stack_settings.s3_endpoint), bucket=stack_settings.bucket,
                        access_key="not-the-key", secret_key="not-the-secret", timeout_s=5)
-    with pytest.raises(StorageError, match="refused the credentials") as info:
+    with pytest.raises(CredentialsRejected, match="refused the credentials") as info:
         forged.ping()
     assert "AWS_ACCESS_KEY_ID" in str(info.value)
 
