@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -96,3 +97,136 @@ def seaweed(workdir: Path) -> Iterator[Server]:
             proc.wait(timeout=5)
         except Exception:  # noqa: BLE001 - already reaped by stop_process
             pass
+
+
+def _write_random(path: Path, size_bytes: int) -> None:
+    """Incompressible bytes, written in 8 MiB blocks (constant memory)."""
+    block = 8 * MiB
+    with open(path, "wb") as fh:
+        left = size_bytes
+        while left > 0:
+            n = min(block, left)
+            fh.write(os.urandom(n))
+            left -= n
+
+
+def _mbps(size_bytes: int, seconds: float) -> float:
+    return round(size_bytes / 1e6 / seconds, 1) if seconds > 0 else float("inf")
+
+
+def run(mb: int, workdir: Path, *, rounds: int = 1) -> dict[str, Any]:
+    """Time plain boto3 against stage_version on one private SeaweedFS; the figures."""
+    from tasks.stage import stage_version
+
+    policy = StagingPolicy()
+    size = mb * MiB
+    model_dir = workdir / "model"
+    model_dir.mkdir()
+    weights = model_dir / "model.onnx.data"
+    graph = model_dir / "model.onnx"
+    _write_random(weights, size)
+    _write_random(graph, 4096)
+    files = {"model.onnx": graph, "model.onnx.data": weights}
+    config = 'name: "bench"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+    total = size + 4096
+
+    with seaweed(workdir / "seaweedfs") as server:
+        storage = server.storage(policy)
+        # Warm the server up (volume allocation) so neither side pays for it.
+        storage.put_bytes("warmup/blob", os.urandom(4 * MiB))
+        plain_s: list[float] = []
+        stage_s: list[float] = []
+        first = None
+        for i in range(rounds):
+            t0 = time.monotonic()
+            for name, path in files.items():  # boto3 defaults: 8 MiB parts, 10 threads
+                storage.client.upload_file(str(path), BUCKET, f"plain/{i}/{name}")
+            plain_s.append(time.monotonic() - t0)
+
+            # A fresh blob store per round, so every round really uploads.
+            staged = stage_version(
+                storage, model="bench", version=1 + 10 * i, files=files, config_pbtxt=config,
+                provenance={"bench": "staging", "round": i}, policy=policy,
+                repository_prefix=REPOSITORY_PREFIX, blob_prefix=f"blobs-{i}/sha256",
+            )
+            stage_s.append(staged.seconds)
+            first = first or staged
+        assert first is not None
+        restaged = stage_version(
+            storage, model="bench", version=1, files=files, config_pbtxt=config,
+            provenance={"bench": "staging", "round": 0}, policy=policy,
+            repository_prefix=REPOSITORY_PREFIX, blob_prefix="blobs-0/sha256",
+        )
+        next_version = stage_version(
+            storage, model="bench", version=2, files=files, config_pbtxt=config,
+            provenance={"bench": "staging", "round": 0}, policy=policy,
+            repository_prefix=REPOSITORY_PREFIX, blob_prefix="blobs-0/sha256",
+        )
+
+    plain_best, stage_best = min(plain_s), min(stage_s)
+    return {
+        "benchmark": "staging",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "server": "SeaweedFS weed mini (loopback)",
+        "model_bytes": total,
+        "rounds": rounds,
+        "policy": {"multipart_threshold_bytes": policy.multipart_threshold_bytes,
+                   "multipart_chunk_bytes": policy.multipart_chunk_bytes},
+        "plain_upload": {"seconds": [round(s, 3) for s in plain_s],
+                         "mb_per_s": _mbps(total, plain_best)},
+        "stage_first": {"seconds": [round(s, 3) for s in stage_s],
+                        "mb_per_s": _mbps(total, stage_best),
+                        "bytes_uploaded": first.bytes_uploaded,
+                        "bytes_copied": first.bytes_copied},
+        "throughput_ratio": round(plain_best / stage_best, 3),
+        "throughput_ratio_median": round(statistics.median(plain_s) / statistics.median(stage_s),
+                                         3),
+        "restage": {"seconds": round(restaged.seconds, 3),
+                    "bytes_uploaded": restaged.bytes_uploaded,
+                    "bytes_copied": restaged.bytes_copied,
+                    "already_staged": restaged.already_staged},
+        "new_version_same_weights": {"seconds": round(next_version.seconds, 3),
+                                     "bytes_uploaded": next_version.bytes_uploaded,
+                                     "bytes_copied": next_version.bytes_copied},
+    }
+
+
+def _table(r: dict[str, Any]) -> str:
+    rows = [
+        ("plain boto3 upload_file", r["plain_upload"]["seconds"], r["plain_upload"]["mb_per_s"],
+         r["model_bytes"], 0),
+        ("stage_version (new)", r["stage_first"]["seconds"], r["stage_first"]["mb_per_s"],
+         r["stage_first"]["bytes_uploaded"], r["stage_first"]["bytes_copied"]),
+        ("stage_version (again)", [r["restage"]["seconds"]], "-",
+         r["restage"]["bytes_uploaded"], r["restage"]["bytes_copied"]),
+        ("stage_version (v2, same)", [r["new_version_same_weights"]["seconds"]], "-",
+         r["new_version_same_weights"]["bytes_uploaded"],
+         r["new_version_same_weights"]["bytes_copied"]),
+    ]
+    lines = [f"{'run':<26} {'best s':>8} {'MB/s':>8} {'uploaded B':>12} {'copied B':>12}"]
+    for name, secs, mbps, up, copied in rows:
+        lines.append(f"{name:<26} {min(secs):>8.2f} {mbps!s:>8} {up:>12} {copied:>12}")
+    lines.append(f"throughput ratio ours/plain, first staging: {r['throughput_ratio']} (best "
+                 f"of {r['rounds']}), {r['throughput_ratio_median']} (median)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.staging", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=int, default=500, help="model size in MiB (default 500)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed rounds of each upload; the best counts (default 3)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="modelship-bench-") as tmp:
+        result = run(args.mb, Path(tmp), rounds=args.rounds)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(_table(result))
+    print(f"figures written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

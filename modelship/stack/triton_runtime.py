@@ -261,7 +261,9 @@ def server_command(
         f"--model-repository={model_repository}",
         f"--backend-directory={Path(backend_dir).absolute()}",
         "--model-control-mode=explicit",
-        "--strict-readiness=true",
+        # Server readiness must not flip while one model loads or unloads (a trial load,
+        # a swap): modelship checks each model's readiness itself.
+        "--strict-readiness=false",
         "--exit-on-error=false",
         # Configs are written in full by modelship and linted; no auto-complete stub launch.
         "--disable-auto-complete-config",

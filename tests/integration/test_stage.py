@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from modelship.clients import build_clients
-from modelship.errors import StagingError, StorageError
+from modelship.errors import CredentialsRejected, StagingError
 from modelship.policy import StagingPolicy
 from modelship.settings import Settings
 from modelship.storage import S3Storage
@@ -246,15 +246,16 @@ def test_prune_keeps_the_newest_and_the_protected(
     assert f"{prefix}/{model}/10/model.onnx" in set(storage.list_keys(f"{prefix}/{model}/"))
 
 
-def test_wrong_credentials_are_a_storage_error_naming_them(
+def test_wrong_credentials_are_refused_with_an_error_naming_them(
     stack_settings: Settings, names: tuple[str, str], tmp_path: Path
 ) -> None:
     model, blobs = names
     forged = S3Storage(endpoint=str(stack_settings.s3_endpoint), bucket=stack_settings.bucket,
                        access_key="not-the-key", secret_key="not-the-secret", timeout_s=5)
-    with pytest.raises(StorageError, match="refused the credentials") as info:
+    # The S3 client raises CredentialsRejected (a UsageError, exit 2) for a refused key.
+    with pytest.raises(CredentialsRejected, match="refused the credentials") as info:
         stage(forged, stack_settings, model, blobs, 1, fake_model(tmp_path / "v1"))
     assert "AWS_ACCESS_KEY_ID" in str(info.value)
-    with pytest.raises(StorageError, match="refused the credentials"):
+    with pytest.raises(CredentialsRejected, match="refused the credentials"):
         verify_staged(forged, model=model, version=1,
                       repository_prefix=stack_settings.repository_prefix)
