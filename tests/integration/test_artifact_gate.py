@@ -15,7 +15,7 @@ import pytest
 
 from flows.check import run_check
 from modelship.clients import Clients, build_clients
-from modelship.errors import ModelNotFound, ModelshipError, ValidationFailed
+from modelship.errors import ModelNotFound, ModelshipError
 from modelship.policy import Policy, policy_for
 from modelship.settings import Settings
 from modelship.triton.infer import TritonInference

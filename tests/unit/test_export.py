@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 import yaml
 from mlflow.models import Model, infer_signature
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from skl2onnx import convert_sklearn
 from skl2onnx.common.data_types import FloatTensorType
 from sklearn.base import is_classifier
@@ -180,8 +180,11 @@ def test_onnx_flavor_with_external_data_passes_through_self_contained(tmp_path: 
     # An MLP keeps its weights in initializers (4x100 floats: above onnx's 1 KiB threshold).
     clf = MLPClassifier(hidden_layer_sizes=(100,), max_iter=2000, random_state=0).fit(x, y)
     model_dir = tmp_path / "m"
+    graph = to_onnx(clf, 4)
+    for init in graph.graph.initializer:  # skl2onnx writes float_data; exporters raw_data
+        init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init), init.name))
     mlflow.onnx.save_model(
-        to_onnx(clf, 4), str(model_dir), signature=infer_signature(x), pip_requirements=NO_PIP
+        graph, str(model_dir), signature=infer_signature(x), pip_requirements=NO_PIP
     )
     source_data = [p.name for p in model_dir.glob("*.data")]
     assert source_data and DATA_FILE not in source_data  # mlflow names it <uuid>.data
@@ -474,20 +477,30 @@ def test_golden_feed_rejects_values_that_do_not_fit_the_shape() -> None:
 # ---------------------------------------------------------------------------- pytorch
 
 
-def test_pytorch_exports_with_a_dynamic_batch_axis(tmp_path: Path) -> None:
+@pytest.mark.parametrize("serialization", ["pickle", "pt2"])
+def test_pytorch_exports_with_a_dynamic_batch_axis(tmp_path: Path, serialization: str) -> None:
     torch = pytest.importorskip("torch")
     import mlflow.pytorch
 
     x, _ = iris_like()
+    features = x.to_numpy(np.float32).copy()
     torch.manual_seed(0)
     module = torch.nn.Sequential(
         torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3), torch.nn.Softmax(dim=1)
     ).eval()
     with torch.no_grad():
-        out = module(torch.tensor(x.to_numpy(np.float32))).numpy()
+        out = module(torch.from_numpy(features)).numpy()
     model_dir = tmp_path / "m"
+    # pickle: a column-based signature from the DataFrame; pt2 (MLflow's default) needs an
+    # array example, so its signature is tensor-based with one unnamed input.
+    example: Any = x if serialization == "pickle" else features
     mlflow.pytorch.save_model(
-        module, str(model_dir), signature=infer_signature(x, out), pip_requirements=NO_PIP
+        module,
+        str(model_dir),
+        signature=infer_signature(example, out),
+        input_example=None if serialization == "pickle" else features[:8],
+        serialization_format=serialization,
+        pip_requirements=NO_PIP,
     )
 
     exported = export_model(resolved(model_dir, "pytorch"), x, ExportPolicy(), tmp_path / "out")
@@ -496,6 +509,7 @@ def test_pytorch_exports_with_a_dynamic_batch_axis(tmp_path: Path) -> None:
     assert exported.spec.outputs == (TensorSpec("prediction", "float32", (3,)),)
     assert exported.opset == 17
     assert exported.parity["outputs"]["prediction"]["passed"] is True
+    assert exported.parity["outputs"]["prediction"]["max_abs_err"] < 1e-5
     assert not list((tmp_path / "out").glob(".torch-export*"))
 
 
