@@ -18,14 +18,18 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(UV)" || $(PYTHON) -m pip install -q uv
 	@uv=$$(command -v uv); \
 	  test -x $(BIN)/python || $$uv venv -q --python $(PYTHON) $(VENV); \
-	  $$uv pip install -q --python $(BIN)/python -e '.[dev]'
+	  $$uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]'
+	@# PYTHONDONTWRITEBYTECODE may be set on these machines: without .pyc files every
+	@# process compiles mlflow/GX/skl2onnx again (~10 s). Compile once, here.
+	@$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	@touch $@
 
 $(RUNTIME)/.installed: requirements-triton.txt
 	@test -n "$(UV)" || $(PYTHON) -m pip install -q uv
 	@uv=$$(command -v uv); \
 	  test -x $(RUNTIME)/bin/python || $$uv venv -q --python $(PYTHON) $(RUNTIME); \
-	  $$uv pip install -q --python $(RUNTIME)/bin/python -r requirements-triton.txt
+	  $$uv pip install -q --compile-bytecode --python $(RUNTIME)/bin/python -r requirements-triton.txt
+	@$(RUNTIME)/bin/python -m compileall -q -j 0 $(RUNTIME)/lib >/dev/null 2>&1 || true
 	@touch $@
 
 demo: install

@@ -23,8 +23,8 @@ from modelship.settings import Settings
 
 Progress = Callable[[str], None]
 
-STAGES = ("preflight", "resolve", "golden", "export", "validate", "data_checks", "trial_load",
-          "stage")
+STAGES = ("preflight", "resolve", "golden", "input_checks", "export", "validate",
+          "output_checks", "trial_load", "stage")
 
 
 @dataclass
@@ -72,7 +72,10 @@ def _stage(report: CheckReport, name: str, progress: Progress) -> Iterator[dict[
         entry["error"] = exc.message
         entry["seconds"] = round(time.monotonic() - started, 3)
         report.verdict = "rejected" if exc.exit_code in (2, 3) else "error"
-        exc.details.setdefault("stage", name)
+        check = exc.details.get("stage")
+        if check and check != name:
+            exc.details["check"] = check  # e.g. "contract" within the validate stage
+        exc.details["stage"] = name
         exc.details["report"] = report.to_dict()
         progress(f"{name} failed: {exc.message}")
         raise
@@ -151,8 +154,20 @@ def run_check(
         entry.update(source=golden_info.source, rows=golden_info.rows,
                      synthetic=golden_info.source == "synthetic")
 
+    with _stage(report, "input_checks", progress) as entry:
+        inputs = expectations.check_inputs(
+            golden, policy.validation, signature_columns=_signature_columns(resolved.signature),
+            out_dir=workdir / "checks" / "inputs")
+        report.checks["inputs"] = inputs.to_dict()
+        expectations.raise_for_failures(inputs, f"{resolved.uri} golden inputs")
+        entry.update(evaluated=inputs.evaluated, docs=report.checks["inputs"]["docs_path"])
+
+    def signature_contract(candidate: ExportedModel) -> None:
+        validate.check_contract(resolved.signature, candidate.spec, None)
+
     with _stage(report, "export", progress) as entry:
-        exported = export.export_model(resolved, golden, policy.export, workdir / "export")
+        exported = export.export_model(resolved, golden, policy.export, workdir / "export",
+                                       before_parity=signature_contract)
         report.exported = exported
         entry.update(opset=exported.opset, parity=exported.parity)
 
@@ -177,18 +192,13 @@ def run_check(
         entry.update(breaking_changes=changes, contract="ok", lint="ok")
 
     feed = export.golden_feed(golden, exported.spec, resolved.signature)
-    with _stage(report, "data_checks", progress) as entry:
-        columns = _signature_columns(resolved.signature)
-        inputs = expectations.check_inputs(golden, policy.validation, signature_columns=columns,
-                                           out_dir=workdir / "checks" / "inputs")
-        report.checks["inputs"] = inputs.to_dict()
-        expectations.raise_for_failures(inputs, f"{resolved.uri} golden inputs")
+    with _stage(report, "output_checks", progress) as entry:
         outputs = trial_load.run_onnxruntime(exported.onnx_path, feed)
         result = expectations.check_outputs(outputs, policy.validation,
                                             out_dir=workdir / "checks" / "outputs")
         report.checks["outputs"] = result.to_dict()
         expectations.raise_for_failures(result, f"{resolved.uri} outputs on the golden inputs")
-        entry.update(inputs=inputs.success, outputs=result.success)
+        entry.update(evaluated=result.evaluated, docs=report.checks["outputs"]["docs_path"])
 
     with _stage(report, "trial_load", progress) as entry:
         inference = TritonInference(canary.endpoint.http, timeout_s=settings.http_timeout_s)

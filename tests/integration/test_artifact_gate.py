@@ -94,9 +94,9 @@ def test_good_sklearn_candidate_passes_and_stages_a_verifiable_release(
     version = models.register_sklearn(str(stack_settings.mlflow_tracking_uri), MODEL, seed=1)
     report = _check(stack_settings, clients, tmp_path, version=version, stage=True)
     assert report.verdict == "passed"
-    assert [s["stage"] for s in report.stages] == ["preflight", "resolve", "golden", "export",
-                                                   "validate", "data_checks", "trial_load",
-                                                   "stage"]
+    assert [s["stage"] for s in report.stages] == ["preflight", "resolve", "golden",
+                                                   "input_checks", "export", "validate",
+                                                   "output_checks", "trial_load", "stage"]
     assert report.golden.source == "input_example"
     assert report.checks["trial_load"]["outputs"]["label"]["passed"]
     assert clients.storage is not None
@@ -173,12 +173,13 @@ BAD_CANDIDATES: list[tuple[str, Builder, dict[str, Any], str, str]] = [
     ("dtype_mismatch", _onnx_case(models.sklearn_onnx, dtype=np.float64), {}, "", "float64"),
     ("dims_mismatch", _onnx_case(models.sklearn_onnx, width=models.N_FEATURES + 1), {}, "",
      "dims"),
-    ("nan_outputs", _onnx_case(lambda: models.onnx_graph("nan")), {}, "data_checks", "NaN"),
+    ("nan_outputs", _onnx_case(lambda: models.onnx_graph("nan")), {}, "output_checks",
+     "NaN"),
     ("probabilities_out_of_range", _onnx_case(lambda: models.onnx_graph("scaled")), {},
-     "data_checks", "probabilities"),
+     "output_checks", "probabilities"),
     ("parity_failure", _dir_case(models.parity_mismatch_dir), {}, "export", "label"),
     ("unsupported_flavor", _dir_case(models.pyfunc_only_dir), {}, "export", "python_function"),
-    ("golden_violates_expectations", _golden_with_nulls, {}, "data_checks", "f2"),
+    ("golden_violates_expectations", _golden_with_nulls, {}, "input_checks", "f2"),
     ("breaking_io_change", _breaking, {}, "validate", "changes the I/O"),
 ]
 
