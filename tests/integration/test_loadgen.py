@@ -1,0 +1,341 @@
+"""The load generator against a real tritonserver 2.51 (CPU) on a local model repository.
+
+One server for the module on free loopback ports, serving a tiny sklearn MLP exported to
+ONNX as two versions of ``clf`` (so the answering version is visible in the records).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from modelship.loadgen import LoadSpec, Target, run_load, run_paired
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUNTIME_VENV = REPO_ROOT / ".venv-triton"
+N_FEATURES = 4
+READY_DEADLINE_S = 60.0
+MODEL = "clf"
+
+CONFIG_PBTXT = f"""
+name: "{MODEL}"
+backend: "onnxruntime"
+max_batch_size: 32
+version_policy {{ all {{ }} }}
+input [ {{ name: "input" data_type: TYPE_FP32 dims: [ {N_FEATURES} ] }} ]
+output [
+  {{ name: "label" data_type: TYPE_INT64 dims: [ 1 ] reshape {{ shape: [ ] }} }},
+  {{ name: "probabilities" data_type: TYPE_FP32 dims: [ 3 ] }}
+]
+dynamic_batching {{ }}
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+"""
+
+
+@dataclass
+class Server:
+    """A running tritonserver and its endpoints."""
+
+    process: subprocess.Popen[bytes]
+    http_url: str
+    grpc_url: str
+    log: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _onnx_model() -> bytes:
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import FloatTensorType
+    from sklearn.neural_network import MLPClassifier
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, N_FEATURES)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64) + (x[:, 2] > 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ConvergenceWarning is irrelevant here
+        clf = MLPClassifier(hidden_layer_sizes=(16,), max_iter=300, random_state=0).fit(x, y)
+        proto = convert_sklearn(
+            clf,
+            initial_types=[("input", FloatTensorType([None, N_FEATURES]))],
+            options={id(clf): {"zipmap": False}},
+            target_opset=17,
+        )
+    return proto.SerializeToString()
+
+
+def _wait_ready(server: Server) -> None:
+    deadline = time.monotonic() + READY_DEADLINE_S
+    url = f"{server.http_url}/v2/models/{MODEL}/ready"
+    while time.monotonic() < deadline:
+        code = server.process.poll()
+        if code is not None:
+            raise RuntimeError(f"tritonserver exited with {code}; log:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{MODEL} not ready in {READY_DEADLINE_S:.0f} s:\n{server.log_tail()}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server, then SIGKILL what is left of its process group."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from modelship.errors import StackError
+    from modelship.stack.triton_runtime import (
+        find_triton_runtime,
+        prepare_backend_dir,
+        server_command,
+        server_env,
+    )
+
+    try:
+        runtime = find_triton_runtime(RUNTIME_VENV)
+    except StackError as exc:
+        pytest.skip(f"no Triton runtime: {exc}")
+
+    base = tmp_path_factory.mktemp("loadgen-triton")
+    onnx_bytes = _onnx_model()
+    for version in ("1", "2"):
+        (base / "repo" / MODEL / version).mkdir(parents=True)
+        (base / "repo" / MODEL / version / "model.onnx").write_bytes(onnx_bytes)
+    (base / "repo" / MODEL / "config.pbtxt").write_text(CONFIG_PBTXT)
+    backend_dir = prepare_backend_dir(runtime, base / "backends")
+    http_port, grpc_port, metrics_port = _free_ports(3)
+    command = server_command(
+        runtime,
+        backend_dir=backend_dir,
+        model_repository=str(base / "repo"),
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        extra_args=[f"--load-model={MODEL}"],
+    )
+    log = base / "tritonserver.log"
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            command,
+            env=server_env(runtime, os.environ),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    srv = Server(process, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", log)
+    try:
+        _wait_ready(srv)
+        yield srv
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="module")
+def payload() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {"input": rng.normal(size=(64, N_FEATURES)).astype(np.float32)}
+
+
+def _fixed(**overrides: object) -> LoadSpec:
+    values: dict[str, object] = {
+        "warmup_s": 0.3,
+        "window_s": 0.5,
+        "duration_s": 1.5,
+        "timeout_s": 5.0,
+    }
+    values.update(overrides)
+    return LoadSpec(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_concurrency_mode_records_answering_version(
+    server: Server, payload: dict[str, np.ndarray], protocol: str
+) -> None:
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    spec = _fixed(protocol=protocol, concurrency=4)
+    report = asyncio.run(run_load([url], MODEL, payload, spec, version="1"))
+
+    assert report.errors == 0, report.error_texts
+    assert report.requests > 50
+    assert report.throughput_rps > 0
+    assert all(report.latency_ms[k] is not None for k in ("p50", "p90", "p95", "p99"))
+    assert report.latency_ms["p50"] <= report.latency_ms["p99"]  # type: ignore[operator]
+    assert {r.model_version for r in report.records} == {"1"}
+    assert set(report.by_version) == {"1"}
+    rows = [r.row for r in report.records]
+    assert set(rows) <= set(range(64)) and len(set(rows)) > 1
+    document = report.to_dict()
+    assert list(document)[:4] == ["requests", "errors", "throughput_rps", "latency_ms"]
+    assert set(document["latency_ms"]) == {"p50", "p90", "p95", "p99"}
+    assert "records" not in document and document["stable"] is None
+    assert document["mode"] == "concurrency" and document["concurrency"] == 4
+
+
+def test_round_robin_over_servers_and_unversioned_answers_highest(
+    server: Server, payload: dict[str, np.ndarray]
+) -> None:
+    # The same server twice stands in for two replicas: requests alternate between them.
+    spec = _fixed(concurrency=2, batch_size=3, duration_s=1.0)
+    report = asyncio.run(run_load([server.grpc_url, server.grpc_url], MODEL, payload, spec))
+
+    assert report.errors == 0, report.error_texts
+    assert {r.model_version for r in report.records} == {"2"}
+    servers = [r.server for r in report.records]
+    assert abs(servers.count(0) - servers.count(1)) <= 2
+    assert len(report.by_server) == 1  # both indices name the same URL
+    assert {r.row for r in report.records} <= {(3 * i) % 64 for i in range(64)}
+
+
+def test_rate_mode_holds_the_requested_rate(server: Server, payload: dict[str, np.ndarray]) -> None:
+    for arrival in ("constant", "poisson"):
+        spec = _fixed(rate_rps=200.0, arrival=arrival, duration_s=3.0, warmup_s=0.5, window_s=0.5)
+        report = asyncio.run(run_load([server.grpc_url], MODEL, payload, spec))
+
+        assert report.errors == 0, report.error_texts
+        assert report.mode == "rate" and report.to_dict()["rate_rps"] == 200.0
+        # Generous: Poisson over 2.5 s has a relative sd of ~4%; the scheduler is asyncio.
+        assert 150 <= report.throughput_rps <= 250, (arrival, report.throughput_rps)
+        assert report.duration_s == pytest.approx(2.5, abs=0.3)
+
+
+def test_errors_are_counted_with_readable_text(
+    server: Server, payload: dict[str, np.ndarray]
+) -> None:
+    for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
+        spec = _fixed(protocol=protocol, concurrency=2, duration_s=0.8, warmup_s=0.0)
+        report = asyncio.run(run_load([url], "no_such_model", payload, spec))
+
+        assert report.requests > 0 and report.errors == report.requests
+        assert report.throughput_rps == 0.0
+        assert report.latency_ms == {"p50": None, "p90": None, "p95": None, "p99": None}
+        (text,) = report.error_texts
+        assert "no_such_model" in text and len(text) <= 200, text
+        assert not any(r.ok for r in report.records) and report.by_version == {}
+
+
+def test_wrong_shape_is_an_error_on_the_client(server: Server) -> None:
+    # Triton's metrics do not count these as failures, so the client must.
+    bad = {"input": np.zeros((8, N_FEATURES + 1), dtype=np.float32)}
+    spec = _fixed(concurrency=1, duration_s=0.5, warmup_s=0.0)
+    report = asyncio.run(run_load([server.grpc_url], MODEL, bad, spec))
+    assert report.requests > 0 and report.errors == report.requests
+    assert "INVALID_ARGUMENT" in next(iter(report.error_texts))
+
+
+def test_paired_mode_alternates_arms_on_identical_rows(
+    server: Server, payload: dict[str, np.ndarray]
+) -> None:
+    baseline = Target(server.grpc_url, MODEL, "1")
+    candidate = Target(server.grpc_url, MODEL, "2")
+    spec = _fixed(concurrency=1, duration_s=1.0, warmup_s=0.0, keep_outputs=True)
+    report = asyncio.run(run_paired(baseline, candidate, payload, spec))
+
+    assert report.errors == 0, report.error_texts
+    records = report.records
+    assert len(records) >= 20
+    pairs = [records[i : i + 2] for i in range(0, len(records) - 1, 2)]
+    firsts = [a.tag for a, _ in pairs]
+    for a, b in pairs:
+        assert a.row == b.row and {a.tag, b.tag} == {"baseline", "candidate"}
+        assert {a.model_version, b.model_version} == {"1", "2"}
+        assert b.start_s >= a.end_s - 1e-6  # back-to-back, not overlapping
+        assert a.outputs is not None and b.outputs is not None
+        np.testing.assert_array_equal(a.outputs["label"], b.outputs["label"])
+    assert firsts[:6] == ["baseline", "candidate"] * 3
+    assert set(report.by_arm) == {"baseline", "candidate"}
+    counts = [report.by_arm[a]["requests"] for a in ("baseline", "candidate")]
+    assert abs(counts[0] - counts[1]) <= 1
+    assert report.to_dict()["by_arm"]["candidate"]["errors"] == 0
+
+
+def test_stability_rule_reports_stable_on_steady_load(
+    server: Server, payload: dict[str, np.ndarray]
+) -> None:
+    # A rate well under capacity is steady; the rule stops at the third agreeing window.
+    spec = LoadSpec(
+        rate_rps=300.0,
+        warmup_s=0.5,
+        window_s=0.5,
+        stability_pct=30.0,
+        max_duration_s=8.0,
+        timeout_s=5.0,
+    )
+    started = time.monotonic()
+    report = asyncio.run(run_load([server.grpc_url], MODEL, payload, spec))
+
+    assert report.stable is True, [w.to_dict() for w in report.windows]
+    assert len(report.windows) >= 3
+    assert time.monotonic() - started < 10.0
+    assert report.duration_s == pytest.approx(1.5, abs=0.1)  # the last three windows
+    assert report.to_dict()["stable"] is True
+
+
+def test_stability_rule_reports_unstable_when_time_runs_out(
+    server: Server, payload: dict[str, np.ndarray]
+) -> None:
+    spec = LoadSpec(concurrency=2, warmup_s=0.2, window_s=0.5, max_duration_s=1.0, timeout_s=5.0)
+    started = time.monotonic()
+    report = asyncio.run(run_load([server.grpc_url], MODEL, payload, spec))
+
+    assert report.stable is False and report.to_dict()["stable"] is False
+    assert len(report.windows) < 3
+    assert report.requests > 0 and report.errors == 0
+    assert time.monotonic() - started < 3.0
+
+
+def test_stop_event_ends_a_run_early(server: Server, payload: dict[str, np.ndarray]) -> None:
+    async def scenario() -> tuple[float, bool]:
+        stop = asyncio.Event()
+        spec = _fixed(concurrency=2, duration_s=20.0, warmup_s=0.0)
+        asyncio.get_running_loop().call_later(0.7, stop.set)
+        started = time.monotonic()
+        report = await run_load([server.grpc_url], MODEL, payload, spec, stop=stop)
+        assert report.requests > 0
+        return time.monotonic() - started, report.stopped
+
+    elapsed_s, stopped = asyncio.run(scenario())
+    assert stopped and elapsed_s < 3.0
