@@ -219,6 +219,155 @@ def stage(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
                        allow_breaking=allow_breaking_changes, as_json=as_json)
 
 
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
+
+
+def _with_clients(body: Any) -> Any:
+    """Run ``body(settings, clients)`` with clients built once and closed after."""
+    from modelship.clients import build_clients
+
+    settings = _settings()
+    clients = build_clients(settings)
+    try:
+        return body(settings, clients)
+    finally:
+        clients.close()
+
+
+def _render_swap(doc: dict[str, Any]) -> str:
+    lines = list(doc.get("plan") or [])
+    if doc.get("dry_run"):
+        return "\n".join(["dry run: nothing was changed", *lines])
+    if doc["kind"] == "noop":
+        return f"{doc['model']} v{doc['to_version']} already serves on every replica"
+    rows = [(p["name"], f"{p['seconds']:.2f}",
+             ", ".join(f"{r}:{'ok' if v['ok'] else 'FAILED'}" for r, v in p["replicas"].items()))
+            for p in doc["phases"]]
+    skew = "n/a" if doc["skew_ms"] is None else f"{doc['skew_ms']:.0f} ms"
+    return (table(["phase", "seconds", "replicas"], rows)
+            + f"\n{doc['model']}: v{doc['from_version']} -> v{doc['to_version']} on every "
+            f"replica in {doc['total_s']:.1f} s (skew {skew})")
+
+
+@app.command("swap")
+def swap(model: ModelArg,
+         to: Annotated[int, typer.Option("--to", help="The staged version to serve.")],
+         policy: PolicyOpt = None, dry_run: DryRunOpt = False, as_json: JsonOpt = False) -> None:
+    """Swap every Triton replica to a staged version, atomically (no mixed fleet)."""
+    from flows import fleet
+    from modelship.policy import policy_for
+
+    def action() -> Any:
+        return _with_clients(lambda settings, clients: fleet.swap(
+            settings, clients, policy_for(model, settings.policies_dir, policy), model=model,
+            target=to, dry_run=dry_run, progress=progress))
+
+    _finish(run_reporting(action, as_json=as_json, render=_render_swap, to_json=lambda d: d))
+
+
+@app.command("rollback")
+def rollback(model: ModelArg,
+             to: Annotated[int | None, typer.Option("--to", help="Version to go back to "
+                                                    "(default: the previous one).")] = None,
+             policy: PolicyOpt = None, dry_run: DryRunOpt = False,
+             as_json: JsonOpt = False) -> None:
+    """Move the production alias back first, then swap every replica back."""
+    from flows import fleet
+    from modelship.policy import policy_for
+
+    def action() -> Any:
+        return _with_clients(lambda settings, clients: fleet.rollback(
+            settings, clients, policy_for(model, settings.policies_dir, policy), model=model,
+            to=to, dry_run=dry_run, progress=progress))
+
+    def render(doc: dict[str, Any]) -> str:
+        return (_render_swap(doc["swap"]) + f"\nrolled back {model} "
+                f"v{doc['from_version']} -> v{doc['to_version']}")
+
+    _finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d))
+
+
+@app.command("status")
+def status(model: ModelArg, as_json: JsonOpt = False) -> None:
+    """Per replica: the ready versions and the config digest; flags an inconsistent fleet."""
+    from flows import fleet
+
+    def render(doc: dict[str, Any]) -> str:
+        rows = [(r.get("name"), r["url"], ",".join(map(str, r.get("ready_versions", []))) or "-",
+                 (r.get("config_digest") or "-")[:12], r.get("error", ""))
+                for r in doc["replicas"]]
+        state = "consistent" if doc["consistent"] else "INCONSISTENT"
+        return (table(["replica", "url", "ready", "config", "error"], rows)
+                + f"\n{model}: production v{doc['production_version']} ({state}); "
+                f"aliases {doc['aliases']}")
+
+    _finish(run_reporting(
+        lambda: _with_clients(lambda _s, clients: fleet.status(clients, model=model)),
+        as_json=as_json, render=render, to_json=lambda d: d,
+        exit_code=lambda d: 0 if d["consistent"] else 1))
+
+
+@app.command("load")
+def load(model: ModelArg, version: VersionOpt = None,
+         concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients.")] = None,
+         rate: Annotated[float | None, typer.Option(help="Open-loop requests/s.")] = None,
+         duration: Annotated[float | None, typer.Option(
+             help="Run this many seconds (default: until 3 windows are stable).")] = None,
+         protocol: Annotated[str, typer.Option(help="grpc or http.")] = "grpc",
+         canary: Annotated[bool, typer.Option("--canary",
+                                              help="Load the canary, not the fleet.")] = False,
+         as_json: JsonOpt = False) -> None:
+    """The canary load generator on its own: latency percentiles, throughput, errors."""
+    from flows import fleet
+    from modelship.loadgen import LoadSpec, run_load_sync
+
+    def action() -> Any:
+        def body(settings: Any, clients: Any) -> Any:
+            if concurrency is not None and rate is not None:
+                from modelship.errors import UsageError
+
+                raise UsageError("pass --concurrency or --rate, not both",
+                                 hint="e.g. `--concurrency 8` or `--rate 200`")
+            servers = [clients.canary] if canary else clients.replicas
+            if not servers or servers[0] is None:
+                from modelship.errors import UsageError
+
+                raise UsageError("no Triton servers are configured",
+                                 hint="run `modelship stack up`")
+            served = version
+            if served is None:
+                served = fleet.status(clients, model=model)["production_version"]
+            if served is None:
+                from modelship.errors import UsageError
+
+                raise UsageError(f"{model} is not served consistently; cannot pick payloads",
+                                 hint="pass --version V (a staged version)")
+            payload, source = fleet.load_payload(clients, settings, model, served)
+            progress(f"loading {model} (payload: {source} rows of v{served})")
+            spec = LoadSpec(protocol=protocol,  # type: ignore[arg-type]
+                            concurrency=concurrency if rate is None else None,
+                            rate_rps=rate,
+                            duration_s=duration, timeout_s=settings.http_timeout_s)
+            if spec.concurrency is None and spec.rate_rps is None:
+                spec = LoadSpec(protocol=spec.protocol, concurrency=4, duration_s=duration,
+                                timeout_s=settings.http_timeout_s)
+            urls = [s.endpoint.grpc if protocol == "grpc" else s.endpoint.http for s in servers]
+            report = run_load_sync(urls, model, payload, spec,
+                                   version=str(version) if version is not None else "")
+            return report.to_dict()
+
+        return _with_clients(body)
+
+    def render(doc: dict[str, Any]) -> str:
+        lat = doc["latency_ms"]
+        return table(["requests", "errors", "req/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms"],
+                     [(doc["requests"], doc["errors"], f"{doc['throughput_rps']:.0f}",
+                       *(f"{lat[k]:.2f}" if lat[k] is not None else "-"
+                         for k in ("p50", "p90", "p95", "p99")))])
+
+    _finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d))
+
+
 def main() -> None:
     """Console-script entry point."""
     # No network but loopback here, and progress bars would garble stderr progress lines.

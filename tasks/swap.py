@@ -128,9 +128,13 @@ class SwapReport:
     aborted: bool = False
     final_states: dict[str, dict[str, Any]] = field(default_factory=dict)
     reason: str | None = None
+    plan: list[str] = field(default_factory=list)
+    dry_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "dry_run": self.dry_run,
+            "plan": self.plan,
             "model": self.model,
             "kind": self.kind,
             "from_version": self.from_version,
@@ -376,8 +380,12 @@ def swap_fleet(
     progress: Progress = _quiet,
     http_timeout_s: float = 10.0,
     fault: Fault | None = None,
+    dry_run: bool = False,
 ) -> SwapReport:
     """Serve ``model`` version ``target`` on every replica, or on none of them.
+
+    With ``dry_run`` it observes the fleet, verifies the candidate and returns the plan
+    without changing anything.
 
     Args:
         replicas: The production fleet (not the canary).
@@ -415,7 +423,11 @@ def swap_fleet(
     for line in plan.describe():
         progress(line)
     report = SwapReport(model, plan.kind, plan.from_version, plan.to_version,
-                        plan.pause_batching)
+                        plan.pause_batching, plan=plan.describe(), dry_run=dry_run)
+    if dry_run:
+        report.final_states = _states_dict(replica_states(start(plan)))
+        report.total_s = time.monotonic() - swap_start
+        return report
     if plan.kind == "noop":
         _write_model_config(storage, model=model, config=with_versions(candidate, [target]),
                             repository_prefix=repository_prefix)

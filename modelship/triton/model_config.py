@@ -612,3 +612,25 @@ def assert_lint_clean(findings: Sequence[LintFinding], *, model: str | None = No
         hint="fix the policy's triton section or the model's I/O, then run modelship check",
         findings=[f.__dict__ for f in findings],
     )
+
+
+def example_request(cfg: ModelConfig, *, rows: int = 1, random: bool = False,
+                    seed: int = 0) -> dict[str, Any]:
+    """A valid request for ``cfg`` (pure): ``rows`` rows per input, variable dims set to 1.
+
+    Used by the swap's probes, which only need *an* answer and the version that gave it.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    arrays: dict[str, Any] = {}
+    for tensor in cfg.input:
+        dtype = np.dtype(numpy_dtype_from_triton(tensor.data_type))
+        shape = (rows, *[d if d > 0 else 1 for d in tensor.dims])
+        if dtype == np.dtype(object):
+            arrays[tensor.name] = np.full(shape, b"0", dtype=object)
+        elif random and dtype.kind == "f":
+            arrays[tensor.name] = rng.standard_normal(shape).astype(dtype)
+        else:
+            arrays[tensor.name] = np.zeros(shape, dtype=dtype)
+    return arrays
