@@ -365,6 +365,33 @@ def load(model: ModelArg, version: VersionOpt = None,
                        *(f"{lat[k]:.2f}" if lat[k] is not None else "-"
                          for k in ("p50", "p90", "p95", "p99")))])
 
+    def code(doc: dict[str, Any]) -> int:
+        # Nothing answered: the run measured nothing (wrong model, version or server).
+        return 1 if doc["requests"] == 0 or doc["errors"] == doc["requests"] else 0
+
+    _finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d,
+                          exit_code=code))
+
+
+@app.command("demo")
+def demo(as_json: JsonOpt = False) -> None:
+    """The whole story on the embedded stack: release v1, then a better v2."""
+    from modelship.demo import DEMO_MODEL, run_demo
+    from modelship.policy import policy_for
+
+    def action() -> Any:
+        return _with_clients(lambda settings, clients: run_demo(
+            settings, clients, policy_for(DEMO_MODEL, settings.policies_dir),
+            progress=progress))
+
+    def render(doc: dict[str, Any]) -> str:
+        rows = [(s["step"], s.get("verdict") or s.get("kind") or "",
+                 f"{s['seconds']:.1f}" if "seconds" in s else "") for s in doc["steps"]]
+        return (table(["step", "result", "seconds"], rows)
+                + f"\n{doc['model']}: {doc['outcome']} ({doc['seconds']:.0f} s in all)"
+                + "\nexplore: `modelship status demo-fraud`, `modelship rollback demo-fraud`; "
+                "stop everything with `modelship stack down`")
+
     _finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d))
 
 

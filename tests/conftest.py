@@ -31,3 +31,7 @@ def run_cli(
                 "MODELSHIP_TRITON_RUNTIME": str(RUNTIME_VENV), **(env or {})}
     return subprocess.run([str(MODELSHIP), *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=ROOT)
+
+
+# The session's embedded stack (tests/stack_fixtures.py), shared by integration and e2e tests.
+pytest_plugins = ["tests.stack_fixtures"]

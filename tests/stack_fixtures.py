@@ -1,4 +1,7 @@
-"""The session's embedded stack: real servers on free loopback ports, started once."""
+"""The session's embedded stack: real servers on free loopback ports, started once.
+
+Loaded as a pytest plugin by tests/conftest.py so integration and e2e tests share it.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,282 @@
+"""Triton's Prometheus metrics, per model version: scrape, difference, per-request means.
+
+The canary reads the server's side of each arm from here: how long requests queued and
+computed, in µs, on the same server at the same time. Triton (2.51) exposes cumulative
+counters per ``(model, version)``; a canary takes one scrape before its load and one after
+and works on the difference. Two facts from RECIPES shape it:
+
+- After a swap or an unload the old version's series **vanish**, and a reloaded version's
+  counters **restart at 0**. :func:`delta` therefore treats ``after < before`` as a reset
+  (the after value is the delta) and reports a series missing after as ``None``, never as
+  a zero: no data is never a good figure.
+- A wrong-shape request is not counted as a failure, so these counters complement the
+  client-side error count and never replace it.
+
+Only the text exposition format is parsed, with a small parser (no dependency): Triton's
+output is plain ``name{labels} value`` lines, with ``Nan`` in empty summaries.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelship.errors import InfrastructureError
+from modelship.http import get
+
+SUCCESS = "nv_inference_request_success"
+FAILURE = "nv_inference_request_failure"
+INFERENCE_COUNT = "nv_inference_count"
+EXEC_COUNT = "nv_inference_exec_count"
+REQUEST_US = "nv_inference_request_duration_us"
+QUEUE_US = "nv_inference_queue_duration_us"
+COMPUTE_INPUT_US = "nv_inference_compute_input_duration_us"
+COMPUTE_INFER_US = "nv_inference_compute_infer_duration_us"
+COMPUTE_OUTPUT_US = "nv_inference_compute_output_duration_us"
+
+COUNTERS: tuple[str, ...] = (
+    SUCCESS,
+    FAILURE,
+    INFERENCE_COUNT,
+    EXEC_COUNT,
+    REQUEST_US,
+    QUEUE_US,
+    COMPUTE_INPUT_US,
+    COMPUTE_INFER_US,
+    COMPUTE_OUTPUT_US,
+)
+"""The cumulative per-version counters kept (failures are summed over ``reason``)."""
+
+SUMMARIES: tuple[str, ...] = (
+    "nv_inference_request_summary_us",
+    "nv_inference_queue_summary_us",
+    "nv_inference_compute_input_summary_us",
+    "nv_inference_compute_infer_summary_us",
+    "nv_inference_compute_output_summary_us",
+)
+"""Latency summaries (``--metrics-config=summary_latencies=true``): quantiles in µs over
+Triton's recent window, not cumulative, so they are reported as seen and never differenced."""
+
+VersionKey = tuple[str, str]
+"""``(model, version)`` as Triton labels them (the version is a string)."""
+
+_LINE = re.compile(
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)"
+    r"(?:\{(?P<labels>.*)\})?"
+    r"\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$"
+)
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One line of the exposition: a metric name, its labels and its value."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+@dataclass(frozen=True)
+class VersionMetrics:
+    """Everything one scrape says about one model version.
+
+    Attributes:
+        counters: Cumulative counters by metric name (see :data:`COUNTERS`), requests or µs.
+        quantiles_us: Summary quantiles by summary name, then quantile (``"0.99"``), in µs;
+            NaN (an empty summary) is left out.
+    """
+
+    counters: dict[str, float] = field(default_factory=dict)
+    quantiles_us: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+Scrape = dict[VersionKey, VersionMetrics]
+
+
+@dataclass(frozen=True)
+class VersionDelta:
+    """What one version did between two scrapes.
+
+    Attributes:
+        counters: After minus before for each counter present after; a counter that went
+            down was reset (a reload) and contributes its after value.
+        resets: Names of the counters that went down between the scrapes.
+        new: The series did not exist before (the version loaded in between).
+        quantiles_us: The after scrape's summary quantiles, in µs.
+    """
+
+    counters: dict[str, float]
+    resets: tuple[str, ...] = ()
+    new: bool = False
+    quantiles_us: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> float:
+        """Successful requests counted by the server in the interval."""
+        return self.counters.get(SUCCESS, 0.0)
+
+    @property
+    def failures(self) -> float:
+        """Failed requests the server counted (not wrong-shape ones, see the module doc)."""
+        return self.counters.get(FAILURE, 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, with the per-request means."""
+        return {
+            "requests": self.requests,
+            "failures": self.failures,
+            "queue_us_mean": mean_queue_us(self),
+            "compute_us_mean": mean_compute_us(self),
+            "compute_infer_us_mean": mean_per_request_us(self, COMPUTE_INFER_US),
+            "batch_size_mean": mean_batch_size(self),
+            "resets": list(self.resets),
+            "new": self.new,
+            "quantiles_us": self.quantiles_us,
+        }
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _unescape(value: str) -> str:
+    return value.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+
+
+def parse_text(text: str) -> Iterator[Sample]:
+    """The samples of a Prometheus text exposition; comments and malformed lines skipped.
+
+    Values follow the format (``NaN``, ``+Inf``, ``-Inf``); Triton writes ``Nan``, which
+    ``float`` accepts too.
+    """
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _LINE.match(line)
+        if match is None:
+            continue
+        try:
+            value = float(match["value"])
+        except ValueError:
+            continue
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(match["labels"] or "")}
+        yield Sample(match["name"], labels, value)
+
+
+def parse_metrics(text: str) -> Scrape:
+    """Triton's per-version counters and summary quantiles from one exposition (pure).
+
+    Series without ``model`` and ``version`` labels (server-wide gauges) are ignored, and
+    ``nv_inference_request_failure`` is summed over its ``reason`` label.
+    """
+    out: Scrape = {}
+    for sample in parse_text(text):
+        model, version = sample.labels.get("model"), sample.labels.get("version")
+        if model is None or version is None:
+            continue
+        if sample.name in COUNTERS:
+            entry = out.setdefault((model, version), VersionMetrics())
+            entry.counters[sample.name] = entry.counters.get(sample.name, 0.0) + sample.value
+        elif sample.name in SUMMARIES and "quantile" in sample.labels:
+            entry = out.setdefault((model, version), VersionMetrics())
+            if not math.isnan(sample.value):
+                entry.quantiles_us.setdefault(sample.name, {})[sample.labels["quantile"]] = (
+                    sample.value
+                )
+    return out
+
+
+def scrape(metrics_url: str, timeout_s: float) -> Scrape:
+    """Fetch and parse a Triton metrics endpoint (``http://host:port/metrics``).
+
+    Raises:
+        Unreachable: The endpoint did not answer within ``timeout_s``.
+        InfrastructureError: It answered with an error status.
+    """
+    status, body = get(metrics_url, timeout_s=timeout_s, what="Triton metrics")
+    if status != 200:
+        raise InfrastructureError(
+            f"Triton metrics at {metrics_url} answered HTTP {status}, not 200",
+            hint="start tritonserver with --allow-metrics=true and check the metrics port",
+            endpoint=metrics_url, status=status,
+        )
+    return parse_metrics(body.decode("utf-8", errors="replace"))
+
+
+# --------------------------------------------------------------------------- differences
+
+
+def delta(before: Mapping[VersionKey, VersionMetrics],
+          after: Mapping[VersionKey, VersionMetrics]) -> dict[VersionKey, VersionDelta | None]:
+    """Per-version change between two scrapes (pure).
+
+    Every version in either scrape gets an entry. A version missing after (unloaded,
+    swapped away: its series vanished) maps to ``None``, which callers report as "no
+    server-side data" rather than as zero. A version new after (loaded in between) counts
+    from 0. A counter that went down was reset by a reload, so its after value is the
+    change since the reset (what happened before the reset is lost, and said so in
+    ``resets``).
+    """
+    out: dict[VersionKey, VersionDelta | None] = {}
+    for key in sorted({*before, *after}):
+        now = after.get(key)
+        if now is None:
+            out[key] = None
+            continue
+        then = before.get(key)
+        counters: dict[str, float] = {}
+        resets: list[str] = []
+        for name, value in now.counters.items():
+            previous = then.counters.get(name) if then is not None else None
+            if previous is None:
+                counters[name] = value
+            elif value < previous:
+                counters[name] = value
+                resets.append(name)
+            else:
+                counters[name] = value - previous
+        out[key] = VersionDelta(counters=counters, resets=tuple(resets), new=then is None,
+                                quantiles_us=now.quantiles_us)
+    return out
+
+
+def mean_per_request_us(change: VersionDelta | None, counter: str) -> float | None:
+    """``counter`` (cumulative µs) per successful request; None without requests or data.
+
+    Triton's duration counters accumulate per request (a batched request carries the
+    whole batch's compute time), so the per-request mean divides by the success count.
+    """
+    if change is None or counter not in change.counters or change.requests <= 0:
+        return None
+    return change.counters[counter] / change.requests
+
+
+def mean_queue_us(change: VersionDelta | None) -> float | None:
+    """Mean time a request waited in Triton's queue (scheduler, batcher), in µs."""
+    return mean_per_request_us(change, QUEUE_US)
+
+
+def mean_compute_us(change: VersionDelta | None) -> float | None:
+    """Mean compute time per request, in µs: input copy + inference + output copy."""
+    if change is None or change.requests <= 0:
+        return None
+    parts = [change.counters.get(n) for n in (COMPUTE_INPUT_US, COMPUTE_INFER_US,
+                                              COMPUTE_OUTPUT_US)]
+    known = [p for p in parts if p is not None]
+    if not known:
+        return None
+    return sum(known) / change.requests
+
+
+def mean_batch_size(change: VersionDelta | None) -> float | None:
+    """Inferences per model execution: the average batch the dynamic batcher formed."""
+    if change is None:
+        return None
+    executions = change.counters.get(EXEC_COUNT, 0.0)
+    if executions <= 0 or INFERENCE_COUNT not in change.counters:
+        return None
+    return change.counters[INFERENCE_COUNT] / executions
