@@ -488,7 +488,7 @@ def swap_under_load(rig: Rig, *, old: int, new: int, pause_batching: bool,
 # --------------------------------------------------------------------------- faults
 
 
-def _abort_figures(rig: Rig, result: dict[str, Any], victim: str, *, old: int,
+def _abort_figures(result: dict[str, Any], victim: str, *, old: int,
                    survivors: Sequence[TritonServer]) -> dict[str, Any]:
     """Where each survivor ended and how long the abort took."""
     from tasks.swap import fleet_status
@@ -497,11 +497,6 @@ def _abort_figures(rig: Rig, result: dict[str, Any], victim: str, *, old: int,
     on_p = all(r.get("ready_versions") == [old] for r in status["replicas"]) \
         and status["consistent"]
     abort_phase = next((p for p in result["phases"] if p["phase"] == "abort"), None)
-    failed_phase = next((p for p in result["phases"]
-                         if p["phase"] not in ("observe (preflight)", "record (config.pbtxt)")
-                         and p["phase"] != "abort" and p.get("replica_seconds")
-                         and victim in p["replica_seconds"]
-                         and p is result["phases"][-2]), None)
     per = result["load"]["per_replica"]
     return {
         "victim": victim,
@@ -514,7 +509,7 @@ def _abort_figures(rig: Rig, result: dict[str, Any], victim: str, *, old: int,
         "abort_total_s": result["total_s"],
         "abort_phase_s": abort_phase["seconds"] if abort_phase else None,
         "abort_started_at_s": abort_phase["started_at"] if abort_phase else None,
-        "failed_phase": failed_phase["phase"] if failed_phase else None,
+        "phases": {p["phase"]: p["seconds"] for p in result["phases"]},
         "failed_survivors": sum(v["failed"] for n, v in per.items() if n != victim),
         "failed_victim": per.get(victim, {}).get("failed"),
         "requests": result["load"]["requests"],
@@ -536,7 +531,7 @@ def fault_simulated(rig: Rig) -> dict[str, Any]:
 
     result = swap_under_load(rig, old=old, new=new, pause_batching=True, fault=fault)
     return {"kind": "simulated (fault hook raises)", **_abort_figures(
-        rig, result, victim, old=old, survivors=rig.replicas)}
+        result, victim, old=old, survivors=rig.replicas)}
 
 
 @dataclass
@@ -602,7 +597,7 @@ def fault_real_load_failure(rig: Rig) -> dict[str, Any]:
         corruption.restore()
         for other in others:
             other.close()
-    figures = _abort_figures(rig, result, victim, old=old, survivors=rig.replicas)
+    figures = _abort_figures(result, victim, old=old, survivors=rig.replicas)
     return {"kind": "real (C's model.onnx corrupt in S3 for the victim's reload only)",
             "victim_held_until_others_ready_s": held["seconds"],
             "others_had_c_ready": held["others_ready"], "corrupted_key": key, **figures}
@@ -696,10 +691,11 @@ def fault_kill(rig: Rig, victim: Victim) -> dict[str, Any]:
         result = swap_under_load(rig, old=old, new=new, pause_batching=True, fault=fault)
     finally:
         for t in timer:
-            t.cancel() if victim.killed_at is None else None
+            if victim.killed_at is None:
+                t.cancel()
             t.join(timeout=5)
     survivors = [s for s in rig.replicas if s.name != victim.name]
-    figures = _abort_figures(rig, result, victim.name, old=old, survivors=survivors)
+    figures = _abort_figures(result, victim.name, old=old, survivors=survivors)
     return {"kind": f"SIGKILL of tritonserver {KILL_DELAY_S:g} s into the victim's switch load",
             "killed": victim.killed_at is not None, **figures}
 

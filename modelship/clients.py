@@ -32,7 +32,8 @@ class Clients:
 
 
 def build_clients(settings: Settings) -> Clients:
-    """Construct (without any I/O) the clients the settings describe."""
+    """Construct the clients the settings describe. The only I/O is Kubernetes fleet
+    discovery, when configured: the replica list is read once, here at the edge."""
     secret = settings.aws_secret_access_key
     storage = (
         S3Storage(
@@ -64,9 +65,21 @@ def build_clients(settings: Settings) -> Clients:
         prefect=PrefectApi(settings.prefect_api_url, timeout_s=settings.http_timeout_s)
         if settings.prefect_api_url else None,
         slack=slack,
-        replicas=[triton(e) for e in settings.triton_replicas],
+        replicas=[triton(e) for e in _fleet(settings)],
         canary=triton(settings.triton_canary) if settings.triton_canary else None,
     )
+
+
+def _fleet(settings: Settings) -> list[Any]:
+    """The production replicas: static, or (when MODELSHIP_K8S_NAMESPACE is set) the ready
+    endpoints of the Triton Service, listed once here at the edge."""
+    from modelship.triton.discovery import build_discovery
+
+    kubernetes = settings.kubernetes_discovery()
+    static = [] if kubernetes else list(settings.triton_replicas)
+    if not kubernetes and not static:
+        return []
+    return build_discovery(static=static, kubernetes=kubernetes).replicas()
 
 
 @dataclass(frozen=True)

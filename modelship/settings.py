@@ -136,6 +136,29 @@ class Settings(BaseSettings):
     ping_timeout_s: float = Field(
         default=3.0, gt=0, description="Timeout of one health check, in seconds."
     )
+    k8s_namespace: str | None = Field(
+        default=None,
+        description="Discover the Triton fleet from the EndpointSlices of a Service in this "
+        "namespace (unset: the static fleet from MODELSHIP_TRITON_REPLICAS or stack.json).",
+    )
+    k8s_service: str | None = Field(
+        default=None, description="The Triton Service whose ready endpoints form the fleet."
+    )
+    k8s_label_selector: str | None = Field(
+        default=None, description="An EndpointSlice label selector, instead of k8s_service."
+    )
+    k8s_api_url: str | None = Field(
+        default=None,
+        description="API server URL without credentials (kubectl proxy); default: in-cluster "
+        "service account, else the kubeconfig.",
+    )
+    k8s_kubeconfig: str | None = Field(default=None, description="Path of a kubeconfig file.")
+    k8s_context: str | None = Field(default=None, description="The kubeconfig context to use.")
+    k8s_http_port_name: str = Field(default="http", description="Service port name for HTTP.")
+    k8s_grpc_port_name: str = Field(default="grpc", description="Service port name for gRPC.")
+    k8s_metrics_port_name: str = Field(
+        default="metrics", description="Service port name for Prometheus metrics."
+    )
     triton_runtime: Path = Field(
         default=Path(".venv-triton"),
         description="The server runtime venv holding nvidia-pytriton (tritonserver) and "
@@ -157,6 +180,20 @@ class Settings(BaseSettings):
             "MODELSHIP_HOME", ".modelship"
         )
         return (init_settings, env_settings, StackFileSource(settings_cls, Path(home)))
+
+    def kubernetes_discovery(self) -> dict[str, Any] | None:
+        """The keys of ``build_discovery(kubernetes=...)``, or None when not configured."""
+        if not self.k8s_namespace:
+            return None
+        values = {
+            "namespace": self.k8s_namespace, "service": self.k8s_service,
+            "label_selector": self.k8s_label_selector, "api_url": self.k8s_api_url,
+            "kubeconfig": self.k8s_kubeconfig, "context": self.k8s_context,
+            "http_port_name": self.k8s_http_port_name,
+            "grpc_port_name": self.k8s_grpc_port_name,
+            "metrics_port_name": self.k8s_metrics_port_name, "timeout_s": self.http_timeout_s,
+        }
+        return {key: value for key, value in values.items() if value is not None}
 
     @property
     def stack_file(self) -> Path:

@@ -182,3 +182,14 @@ def test_errors_carry_hint_and_exit_code() -> None:
     assert str(error) == "it broke. Do this."
     assert error.to_dict()["details"] == {"component": "x"}
     assert isinstance(error, ModelshipError) and error.exit_code == 1
+
+
+def test_kubernetes_discovery_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert load_settings(home=tmp_path).kubernetes_discovery() is None
+    monkeypatch.setenv("MODELSHIP_K8S_NAMESPACE", "serving")
+    monkeypatch.setenv("MODELSHIP_K8S_SERVICE", "triton")
+    monkeypatch.setenv("MODELSHIP_HTTP_TIMEOUT_S", "4")
+    found = load_settings(home=tmp_path).kubernetes_discovery()
+    assert found == {"namespace": "serving", "service": "triton", "http_port_name": "http",
+                     "grpc_port_name": "grpc", "metrics_port_name": "metrics",
+                     "timeout_s": 4.0}
