@@ -121,6 +121,7 @@ def run_check(
     workdir: Path,
     stage: bool = False,
     allow_breaking_changes: bool = False,
+    dry_run: bool = False,
     progress: Progress = lambda _: None,
 ) -> CheckReport:
     """Run the artifact gate on one candidate; raise the first stage's error."""
@@ -212,7 +213,16 @@ def run_check(
         report.checks["trial_load"] = trial
         entry.update(server=trial["server"], load_s=trial["load_s"])
 
-    if stage:
+    if stage and dry_run:
+        with _stage(report, "stage", progress) as entry:
+            plan = staging.prepare_staging(
+                storage, model=model, version=resolved.version, files=exported.files,
+                config_pbtxt=report.config_pbtxt, repository_prefix=settings.repository_prefix)
+            report.staged = {"dry_run": True, "plan": plan.describe(), **plan.to_dict()}
+            for line in plan.describe():
+                progress(f"plan: {line}")
+            entry.update(dry_run=True)
+    elif stage:
         with _stage(report, "stage", progress) as entry:
             provenance = {
                 "mlflow_uri": resolved.uri,

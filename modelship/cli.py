@@ -156,7 +156,8 @@ BreakingOpt = Annotated[
 
 
 def _run_artifact_gate(model: str, version: int | None, alias: str | None, policy_file:
-                       Path | None, *, stage: bool, allow_breaking: bool, as_json: bool) -> None:
+                       Path | None, *, stage: bool, allow_breaking: bool, as_json: bool,
+                       dry_run: bool = False) -> None:
     from flows.check import parse_ref, run_check
     from modelship.clients import build_clients
     from modelship.policy import policy_for
@@ -170,7 +171,8 @@ def _run_artifact_gate(model: str, version: int | None, alias: str | None, polic
         try:
             return run_check(settings, clients, policy, model=model, version=ref_version,
                              alias=ref_alias, workdir=workdir, stage=stage,
-                             allow_breaking_changes=allow_breaking, progress=progress)
+                             allow_breaking_changes=allow_breaking, dry_run=dry_run,
+                             progress=progress)
         finally:
             clients.close()
 
@@ -181,6 +183,11 @@ def _run_artifact_gate(model: str, version: int | None, alias: str | None, polic
         if report.golden and report.golden.source == "synthetic":
             lines.append("note: golden inputs were synthetic (generated from the signature)")
         verb = "staged" if stage else "passed every check"
+        if report.staged and report.staged.get("dry_run"):
+            verb = "passed every check; dry run, nothing staged. The plan:"
+            lines.append(f"{model} v{report.version} {verb}")
+            lines.extend(f"  {line}" for line in report.staged["plan"])
+            return "\n".join(lines)
         lines.append(f"{model} v{report.version} {verb}")
         if report.staged:
             lines.append(f"manifest: s3://.../{report.staged['manifest_key']} "
@@ -213,10 +220,12 @@ def check(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
 @app.command("stage")
 def stage(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
           policy: PolicyOpt = None, allow_breaking_changes: BreakingOpt = False,
-          as_json: JsonOpt = False) -> None:
+          dry_run: Annotated[bool, typer.Option(
+              "--dry-run", help="Run the checks and print the staging plan; write nothing.")]
+          = False, as_json: JsonOpt = False) -> None:
     """Check, then stage the version in the S3 model repository (idempotent)."""
     _run_artifact_gate(model, version, alias, policy, stage=True,
-                       allow_breaking=allow_breaking_changes, as_json=as_json)
+                       allow_breaking=allow_breaking_changes, as_json=as_json, dry_run=dry_run)
 
 
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
