@@ -1,0 +1,651 @@
+"""The Kubernetes manifests in infra/, checked offline (no cluster, no kubectl).
+
+- Built-in kinds validate against the OpenAPI schemas of kubernetes-validate in strict mode
+  (unknown fields fail), for the oldest and the newest Kubernetes version we support.
+- The Gateway API HTTPRoute is a CRD, which kubernetes-validate skips: its structure is
+  checked here against the v1 fields we use (parentRefs, hostnames, rules.matches,
+  rules.backendRefs with name/port/weight).
+- Cross-references: Service selectors and Deployment pods, port names as modelship's
+  discovery reads them (fed through the real ``endpoints_from_slices``), RBAC, the settings
+  ConfigMap parsed by the real ``Settings`` class, Secrets, volumes, kustomizations.
+- The house convention: every key has a comment (STYLE.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from modelship.settings import Settings, TritonEndpoint
+from modelship.triton.discovery import SERVICE_NAME_LABEL, endpoints_from_slices
+
+ROOT = Path(__file__).resolve().parents[2]
+INFRA = ROOT / "infra"
+KUSTOMIZATION = "kustomization.yaml"
+NAMESPACE = "modelship"
+K8S_VERSIONS = ("1.31.0", "1.37.0")
+"""Oldest and newest Kubernetes versions the manifests must validate against."""
+
+CRD_KINDS = {("gateway.networking.k8s.io/v1", "HTTPRoute")}
+"""Kinds kubernetes-validate has no schema for; each is checked by its own test below."""
+
+CLUSTER_SCOPED = {"Namespace"}
+FLEET_SERVICE = "triton"
+CANARY_SERVICE = "triton-canary"
+TRITON_DEPLOYMENTS = ("triton", "triton-canary")
+SETTINGS_CONFIGMAP = "modelship-settings"
+MODELSHIP_DEPLOYMENTS = ("modelship-worker", "modelship-approvals")
+EXTERNAL_SECRETS = {
+    "modelship-s3": {"access-key-id", "secret-access-key"},
+    "modelship-slack": {"bot-token", "signing-secret"},
+}
+"""Secrets created outside git (infra/README.md), with the keys the pods may read."""
+
+
+# --------------------------------------------------------------------------------------
+# Loading.
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in INFRA.rglob("*.yaml") if p.name != KUSTOMIZATION)
+
+
+@cache
+def documents() -> tuple[tuple[str, dict[str, Any]], ...]:
+    """Every YAML document under infra/ except kustomizations, as (relative path, doc)."""
+    found = []
+    for path in manifest_files():
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                found.append((str(path.relative_to(INFRA)), doc))
+    return tuple(found)
+
+
+def docs_of(kind: str) -> list[dict[str, Any]]:
+    return [doc for _, doc in documents() if doc.get("kind") == kind]
+
+
+def one(kind: str, name: str) -> dict[str, Any]:
+    matches = [d for d in docs_of(kind) if d["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind} {name}, found {len(matches)}"
+    return matches[0]
+
+
+def doc_id(item: tuple[str, dict[str, Any]]) -> str:
+    path, doc = item
+    return f"{path}:{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}"
+
+
+def containers(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    return deployment["spec"]["template"]["spec"]["containers"]
+
+
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def triton_args(deployment: dict[str, Any]) -> dict[str, str]:
+    """The ``--flag=value`` arguments of the tritonserver container."""
+    (container,) = containers(deployment)
+    assert container["command"] == ["tritonserver"]
+    flags: dict[str, str] = {}
+    for arg in container["args"]:
+        key, _, value = arg.partition("=")
+        flags[key] = value
+    return flags
+
+
+def test_infra_has_the_expected_objects() -> None:
+    kinds = {(doc["kind"], doc["metadata"]["name"]) for _, doc in documents()}
+    assert {
+        ("Namespace", NAMESPACE),
+        ("Deployment", "triton"), ("Service", FLEET_SERVICE),
+        ("PodDisruptionBudget", "triton"),
+        ("Deployment", "triton-canary"), ("Service", CANARY_SERVICE),
+        ("ServiceAccount", "modelship-worker"), ("Role", "modelship-discovery"),
+        ("RoleBinding", "modelship-discovery"), ("ConfigMap", SETTINGS_CONFIGMAP),
+        ("Deployment", "modelship-worker"), ("Deployment", "modelship-approvals"),
+        ("Service", "modelship-approvals"), ("HTTPRoute", "modelship-approvals"),
+    } <= kinds
+    assert len(kinds) == len(documents()), "two objects share a kind and a name"
+
+
+@pytest.mark.parametrize("item", documents(), ids=doc_id)
+def test_every_object_is_in_the_namespace(item: tuple[str, dict[str, Any]]) -> None:
+    _, doc = item
+    metadata = doc["metadata"]
+    if doc["kind"] in CLUSTER_SCOPED:
+        assert "namespace" not in metadata
+    else:
+        assert metadata.get("namespace") == NAMESPACE
+    assert metadata["labels"]["app.kubernetes.io/part-of"] == "modelship"
+
+
+# --------------------------------------------------------------------------------------
+# Schemas.
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("item", documents(), ids=doc_id)
+def test_builtin_kinds_validate_strictly(item: tuple[str, dict[str, Any]], version: str) -> None:
+    _, doc = item
+    if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+        pytest.skip("a CRD: checked by test_httproute_structure")
+    problem = None
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = ".".join(str(p) for p in exc.path)
+        problem = f"{where}: {exc.message} (Kubernetes {exc.version})"
+    except kubernetes_validate.SchemaNotFoundError as exc:
+        problem = f"{exc.message}: a typo in apiVersion/kind, or a CRD to add to CRD_KINDS"
+    if problem:  # outside the except: the schema dump of the chained error is noise
+        pytest.fail(problem, pytrace=False)
+
+
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_HOSTNAME = re.compile(rf"^(\*\.)?{_DNS_SUBDOMAIN}$")
+_SECTION_NAME = re.compile(rf"^{_DNS_SUBDOMAIN}$")
+
+
+def _unknown(obj: Any, allowed: set[str], where: str) -> list[str]:
+    if not isinstance(obj, dict):
+        return [f"{where}: not a mapping"]
+    return [f"{where}.{key}: unknown field" for key in sorted(set(obj) - allowed)]
+
+
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def httproute_errors(route: dict[str, Any]) -> list[str]:
+    """Structural errors of a gateway.networking.k8s.io/v1 HTTPRoute (the fields we use).
+
+    Mirrors the CRD's OpenAPI schema and CEL rules for parentRefs, hostnames, path matches
+    and backendRefs; other fields of the CRD are rejected as unknown, so using one means
+    extending this check first.
+    """
+    errors = _unknown(route, {"apiVersion", "kind", "metadata", "spec"}, "")
+    if route.get("apiVersion") != "gateway.networking.k8s.io/v1" or route.get("kind") != (
+        "HTTPRoute"
+    ):
+        errors.append("apiVersion/kind: not gateway.networking.k8s.io/v1 HTTPRoute")
+    if not (route.get("metadata") or {}).get("name"):
+        errors.append("metadata.name: required")
+    spec = route.get("spec")
+    errors += _unknown(spec, {"parentRefs", "hostnames", "rules"}, "spec")
+    if not isinstance(spec, dict):
+        return errors
+
+    parents = spec.get("parentRefs")
+    if not isinstance(parents, list) or not 1 <= len(parents) <= 32:
+        errors.append("spec.parentRefs: 1 to 32 references required")
+        parents = []
+    for i, ref in enumerate(parents):
+        where = f"spec.parentRefs[{i}]"
+        errors += _unknown(ref, {"group", "kind", "namespace", "name", "sectionName", "port"},
+                           where)
+        if not isinstance(ref, dict):
+            continue
+        if not isinstance(ref.get("name"), str) or not 1 <= len(ref["name"]) <= 253:
+            errors.append(f"{where}.name: a string of 1-253 characters required")
+        if ref.get("group", "gateway.networking.k8s.io") != "gateway.networking.k8s.io":
+            errors.append(f"{where}.group: must be gateway.networking.k8s.io")
+        if ref.get("kind", "Gateway") != "Gateway":
+            errors.append(f"{where}.kind: must be Gateway")
+        if "sectionName" in ref and not _SECTION_NAME.match(str(ref["sectionName"])):
+            errors.append(f"{where}.sectionName: not a DNS subdomain")
+        if "port" in ref and not _int_in(ref["port"], 1, 65535):
+            errors.append(f"{where}.port: an integer 1-65535 required")
+
+    hostnames = spec.get("hostnames", [])
+    if not isinstance(hostnames, list) or len(hostnames) > 16:
+        errors.append("spec.hostnames: at most 16 hostnames")
+        hostnames = []
+    errors += [f"spec.hostnames: {h!r} is not a hostname" for h in hostnames
+               if not isinstance(h, str) or not _HOSTNAME.match(h) or len(h) > 253]
+
+    rules = spec.get("rules")
+    if not isinstance(rules, list) or not 1 <= len(rules) <= 16:
+        errors.append("spec.rules: 1 to 16 rules required")
+        rules = []
+    for i, rule in enumerate(rules):
+        where = f"spec.rules[{i}]"
+        errors += _unknown(rule, {"matches", "backendRefs"}, where)
+        if not isinstance(rule, dict):
+            continue
+        matches = rule.get("matches", [])
+        if not isinstance(matches, list) or len(matches) > 64:
+            errors.append(f"{where}.matches: at most 64 matches")
+            matches = []
+        for j, match in enumerate(matches):
+            errors += _unknown(match, {"path"}, f"{where}.matches[{j}]")
+            path = match.get("path") if isinstance(match, dict) else None
+            if path is None:
+                continue
+            pwhere = f"{where}.matches[{j}].path"
+            errors += _unknown(path, {"type", "value"}, pwhere)
+            if path.get("type", "PathPrefix") not in {"Exact", "PathPrefix",
+                                                      "RegularExpression"}:
+                errors.append(f"{pwhere}.type: Exact, PathPrefix or RegularExpression")
+            value = path.get("value", "/")
+            if not isinstance(value, str) or not value.startswith("/") or len(value) > 1024:
+                errors.append(f"{pwhere}.value: an absolute path of at most 1024 characters")
+        backends = rule.get("backendRefs", [])
+        if not isinstance(backends, list) or len(backends) > 16:
+            errors.append(f"{where}.backendRefs: at most 16 references")
+            backends = []
+        for j, ref in enumerate(backends):
+            bwhere = f"{where}.backendRefs[{j}]"
+            errors += _unknown(ref, {"group", "kind", "name", "namespace", "port", "weight"},
+                               bwhere)
+            if not isinstance(ref, dict):
+                continue
+            if not isinstance(ref.get("name"), str) or not 1 <= len(ref["name"]) <= 253:
+                errors.append(f"{bwhere}.name: a string of 1-253 characters required")
+            is_service = ref.get("group", "") == "" and ref.get("kind", "Service") == "Service"
+            if is_service and "port" not in ref:
+                errors.append(f"{bwhere}.port: required for a Service")
+            if "port" in ref and not _int_in(ref["port"], 1, 65535):
+                errors.append(f"{bwhere}.port: an integer 1-65535 required")
+            if "weight" in ref and not _int_in(ref["weight"], 0, 1_000_000):
+                errors.append(f"{bwhere}.weight: an integer 0-1000000 required")
+    return errors
+
+
+def test_httproute_structure() -> None:
+    routes = docs_of("HTTPRoute")
+    assert routes
+    for route in routes:
+        assert httproute_errors(route) == []
+
+
+@pytest.mark.parametrize(("path", "value", "expected"), [
+    (("spec", "rules", 0, "backendRefs", 0, "weight"), 1_000_001, "weight"),
+    (("spec", "rules", 0, "backendRefs", 0, "weight"), "1", "weight"),
+    (("spec", "rules", 0, "backendRefs", 0, "port"), 0, "port"),
+    (("spec", "rules", 0, "backendRefs", 0, "serviceName"), "x", "unknown field"),
+    (("spec", "rules", 0, "matches", 0, "path", "type"), "Prefix", "type"),
+    (("spec", "rules", 0, "matches", 0, "path", "value"), "slack", "value"),
+    (("spec", "parentRefs", 0, "name"), "", "name"),
+    (("spec", "parentRefs", 0, "kind"), "Service", "kind"),
+    (("spec", "hostnames", 0), "Approvals.Example.com", "hostname"),
+    (("spec", "parentRefs"), [], "parentRefs"),
+    (("spec", "rules"), [], "rules"),
+])
+def test_httproute_check_catches_mistakes(path: tuple[Any, ...], value: Any,
+                                          expected: str) -> None:
+    """The hand-written check is only worth something if it fails on real mistakes."""
+    route = yaml.safe_load(yaml.safe_dump(one("HTTPRoute", "modelship-approvals")))
+    target = route
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    errors = httproute_errors(route)
+    assert any(expected in e for e in errors), errors
+
+
+def test_httproute_without_port_for_a_service_fails() -> None:
+    route = yaml.safe_load(yaml.safe_dump(one("HTTPRoute", "modelship-approvals")))
+    del route["spec"]["rules"][0]["backendRefs"][0]["port"]
+    assert any("required for a Service" in e for e in httproute_errors(route))
+
+
+# --------------------------------------------------------------------------------------
+# The house convention: every key has a comment.
+
+
+def _key_nodes(node: yaml.Node) -> Iterator[yaml.Node]:
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, yaml.MappingNode):
+            for key, value in current.value:
+                yield key
+                stack.append(value)
+        elif isinstance(current, yaml.SequenceNode):
+            stack.extend(current.value)
+
+
+def _commented(lines: list[str], index: int) -> bool:
+    """A trailing comment on the key's line, or a comment line right above it."""
+    if re.search(r"\s#(\s|$)", lines[index]):
+        return True
+    above = index - 1
+    while above >= 0 and not lines[above].strip():
+        above -= 1
+    return above >= 0 and lines[above].lstrip().startswith("#")
+
+
+@pytest.mark.parametrize("path", sorted(INFRA.rglob("*.yaml")),
+                         ids=lambda p: str(p.relative_to(INFRA)))
+def test_every_key_has_a_comment(path: Path) -> None:
+    text = path.read_text()
+    lines = text.splitlines()
+    missing = [f"line {key.start_mark.line + 1}: {key.value}"
+               for doc in yaml.compose_all(text) if doc is not None
+               for key in _key_nodes(doc) if not _commented(lines, key.start_mark.line)]
+    assert missing == [], "keys without a comment (accepted values and default)"
+
+
+# --------------------------------------------------------------------------------------
+# Cross-references.
+
+
+def test_service_selectors_match_exactly_one_deployment() -> None:
+    deployments = docs_of("Deployment")
+    for service in docs_of("Service"):
+        selector = service["spec"]["selector"]
+        owners = [d for d in deployments if selects(selector, pod_labels(d))]
+        assert len(owners) == 1, (
+            f"Service {service['metadata']['name']} selects "
+            f"{[d['metadata']['name'] for d in owners]}"
+        )
+        port_names = {p["name"] for c in containers(owners[0]) for p in c.get("ports", [])}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in port_names, (
+                f"Service {service['metadata']['name']} port {port['name']} targets "
+                f"{port['targetPort']!r}, not a container port of {owners[0]['metadata']['name']}"
+            )
+
+
+def test_deployment_selectors_match_their_pod_template() -> None:
+    for deployment in docs_of("Deployment"):
+        assert selects(deployment["spec"]["selector"]["matchLabels"], pod_labels(deployment))
+
+
+def test_fleet_service_never_selects_the_canary() -> None:
+    """A canary pod behind `triton` would join every production swap."""
+    selector = one("Service", FLEET_SERVICE)["spec"]["selector"]
+    assert selects(selector, pod_labels(one("Deployment", "triton")))
+    assert not selects(selector, pod_labels(one("Deployment", "triton-canary")))
+
+
+def test_pdb_covers_the_fleet_only() -> None:
+    selector = one("PodDisruptionBudget", "triton")["spec"]["selector"]["matchLabels"]
+    assert selects(selector, pod_labels(one("Deployment", "triton")))
+    assert not selects(selector, pod_labels(one("Deployment", "triton-canary")))
+    assert one("Deployment", "triton")["spec"]["replicas"] > 1
+
+
+def endpoint_slice(service: dict[str, Any], deployment: dict[str, Any]) -> dict[str, Any]:
+    """The EndpointSlice the controller would publish for one ready pod of ``deployment``."""
+    container_ports = {p["name"]: p["containerPort"]
+                       for c in containers(deployment) for p in c.get("ports", [])}
+    ports = [{"name": p["name"], "protocol": p.get("protocol", "TCP"),
+              "port": container_ports.get(p["targetPort"], p["targetPort"])}
+             for p in service["spec"]["ports"]]
+    name = service["metadata"]["name"]
+    return {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+        "metadata": {"name": f"{name}-abcde", "namespace": NAMESPACE,
+                     "labels": {SERVICE_NAME_LABEL: name}},
+        "endpoints": [{"addresses": ["10.0.0.7"], "conditions": {"ready": True},
+                       "targetRef": {"kind": "Pod", "name": f"{name}-0"}}],
+        "ports": ports,
+    }
+
+
+def test_discovery_reads_the_fleet_service_ports() -> None:
+    """modelship's own discovery finds http, grpc and metrics on the Triton Service."""
+    deployment = one("Deployment", "triton")
+    slice_ = endpoint_slice(one("Service", FLEET_SERVICE), deployment)
+    kubernetes_validate.validate(slice_, K8S_VERSIONS[0], strict=True)
+    flags = triton_args(deployment)
+    settings = settings_from_configmap()
+    (endpoint,) = endpoints_from_slices(
+        [slice_], http_port_name=settings.k8s_http_port_name,
+        grpc_port_name=settings.k8s_grpc_port_name,
+        metrics_port_name=settings.k8s_metrics_port_name,
+    )
+    assert endpoint == TritonEndpoint(
+        http=f"http://10.0.0.7:{flags['--http-port']}",
+        grpc=f"10.0.0.7:{flags['--grpc-port']}",
+        metrics=f"http://10.0.0.7:{flags['--metrics-port']}/metrics",
+        name="triton-0",
+    )
+
+
+@pytest.mark.parametrize("name", TRITON_DEPLOYMENTS)
+def test_triton_runs_like_the_local_stack(name: str) -> None:
+    deployment = one("Deployment", name)
+    flags = triton_args(deployment)
+    assert flags["--model-control-mode"] == "explicit"
+    assert flags["--strict-readiness"] == "false"
+    assert flags["--metrics-config"] == "summary_latencies=true"
+    assert flags["--model-repository"] == settings_from_configmap().repository_url
+    (container,) = containers(deployment)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": int(flags["--http-port"]), "grpc": int(flags["--grpc-port"]),
+                     "metrics": int(flags["--metrics-port"])}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready",
+                                                      "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live",
+                                                     "port": "http"}
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"]
+    assert int(resources["limits"]["nvidia.com/gpu"]) >= 1
+    env = {e["name"]: e for e in container["env"]}
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(env)
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "modelship-s3"
+    assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_canary_is_one_replica_like_the_fleet() -> None:
+    fleet, canary = (one("Deployment", n) for n in TRITON_DEPLOYMENTS)
+    assert canary["spec"]["replicas"] == 1
+    (fleet_container,), (canary_container,) = containers(fleet), containers(canary)
+    for key in ("image", "args", "resources", "env"):
+        assert fleet_container[key] == canary_container[key], f"canary {key} differs"
+
+
+def test_role_grants_discovery_to_the_worker() -> None:
+    role = one("Role", "modelship-discovery")
+
+    def allowed(group: str, resource: str, verb: str) -> bool:
+        return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+                   for r in role["rules"])
+
+    assert allowed("discovery.k8s.io", "endpointslices", "list")
+    assert allowed("", "services", "get")
+    assert not any(v in {"create", "update", "patch", "delete", "deletecollection", "*"}
+                   for r in role["rules"] for v in r["verbs"]), "discovery is read-only"
+
+    binding = one("RoleBinding", "modelship-discovery")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "modelship-discovery"}
+    account = one("ServiceAccount", "modelship-worker")["metadata"]
+    assert {"kind": "ServiceAccount", "name": account["name"],
+            "namespace": account["namespace"]} in binding["subjects"]
+    pod = one("Deployment", "modelship-worker")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["name"]
+    assert pod["automountServiceAccountToken"] is True
+
+
+def settings_env_names() -> dict[str, str]:
+    """Every environment variable Settings reads, mapped to its field name."""
+    names: dict[str, str] = {}
+    for field, info in Settings.model_fields.items():
+        names[f"MODELSHIP_{field}".upper()] = field
+        alias = info.validation_alias
+        for choice in getattr(alias, "choices", []):
+            if isinstance(choice, str) and choice.isupper():
+                names[choice] = field
+    return names
+
+
+def configmap_data() -> dict[str, str]:
+    return one("ConfigMap", SETTINGS_CONFIGMAP)["data"]
+
+
+@cache
+def settings_from_configmap() -> Settings:
+    """The settings a pod with the ConfigMap in its environment gets, and nothing else."""
+    known = set(settings_env_names())
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name.upper() in known or name.upper().startswith("MODELSHIP_"):
+                patch.delenv(name)
+        for name, value in configmap_data().items():
+            patch.setenv(name, value)
+        return Settings()
+
+
+def test_configmap_sets_only_settings_fields() -> None:
+    known = settings_env_names()
+    unknown = sorted(set(configmap_data()) - set(known))
+    assert unknown == [], "not modelship.settings.Settings fields (typo?)"
+    fields = [known[name] for name in configmap_data()]
+    assert len(fields) == len(set(fields)), "two variables set the same Settings field"
+
+
+def test_configmap_points_settings_at_these_manifests() -> None:
+    settings = settings_from_configmap()
+    fleet = one("Service", FLEET_SERVICE)
+    assert settings.kubernetes_discovery() == {
+        "namespace": fleet["metadata"]["namespace"], "service": fleet["metadata"]["name"],
+        "http_port_name": "http", "grpc_port_name": "grpc", "metrics_port_name": "metrics",
+        "timeout_s": settings.http_timeout_s,
+    }
+    assert {p["name"] for p in fleet["spec"]["ports"]} >= {
+        settings.k8s_http_port_name, settings.k8s_grpc_port_name,
+        settings.k8s_metrics_port_name,
+    }
+
+    canary = settings.triton_canary
+    assert canary is not None
+    service = one("Service", CANARY_SERVICE)
+    host = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert canary.http == f"http://{host}:{ports['http']}"
+    assert canary.grpc == f"{host}:{ports['grpc']}"
+    assert canary.metrics == f"http://{host}:{ports['metrics']}/metrics"
+
+    assert settings.aws_secret_access_key is None, "credentials belong in a Secret"
+    assert settings.slack_token is None and settings.slack_signing_secret is None
+
+
+def test_approvals_url_is_routed_to_the_approvals_service() -> None:
+    url = urlsplit(settings_from_configmap().approvals_url or "")
+    assert url.scheme == "https"
+    route = one("HTTPRoute", "modelship-approvals")
+    assert url.hostname in route["spec"]["hostnames"]
+    services = {s["metadata"]["name"]: s for s in docs_of("Service")}
+    routed = []
+    for rule in route["spec"]["rules"]:
+        prefixes = [m["path"]["value"] for m in rule.get("matches", [{"path": {"value": "/"}}])]
+        if any(url.path.startswith(p) for p in prefixes):
+            routed.extend(rule["backendRefs"])
+    assert routed, f"no rule matches {url.path}"
+    for ref in routed:
+        service = services[ref["name"]]
+        assert ref["port"] in {p["port"] for p in service["spec"]["ports"]}
+        assert selects(service["spec"]["selector"],
+                       pod_labels(one("Deployment", "modelship-approvals")))
+
+
+@pytest.mark.parametrize("name", MODELSHIP_DEPLOYMENTS)
+def test_modelship_pods_read_settings_and_secrets(name: str) -> None:
+    known = settings_env_names()
+    (container,) = containers(one("Deployment", name))
+    assert {"configMapRef": {"name": SETTINGS_CONFIGMAP, "optional": False}} in (
+        container["envFrom"])
+    for var in container["env"]:
+        secret = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if secret:
+            assert var["name"] in known, f"{var['name']} is not a Settings field"
+    assert container["image"] == "modelship:latest"
+    assert container["command"][0] in {"modelship", "prefect"}
+
+
+def test_worker_home_is_a_writable_volume() -> None:
+    home = str(settings_from_configmap().home)
+    (container,) = containers(one("Deployment", "modelship-worker"))
+    assert home in {m["mountPath"] for m in container["volumeMounts"]}
+
+
+def test_secret_references_are_documented() -> None:
+    readme = (INFRA / "README.md").read_text()
+    for deployment in docs_of("Deployment"):
+        for container in containers(deployment):
+            for var in container.get("env", []):
+                ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in EXTERNAL_SECRETS.get(ref["name"], set()), ref
+                    assert f"create secret generic {ref['name']}" in readme
+                    assert f"--from-literal={ref['key']}=" in readme
+
+
+@pytest.mark.parametrize("deployment", docs_of("Deployment"), ids=lambda d: d["metadata"]["name"])
+def test_pods_meet_pod_security_restricted(deployment: dict[str, Any]) -> None:
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    volumes = {v["name"] for v in pod.get("volumes", [])}
+    for container in pod["containers"]:
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"]["drop"] == ["ALL"]
+        assert context["readOnlyRootFilesystem"] is True
+        assert {m["name"] for m in container.get("volumeMounts", [])} <= volumes
+        for quantities in container["resources"].values():
+            # The kubernetes client's models reject numbers here (RECIPES.md).
+            assert all(isinstance(q, str) for q in quantities.values()), quantities
+        assert container["resources"]["limits"].get("memory")
+
+
+# --------------------------------------------------------------------------------------
+# Kustomizations.
+
+
+def kustomizations() -> list[Path]:
+    return sorted(INFRA.rglob(KUSTOMIZATION))
+
+
+@pytest.mark.parametrize("path", kustomizations(), ids=lambda p: str(p.relative_to(INFRA)))
+def test_kustomization_lists_existing_files(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    assert doc["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
+    assert doc["kind"] == "Kustomization"
+    assert set(doc) <= {"apiVersion", "kind", "namespace", "resources"}
+    folder = path.parent
+    resources = doc["resources"]
+    assert len(resources) == len(set(resources))
+    for entry in resources:
+        target = (folder / entry).resolve()
+        assert target.is_relative_to(INFRA.resolve()), entry
+        assert target.is_file() or (target / KUSTOMIZATION).is_file(), f"{entry} is missing"
+    listed = {(folder / entry).resolve() for entry in resources}
+    local = {p.resolve() for p in folder.glob("*.yaml") if p.name != KUSTOMIZATION}
+    local |= {p.parent.resolve() for p in folder.glob(f"*/{KUSTOMIZATION}")}
+    assert local - listed == set(), "manifests that no kustomization applies"
+
+
+def test_top_kustomization_reaches_every_manifest() -> None:
+    reached: set[Path] = set()
+
+    def walk(folder: Path) -> None:
+        for entry in yaml.safe_load((folder / KUSTOMIZATION).read_text())["resources"]:
+            target = (folder / entry).resolve()
+            if target.is_dir():
+                walk(target)
+            else:
+                reached.add(target)
+
+    walk(INFRA)
+    assert reached == {p.resolve() for p in manifest_files()}
+    top = yaml.safe_load((INFRA / KUSTOMIZATION).read_text())
+    assert top["namespace"] == NAMESPACE
