@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["bench.stack_startup", "bench.staging"]
+BENCHMARKS = ["bench.stack_startup", "bench.staging", "bench.judge", "bench.loadgen", "bench.swap"]
 
 
 def main() -> None:

@@ -159,3 +159,39 @@ def load_payload(clients: Clients, settings: Settings, model: str, version: int,
             feed = golden_feed(golden, spec_of_config(config), resolved.signature)
             return feed, info.source
     return example_request(config, rows=rows, random=True), "synthetic"
+
+
+def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, version: int,
+           progress: Progress = lambda _: None) -> dict[str, Any]:
+    """Stage if needed, then the canary against the version in production, and the gates.
+
+    No swap. The baseline is what the fleet serves (else the ``production`` alias); on a
+    first release there is none and only absolute gates apply.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from flows.check import run_check
+    from tasks.canary import run_canary
+    from tasks.stage import manifest_key
+
+    if clients.storage is None or clients.canary is None:
+        raise UsageError("the canary needs an S3 repository and a canary Triton",
+                         hint="run `modelship stack up` or set MODELSHIP_S3_ENDPOINT and "
+                         "MODELSHIP_TRITON_CANARY")
+    if not clients.storage.exists(manifest_key(settings.repository_prefix, model, version)):
+        progress(f"{model} v{version} is not staged yet: checking and staging it first")
+        with tempfile.TemporaryDirectory(prefix="modelship-canary-") as tmp:
+            run_check(settings, clients, policy, model=model, version=version,
+                      workdir=Path(tmp), stage=True, progress=progress)
+    baseline = status(clients, model=model)["production_version"] if clients.replicas else None
+    if baseline is None and clients.registry is not None:
+        baseline = clients.registry.aliases(model).get(PRODUCTION_ALIAS)
+    if baseline == version:
+        progress(f"{model} v{version} is already in production: nothing to compare")
+        return {"model": model, "candidate": version, "baseline": baseline, "verdict": "noop",
+                "message": f"v{version} already serves in production"}
+    with release_lock(model, prefect_api_url=settings.prefect_api_url, home=settings.home):
+        result = run_canary(settings, clients, policy, model=model, candidate=version,
+                            baseline=baseline, progress=progress)
+    return dict(result.to_dict())

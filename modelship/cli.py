@@ -382,6 +382,36 @@ def load(model: ModelArg, version: VersionOpt = None,
                           exit_code=code))
 
 
+VERDICT_EXIT = {"passed": 0, "noop": 0, "failed": 4, "inconclusive": 6, "error": 1}
+
+
+@app.command("canary")
+def canary(model: ModelArg,
+           version: Annotated[int, typer.Option("--version", "-v", help="Candidate version.")],
+           policy: PolicyOpt = None, as_json: JsonOpt = False) -> None:
+    """Canary the candidate against production on the canary Triton; apply the gates."""
+    from flows import fleet
+    from modelship.policy import policy_for
+
+    def action() -> Any:
+        return _with_clients(lambda settings, clients: fleet.canary(
+            settings, clients, policy_for(model, settings.policies_dir, policy), model=model,
+            version=version, progress=progress))
+
+    def render(doc: dict[str, Any]) -> str:
+        if doc["verdict"] == "noop":
+            return doc["message"]
+        paths = doc.get("report") or {}
+        markdown = ""
+        if paths.get("markdown"):
+            markdown = Path(paths["markdown"]).read_text()
+        return (markdown + f"\nverdict: {doc['verdict']}; report: {paths.get('markdown')}, "
+                f"plot: {paths.get('png')}")
+
+    _finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d,
+                          exit_code=lambda d: VERDICT_EXIT.get(d["verdict"], 1)))
+
+
 @app.command("demo")
 def demo(as_json: JsonOpt = False) -> None:
     """The whole story on the embedded stack: release v1, then a better v2."""

@@ -83,13 +83,13 @@ def run_demo(settings: Settings, clients: Clients, policy: Policy, *,
                        workdir=workdir / f"v{v2}", stage=True, progress=progress)
     steps.append({"step": f"check+stage v{v2}", "verdict": report.verdict})
     canary = _canary(settings, clients, policy, candidate=v2, baseline=v1, progress=progress)
-    if canary is not None:
-        steps.append({"step": f"canary v{v2} vs v{v1}", "verdict": canary["verdict"],
-                      "report": canary.get("report_paths")})
-        if canary["verdict"] != "passed":
-            return {"model": DEMO_MODEL, "released": v1, "candidate": v2, "steps": steps,
-                    "outcome": f"v{v2} stopped by the gates ({canary['verdict']})",
-                    "seconds": round(time.monotonic() - started, 1)}
+    steps.append({"step": f"canary v{v2} vs v{v1}", "verdict": canary["verdict"],
+                  "report": canary.get("report")})
+    if canary["verdict"] != "passed":
+        return {"model": DEMO_MODEL, "released": v1, "candidate": v2, "steps": steps,
+                "canary": canary,
+                "outcome": f"v{v2} stopped by the gates ({canary['verdict']})",
+                "seconds": round(time.monotonic() - started, 1)}
     swap = fleet.swap(settings, clients, policy, model=DEMO_MODEL, target=v2, progress=progress)
     clients.registry.set_alias(DEMO_MODEL, PREVIOUS_ALIAS, v1)
     clients.registry.set_alias(DEMO_MODEL, PRODUCTION_ALIAS, v2)
@@ -98,18 +98,16 @@ def run_demo(settings: Settings, clients: Clients, policy: Policy, *,
                   "phases": [p["name"] for p in swap["phases"]]})
     status = fleet.status(clients, model=DEMO_MODEL)
     return {"model": DEMO_MODEL, "released": v2, "previous": v1, "steps": steps,
+            "canary": canary,
             "status": status, "outcome": f"v{v2} serves on every replica",
             "seconds": round(time.monotonic() - started, 1)}
 
 
 def _canary(settings: Settings, clients: Clients, policy: Policy, *, candidate: int,
-            baseline: int, progress: Progress) -> dict[str, Any] | None:
-    """The canary stage, when this build has it."""
-    try:
-        from tasks.canary import run_canary
-    except ImportError:
-        progress("canary stage not available in this build; skipping")
-        return None
+            baseline: int, progress: Progress) -> dict[str, Any]:
+    """The canary stage: v2 against v1, side by side on the canary Triton, then the gates."""
+    from tasks.canary import run_canary
+
     result = run_canary(settings, clients, policy, model=DEMO_MODEL, candidate=candidate,
                         baseline=baseline, progress=progress)
     return dict(result.to_dict())

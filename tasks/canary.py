@@ -1,0 +1,648 @@
+"""Stage 5, canary: the candidate C next to the baseline P on the canary Triton, same inputs.
+
+As Kayenta does, C is judged against a baseline running at the same time on the same
+server, not against history: both versions are loaded side by side
+(``version_policy: specific [P, C]``, C's staged config) and addressed explicitly as
+``/versions/N``, and every golden row goes to both, back-to-back, alternating which goes
+first (:func:`modelship.loadgen.run_paired`). On a first release there is no P: C is loaded
+alone and only the absolute gates apply.
+
+The run, in order, all inside one ``try`` whose ``finally`` unloads the canary model:
+
+1. **Load** ``[P, C]`` (or ``[C]``) with a full-config override over gRPC and wait until
+   every version is READY.
+2. **Warm up** for ``canary.warmup_s`` (records discarded), then **scrape** Triton's
+   metrics, so the server-side figures cover exactly the measured load.
+3. **Measure** in rounds: the first runs until the windows are stable (or the budget ends);
+   later rounds are sized from the observed throughput until each arm has the sample size
+   the gates need (:func:`tasks.gates.plan_samples`, floored at ``canary.min_samples``) or
+   ``canary.max_duration_s`` (warm-up included) is spent. Too few samples is not hidden:
+   the gates then say inconclusive.
+4. **Scrape** again; per-version deltas give the mean queue and compute µs per request
+   (counter resets and vanished series handled in :mod:`modelship.triton.metrics`).
+5. **Agreement**: for the same row, the candidate's answer against the baseline's (top-1
+   label for classifiers, ``|c - b| <= abs_tol + rel_tol * |b|`` for regressors).
+6. **Judge** the :class:`~modelship.measurements.CanarySnapshot` with the pure gates and
+   write the report (markdown, PNG, JSON; a Prefect artifact inside a flow run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from modelship.clients import Clients
+from modelship.errors import InfrastructureError, ModelshipError, UsageError
+from modelship.loadgen import LoadReport, LoadSpec, RequestRecord, Target, run_load, run_paired
+from modelship.measurements import ArmMeasurements, CanarySnapshot
+from modelship.policy import AgreementPolicy, CanaryPolicy, GateRule, Policy
+from modelship.settings import Settings
+from modelship.triton.client import TritonServer
+from modelship.triton.metrics import Scrape
+
+Progress = Callable[[str], None]
+
+BASELINE, CANDIDATE = "baseline", "candidate"
+_READY_POLL_S = 0.2
+_UNLOAD_WAIT_S = 15.0
+_BUSY_STATES = frozenset({"READY", "LOADING", "UNLOADING"})
+_MIN_ROUND_S = 0.5
+_ROUND_MARGIN = 1.2
+_COMPARATIVE_METRICS = frozenset({"agreement", "throughput_ratio"})
+
+
+def _quiet(_: str) -> None:
+    """The default progress sink: say nothing."""
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class CanaryResult:
+    """What a canary measured and decided; ``to_dict()`` is the ``--json`` document.
+
+    Attributes:
+        model: Model name.
+        candidate: The version under test.
+        baseline: The production version it ran against, or None on a first release.
+        verdict: The gates' combined verdict (``passed``, ``inconclusive``, ``error`` or
+            ``failed``).
+        snapshot: The measurements the gates judged.
+        gate_report: The gates' report (:class:`tasks.gates.GateReport`).
+        load: Summary of the load: shape, rounds, samples reached against required.
+        seconds: Wall time of the whole canary, load and unload included, in s.
+        report_paths: Where the markdown, PNG and JSON report were written.
+        cleanup: ``unloaded``, or why the canary model could not be unloaded.
+        skipped_rules: Comparative rules not judged on a first release (no baseline).
+    """
+
+    model: str
+    candidate: int
+    baseline: int | None
+    verdict: str
+    snapshot: CanarySnapshot
+    gate_report: Any
+    load: dict[str, Any]
+    seconds: float = 0.0
+    report_paths: dict[str, str] = field(default_factory=dict)
+    cleanup: str = "pending"
+    skipped_rules: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the verdict first, then the evidence."""
+        return {
+            "model": self.model,
+            "candidate": self.candidate,
+            "baseline": self.baseline,
+            "verdict": self.verdict,
+            "gates": self.gate_report.to_dict(),
+            "skipped_rules": self.skipped_rules,
+            "snapshot": _jsonable(self.snapshot.to_dict()),
+            "load": self.load,
+            "report": self.report_paths,
+            "cleanup": self.cleanup,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    """NaN and infinities become None: JSON has no NaN, and no data is never a number."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+# --------------------------------------------------------------------------- agreement (pure)
+
+
+def _rows(array: np.ndarray) -> np.ndarray:
+    """An output as one row per input row (a scalar per row stays 1-D)."""
+    arr = np.asarray(array)
+    if arr.ndim == 0:
+        return arr.reshape(1)
+    if arr.ndim > 1 and int(np.prod(arr.shape[1:])) == 1:
+        return arr.reshape(arr.shape[0])
+    return arr
+
+
+def _label_output(outputs: Mapping[str, np.ndarray]) -> str | None:
+    """The output holding a predicted label: integer or string, one value per row."""
+    for name in sorted(outputs):
+        arr = _rows(outputs[name])
+        if arr.ndim == 1 and (arr.dtype.kind in "iuSUO" or arr.dtype == np.bool_):
+            return name
+    return None
+
+
+def _probability_output(outputs: Mapping[str, np.ndarray]) -> str | None:
+    """A float output with one column per class (named ``prob*`` first)."""
+    candidates = [n for n in sorted(outputs)
+                  if np.asarray(outputs[n]).dtype.kind == "f" and _rows(outputs[n]).ndim == 2
+                  and _rows(outputs[n]).shape[1] > 1]
+    named = [n for n in candidates if n.lower().startswith("prob")]
+    chosen = named or candidates
+    return chosen[0] if chosen else None
+
+
+def agreement_kind(outputs: Mapping[str, np.ndarray], configured: str = "auto") -> str:
+    """``classifier`` or ``regressor``: as configured, else from the outputs' shapes.
+
+    ``auto`` means classifier when the model returns a label (an integer or string per row)
+    or class probabilities (a float matrix), and regressor otherwise.
+    """
+    if configured in ("classifier", "regressor"):
+        return configured
+    if _label_output(outputs) or _probability_output(outputs):
+        return "classifier"
+    return "regressor"
+
+
+def top1_labels(outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The predicted label of each row: the label output, else argmax of the probabilities.
+
+    Raises:
+        UsageError: The outputs hold neither (set ``canary.agreement.kind: regressor``).
+    """
+    label = _label_output(outputs)
+    if label is not None:
+        return _rows(outputs[label])
+    probabilities = _probability_output(outputs)
+    if probabilities is not None:
+        return np.argmax(_rows(outputs[probabilities]), axis=1)
+    raise UsageError(
+        f"no label or probability output among {sorted(outputs)} to compare top-1 labels",
+        hint="set canary.agreement.kind to regressor in the model's policy",
+    )
+
+
+def rows_agree(kind: str, candidate: Mapping[str, np.ndarray],
+               baseline: Mapping[str, np.ndarray], policy: AgreementPolicy) -> np.ndarray:
+    """Whether each row's answers agree (pure): a boolean per input row.
+
+    Classifier: the same top-1 label. Regressor: every numeric output element within
+    ``regressor_abs_tol + regressor_rel_tol * |baseline|``; a NaN never agrees, and an
+    output missing on either side is a disagreement.
+    """
+    if kind == "classifier":
+        c, b = top1_labels(candidate), top1_labels(baseline)
+        if c.shape != b.shape:
+            return np.zeros(max(len(c), len(b)), dtype=bool)
+        return np.asarray(c == b, dtype=bool)
+    names = sorted(n for n in baseline if np.asarray(baseline[n]).dtype.kind in "fiub")
+    n_rows = len(_rows(next(iter(baseline.values())))) if baseline else 0
+    agree = np.ones(n_rows, dtype=bool)
+    for name in names:
+        if name not in candidate:
+            return np.zeros(n_rows, dtype=bool)
+        b = np.asarray(baseline[name], dtype=float).reshape(n_rows, -1)
+        c = np.asarray(candidate[name], dtype=float)
+        if c.size != b.size:
+            return np.zeros(n_rows, dtype=bool)
+        c = c.reshape(n_rows, -1)
+        close = np.abs(c - b) <= policy.regressor_abs_tol + policy.regressor_rel_tol * np.abs(b)
+        agree &= close.all(axis=1)
+    return agree
+
+
+def pair_by_row(records: Sequence[RequestRecord]
+                ) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
+    """(candidate, baseline) outputs for the same input rows (pure).
+
+    ``run_paired`` sends each row to both arms; answered records of one row are matched in
+    completion order, arm against arm. Rows answered by one arm only are not paired (their
+    failures count as errors, not as disagreements).
+    """
+    by_row: dict[int, dict[str, list[dict[str, np.ndarray]]]] = defaultdict(
+        lambda: {BASELINE: [], CANDIDATE: []})
+    for record in records:
+        if record.ok and record.outputs is not None and record.tag in (BASELINE, CANDIDATE):
+            by_row[record.row][record.tag].append(record.outputs)
+    pairs: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
+    for row in sorted(by_row):
+        arms = by_row[row]
+        pairs.extend(zip(arms[CANDIDATE], arms[BASELINE], strict=False))
+    return pairs
+
+
+def compute_agreement(records: Sequence[RequestRecord], policy: AgreementPolicy
+                      ) -> tuple[float | None, int, str]:
+    """Share of paired rows whose answers agree, the number of rows compared, and the kind.
+
+    Returns ``(None, 0, kind)`` when no pair was answered: no data is not agreement.
+    """
+    pairs = pair_by_row(records)
+    if not pairs:
+        return None, 0, policy.kind if policy.kind != "auto" else "classifier"
+    kind = agreement_kind(pairs[0][1], policy.kind)
+    agreed = compared = 0
+    for candidate, baseline in pairs:
+        rows = rows_agree(kind, candidate, baseline, policy)
+        agreed += int(rows.sum())
+        compared += int(rows.size)
+    return (agreed / compared if compared else None), compared, kind
+
+
+# --------------------------------------------------------------------------- load plan (pure)
+
+
+def load_spec(canary: CanaryPolicy, *, timeout_s: float, keep_outputs: bool) -> LoadSpec:
+    """The load shape of the policy, without a warm-up (the canary runs its own first)."""
+    return LoadSpec(
+        protocol=canary.protocol,
+        concurrency=canary.concurrency if canary.mode == "concurrency" else None,
+        rate_rps=canary.rate_rps if canary.mode == "rate" else None,
+        arrival="poisson" if canary.poisson else "constant",
+        warmup_s=0.0,
+        window_s=canary.window_s,
+        stability_pct=canary.stability_pct,
+        max_duration_s=canary.max_duration_s,
+        timeout_s=timeout_s,
+        keep_outputs=keep_outputs,
+    )
+
+
+def next_round_s(*, missing: int, ok_per_s: float, remaining_s: float,
+                 min_round_s: float = _MIN_ROUND_S) -> float | None:
+    """How long the next measurement round should run, in s, or None to stop.
+
+    Sized from the observed per-arm rate of answered requests with a margin; never past
+    the remaining budget, and no round shorter than ``min_round_s`` (its figures would be
+    noise). None when nothing is missing, nothing was answered, or time is up.
+    """
+    if missing <= 0 or ok_per_s <= 0 or remaining_s < min_round_s:
+        return None
+    return min(max(missing / ok_per_s * _ROUND_MARGIN, min_round_s), remaining_s)
+
+
+def is_comparative(rule: GateRule) -> bool:
+    """Whether a rule needs a baseline: latency tests against it, agreement, throughput."""
+    return rule.test == "mann_whitney" or rule.metric in _COMPARATIVE_METRICS
+
+
+# --------------------------------------------------------------------------- I/O steps
+
+
+@dataclass
+class _Measured:
+    records: list[RequestRecord] = field(default_factory=list)
+    measured_s: float = 0.0
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    stable: bool | None = None
+    required: int = 1
+
+
+def _wait_ready(server: TritonServer, model: str, versions: Sequence[int],
+                deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    pending = [str(v) for v in versions]
+    while pending:
+        pending = [v for v in pending if not server.is_model_ready(model, v)]
+        if not pending:
+            return
+        if time.monotonic() > end:
+            raise InfrastructureError(
+                f"{model} versions {', '.join(pending)} did not become ready on the canary "
+                f"{server.name} within {deadline_s:g} s",
+                hint="see the canary Triton log; the staged files may be incomplete",
+                model=model, versions=pending,
+            )
+        time.sleep(_READY_POLL_S)
+
+
+def _unload(server: TritonServer, model: str, progress: Progress) -> str:
+    """Unload the canary model and wait until no version of it is left; never raises.
+
+    Waits through ``UNLOADING`` too (about a second here), so that the next canary of the
+    same model does not race a half-unloaded one.
+    """
+    try:
+        server.unload_model(model)
+        end = time.monotonic() + _UNLOAD_WAIT_S
+        while True:
+            left = sorted({str(m.get("state")) for m in server.repository_index()
+                           if m.get("name") == model and m.get("state") in _BUSY_STATES})
+            if not left:
+                return "unloaded"
+            if time.monotonic() > end:
+                return f"still {'/'.join(left)} {_UNLOAD_WAIT_S:g} s after the unload"
+            time.sleep(_READY_POLL_S)
+    except Exception as exc:  # noqa: BLE001 - cleanup reports, the caller's error wins
+        progress(f"canary cleanup: could not unload {model}: {exc}")
+        return f"unload failed: {exc}"
+
+
+def _run(coro: Any) -> LoadReport:
+    result: LoadReport = asyncio.run(coro)
+    return result
+
+
+def _load_once(url: str, model: str, candidate: int, baseline: int | None,
+               payload: Mapping[str, np.ndarray], spec: LoadSpec) -> LoadReport:
+    if baseline is None:
+        return _run(run_load([url], model, payload, spec, version=str(candidate)))
+    return _run(run_paired(Target(url, model, str(baseline)), Target(url, model, str(candidate)),
+                           payload, spec, tags=(BASELINE, CANDIDATE)))
+
+
+def _ok_by_arm(records: Sequence[RequestRecord], paired: bool) -> dict[str, int]:
+    counts = {CANDIDATE: 0, **({BASELINE: 0} if paired else {})}
+    for r in records:
+        if r.ok:
+            arm = r.tag or CANDIDATE
+            counts[arm] = counts.get(arm, 0) + 1
+    return counts
+
+
+def _measure(url: str, model: str, candidate: int, baseline: int | None,
+             payload: Mapping[str, np.ndarray], spec: LoadSpec, *,
+             plan: Callable[[Sequence[RequestRecord]], int], required: int,
+             deadline: float, progress: Progress) -> _Measured:
+    """Measurement rounds until each arm has the answers the gates need or time is up.
+
+    ``required`` is the first estimate; after each round ``plan`` re-sizes it from the
+    records measured so far (the baseline's real latency spread replaces the assumption).
+    """
+    out = _Measured(required=required)
+    paired = baseline is not None
+    first = True
+    while True:
+        remaining_s = deadline - time.monotonic()
+        if first:
+            if remaining_s < min(spec.window_s, _MIN_ROUND_S):
+                break
+            round_spec = replace(spec, max_duration_s=max(remaining_s, _MIN_ROUND_S))
+        else:
+            ok = _ok_by_arm(out.records, paired)
+            missing = out.required - min(ok.values())
+            rate = min(ok.values()) / out.measured_s if out.measured_s > 0 else 0.0
+            duration_s = next_round_s(missing=missing, ok_per_s=rate, remaining_s=remaining_s)
+            if duration_s is None:
+                break
+            round_spec = replace(spec, duration_s=duration_s,
+                                 window_s=min(spec.window_s, duration_s),
+                                 max_duration_s=max(duration_s, spec.max_duration_s))
+        report = _load_once(url, model, candidate, baseline, payload, round_spec)
+        measured = report.measured_records()
+        out.records.extend(measured)
+        out.measured_s += report.duration_s
+        if first:
+            out.stable = report.stable
+        out.rounds.append({"mode": "stability" if first else "sized",
+                           "duration_s": round(report.duration_s, 3),
+                           "requests": report.requests, "errors": report.errors,
+                           "stable": report.stable})
+        counts = _ok_by_arm(out.records, paired)
+        out.required = max(plan(out.records), 1)
+        progress(f"canary round {len(out.rounds)}: {report.duration_s:.1f} s, answered "
+                 + ", ".join(f"{arm} {n}" for arm, n in sorted(counts.items()))
+                 + f" (need {out.required} each)")
+        first = False
+        if min(counts.values()) >= out.required:
+            break
+    return out
+
+
+def _arm(version: int, records: Sequence[RequestRecord], measured_s: float,
+         server: dict[str, Any] | None) -> ArmMeasurements:
+    ok = [r.latency_ms for r in records if r.ok]
+    return ArmMeasurements(
+        version=version,
+        latency_ms=np.asarray(ok, dtype=float),
+        requests=len(records),
+        errors=sum(1 for r in records if not r.ok),
+        throughput_rps=len(ok) / measured_s if measured_s > 0 else None,
+        queue_us_mean=server.get("queue_us_mean") if server else None,
+        compute_us_mean=server.get("compute_us_mean") if server else None,
+    )
+
+
+def _scrape(server: TritonServer, timeout_s: float, notes: list[str]) -> Scrape | None:
+    """Triton's metrics, or None with a note: server-side figures are extra evidence, and
+    their absence makes the rules that use them inconclusive rather than the canary fail."""
+    from modelship.triton.metrics import scrape
+
+    try:
+        return scrape(server.endpoint.metrics, timeout_s)
+    except ModelshipError as exc:
+        notes.append(f"could not read Triton's metrics ({exc.message}); server-side figures "
+                     "are missing")
+        return None
+
+
+def _server_side(before: Scrape | None, after: Scrape | None, model: str,
+                 versions: Mapping[str, int],
+                 notes: list[str]) -> dict[str, dict[str, Any] | None]:
+    from modelship.triton.metrics import delta
+
+    if before is None or after is None:
+        return {arm: None for arm in versions}
+    changes = delta(before, after)
+    out: dict[str, dict[str, Any] | None] = {}
+    for arm, version in versions.items():
+        change = changes.get((model, str(version)))
+        if change is None:
+            notes.append(f"Triton reported no metrics for {model}/{version} after the load "
+                         "(the series vanished: unloaded or reloaded?); server-side figures "
+                         "are missing for the " + arm)
+            out[arm] = None
+            continue
+        if change.resets:
+            notes.append(f"Triton's counters of {model}/{version} restarted during the load "
+                         f"({', '.join(change.resets)}); server-side figures cover only the "
+                         "time since the restart")
+        out[arm] = _jsonable(change.to_dict())
+    return out
+
+
+def required_samples(rules: Sequence[GateRule], records: Sequence[RequestRecord], *,
+                     paired: bool, floor: int) -> int:
+    """Answered requests per version the gates need, sized from what was measured so far.
+
+    The latency tests are sized from the baseline's own latencies (the candidate's on a
+    first release), the error-rate test from the baseline's error rate; without records
+    the gates' lognormal default applies. Never below the policy's ``floor``.
+    """
+    from tasks.gates import plan_samples
+
+    arm = BASELINE if paired else None
+    own = [r for r in records if r.tag == arm]
+    latency = np.asarray([r.latency_ms for r in own if r.ok], dtype=float)
+    error_rate = sum(1 for r in own if not r.ok) / len(own) if own and paired else 0.0
+    return int(plan_samples(rules, baseline_latency_ms=latency if latency.size >= 2 else None,
+                            baseline_error_rate=error_rate, min_samples=floor))
+
+
+def _report_dir(settings: Settings, model: str, candidate: int) -> Path:
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
+    return Path(settings.home) / "reports" / f"canary-{safe}-v{candidate}-{stamp}"
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: str,
+               candidate: int, baseline: int | None,
+               progress: Progress = _quiet, report_dir: Path | None = None) -> CanaryResult:
+    """Run the canary of ``candidate`` against ``baseline`` and judge it with the gates.
+
+    Args:
+        settings: Timeouts and the home folder (reports go to ``home/reports/`` by default).
+        clients: ``canary`` (the Triton it runs on), ``storage`` (staged configs) and, for
+            golden rows, ``registry``.
+        policy: The model's policy: ``canary`` (load shape, budget, agreement) and ``gates``.
+        model: Model name (Triton and MLflow).
+        candidate: The staged version under test.
+        baseline: The production version, staged; None on a first release.
+        progress: Receives one line per step, for the CLI's stderr.
+        report_dir: Where the report goes; default ``home/reports/canary-MODEL-vC-STAMP``.
+
+    Returns:
+        The result; its ``verdict`` is the gates' verdict. A failed gate is not raised here:
+        the caller decides (``GateFailed``/``GatesInconclusive`` in the flow).
+
+    Raises:
+        UsageError: No canary Triton or S3 repository is configured, or baseline == candidate.
+        ModelNotFound: The candidate or the baseline is not staged.
+        StagingError: A staged version fails its manifest.
+        InfrastructureError: The canary could not load or serve the versions.
+    """
+    from flows.fleet import load_payload, staged_config
+    from modelship.triton.model_config import to_json, with_versions
+    from tasks.gates import evaluate
+    from tasks.report import publish_markdown_artifact, write_canary_report
+    from tasks.stage import verify_staged
+
+    started = time.monotonic()
+    server, storage = clients.canary, clients.storage
+    if server is None or storage is None:
+        raise UsageError("the canary needs a canary Triton and the S3 repository",
+                         hint="run `modelship stack up`, or set MODELSHIP_TRITON_CANARY and "
+                              "MODELSHIP_S3_ENDPOINT")
+    if baseline == candidate:
+        raise UsageError(f"{model} v{candidate} is already the production version",
+                         hint="a canary compares a new version against production")
+    canary = policy.canary
+    versions = [v for v in (baseline, candidate) if v is not None]
+    for version in versions:
+        verify_staged(storage, model=model, version=version,
+                      repository_prefix=settings.repository_prefix)
+    config = with_versions(staged_config(clients, settings, model, candidate), versions)
+    payload, source = load_payload(clients, settings, model, candidate,
+                                   rows=policy.export.golden_max_rows)
+    rules = list(policy.gates)
+    skipped = [] if baseline is not None else [r.name for r in rules if is_comparative(r)]
+    judged = [r for r in rules if r.name not in skipped]
+    paired = baseline is not None
+    url = server.endpoint.grpc if canary.protocol == "grpc" else server.endpoint.http
+    spec = load_spec(canary, timeout_s=settings.http_timeout_s, keep_outputs=paired)
+    notes: list[str] = []
+    if skipped:
+        notes.append(f"first release of {model}: no baseline, so the comparative rules "
+                     f"({', '.join(skipped)}) were not judged")
+
+    where = f"canary {server.name}"
+    progress(f"loading {model} " + (f"v{baseline} (baseline) and " if paired else "")
+             + f"v{candidate} (candidate) on the {where}")
+    cleanup = "not loaded"
+    try:
+        server.load_model(model, config_json=to_json(config))
+        cleanup = "loaded"
+        _wait_ready(server, model, versions, settings.control_timeout_s)
+        # Time spent loading does not count against the load budget.
+        deadline = time.monotonic() + canary.max_duration_s
+        warm_records: list[RequestRecord] = []
+        if canary.warmup_s > 0:
+            progress(f"warming up for {canary.warmup_s:g} s")
+            warm = replace(spec, duration_s=canary.warmup_s, keep_outputs=False,
+                           window_s=min(spec.window_s, canary.warmup_s))
+            warm_records = _load_once(url, model, candidate, baseline, payload, warm).records
+
+        def plan(records: Sequence[RequestRecord]) -> int:
+            return required_samples(judged, records, paired=paired, floor=canary.min_samples)
+
+        first_plan = plan(warm_records)
+        before = _scrape(server, settings.http_timeout_s, notes)
+        progress(f"measuring until {first_plan} answered requests per version "
+                 f"(at most {max(deadline - time.monotonic(), 0):.0f} s left)")
+        measured = _measure(url, model, candidate, baseline, payload, spec, plan=plan,
+                            required=first_plan, deadline=deadline, progress=progress)
+        after = _scrape(server, settings.http_timeout_s, notes)
+    finally:
+        if cleanup != "not loaded":
+            progress(f"unloading {model} from the {where}")
+            cleanup = _unload(server, model, progress)
+
+    arms = {CANDIDATE: candidate, **({BASELINE: baseline} if baseline is not None else {})}
+    server_side = _server_side(before, after, model, arms, notes)
+    by_arm: dict[str, list[RequestRecord]] = {arm: [] for arm in arms}
+    for record in measured.records:
+        by_arm[record.tag or CANDIDATE].append(record)
+    agreement, compared, kind = (compute_agreement(measured.records, canary.agreement)
+                                 if paired else (None, 0, canary.agreement.kind))
+    counts = _ok_by_arm(measured.records, paired)
+    required = measured.required
+    if min(counts.values()) < required:
+        notes.append(f"only {min(counts.values())} answered requests per version within "
+                     f"{canary.max_duration_s:g} s; the gates wanted {required}")
+    snapshot = CanarySnapshot(
+        model=model,
+        candidate=_arm(candidate, by_arm[CANDIDATE], measured.measured_s,
+                       server_side[CANDIDATE]),
+        baseline=(_arm(baseline, by_arm[BASELINE], measured.measured_s, server_side[BASELINE])
+                  if baseline is not None else None),
+        agreement=agreement,
+        agreement_samples=compared,
+        agreement_kind=kind if kind != "auto" else "classifier",
+        window_s=measured.measured_s,
+        extra={"server_metrics": server_side, "payload_source": source, "notes": notes},
+    )
+    gate_report = evaluate(snapshot, judged, min_samples=required)
+    load = {
+        "protocol": canary.protocol,
+        "mode": canary.mode,
+        "concurrency": canary.concurrency if canary.mode == "concurrency" else None,
+        "rate_rps": canary.rate_rps if canary.mode == "rate" else None,
+        "paired": paired,
+        "warmup_s": canary.warmup_s,
+        "measured_s": round(measured.measured_s, 3),
+        "stable": measured.stable,
+        "rounds": measured.rounds,
+        "required_samples": required,
+        "samples": counts,
+        "enough_samples": min(counts.values()) >= required,
+        "payload_rows": int(next(iter(payload.values())).shape[0]),
+        "payload_source": source,
+        "url": url,
+    }
+    result = CanaryResult(
+        model=model, candidate=candidate, baseline=baseline,
+        verdict=str(getattr(gate_report.verdict, "value", gate_report.verdict)),
+        snapshot=snapshot, gate_report=gate_report, load=load, cleanup=cleanup,
+        skipped_rules=skipped,
+    )
+    result.seconds = time.monotonic() - started
+    paths = write_canary_report(result, report_dir or _report_dir(settings, model, candidate))
+    result.report_paths = paths.to_dict()
+    publish_markdown_artifact(Path(paths.markdown).read_text(encoding="utf-8"),
+                              key=f"canary-{model}-v{candidate}")
+    progress(f"canary of {model} v{candidate}: {result.verdict} "
+             f"(report {paths.markdown})")
+    return result

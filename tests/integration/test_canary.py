@@ -1,0 +1,291 @@
+"""The canary on the real stack: candidate and baseline side by side on the canary Triton,
+the same rows to both, judged by the real gates.
+
+One model (``canary_it``), checked and staged like a release: v1 is the baseline, v2 the
+same sklearn model registered again, v3 a much heavier ONNX graph with the same I/O, v4 a
+model trained on other data (other answers). Every canary must leave nothing loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from flows.check import run_check
+from modelship.clients import Clients, build_clients
+from modelship.loadgen import RequestRecord
+from modelship.policy import AgreementPolicy, Policy
+from modelship.settings import Settings
+from tasks.canary import (
+    CanaryResult,
+    compute_agreement,
+    next_round_s,
+    rows_agree,
+    run_canary,
+)
+from tests import models
+
+pytestmark = pytest.mark.integration
+
+MODEL = "canary_it"
+SLOW_WIDTH = 1024
+SLOW_LAYERS = 64
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+CANARY_POLICY: dict[str, Any] = {
+    "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 15.0, "min_samples": 300},
+    "gates": [
+        # A shared 2-core machine: identical versions differ by a few % at p99.
+        {"name": "latency_p99", "metric": "latency_p99_ms", "test": "mann_whitney",
+         "max_increase_pct": 15.0, "min_effect_ms": 1.0},
+        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
+        {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98},
+    ],
+}
+
+
+@dataclass(frozen=True)
+class Versions:
+    baseline: int
+    same: int
+    slow: int
+    different: int
+
+
+def slow_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
+    """``tests.models.onnx_graph("softmax")``'s I/O, plus a heavy MatMul chain in the path.
+
+    The input is widened to ``SLOW_WIDTH`` and multiplied ``SLOW_LAYERS`` times by one
+    orthogonal matrix (norms stay put, so no overflow; one shared initializer keeps the
+    file small); a vanishing multiple of the chain's sum joins the logits, so the runtime
+    cannot skip it and the answers stay a proper softmax.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    q, _ = np.linalg.qr(rng.standard_normal((SLOW_WIDTH, SLOW_WIDTH)))
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((n_features, 3)).astype(np.float32), "W"),
+        numpy_helper.from_array(rng.standard_normal((n_features, SLOW_WIDTH))
+                                .astype(np.float32), "Wide"),
+        numpy_helper.from_array(q.astype(np.float32), "Q"),
+        numpy_helper.from_array(np.array([1e-30], np.float32), "tiny"),
+    ]
+    nodes = [helper.make_node("MatMul", ["input", "Wide"], ["h0"])]
+    for i in range(SLOW_LAYERS):
+        nodes.append(helper.make_node("MatMul", [f"h{i}", "Q"], [f"h{i + 1}"]))
+    nodes += [
+        helper.make_node("ReduceSum", [f"h{SLOW_LAYERS}"], ["total"], keepdims=1),
+        helper.make_node("Mul", ["total", "tiny"], ["nudge"]),
+        helper.make_node("MatMul", ["input", "W"], ["raw"]),
+        helper.make_node("Add", ["raw", "nudge"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+        helper.make_node("ArgMax", ["probabilities"], ["label"], axis=1, keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "slow_candidate",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, n_features])],
+        [helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
+         helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 3])],
+        initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def clients(stack_settings: Settings) -> Iterator[Clients]:
+    built = build_clients(stack_settings)
+    yield built
+    built.close()
+
+
+@pytest.fixture(scope="module")
+def versions(stack_settings: Settings, clients: Clients,
+             tmp_path_factory: pytest.TempPathFactory) -> Versions:
+    """Register, check and stage the four versions, as `modelship stage` would."""
+    uri = str(stack_settings.mlflow_tracking_uri)
+
+    def staged(version: int) -> int:
+        report = run_check(stack_settings, clients, Policy(), model=MODEL, version=version,
+                           workdir=tmp_path_factory.mktemp(f"check{version}"), stage=True)
+        assert report.verdict == "passed", report
+        return version
+
+    baseline = staged(models.register_sklearn(uri, MODEL, seed=0))
+    same = staged(models.register_sklearn(uri, MODEL, seed=0))
+    example = {"input": np.random.default_rng(0).standard_normal((16, models.N_FEATURES))
+               .astype(np.float32)}
+    slow = staged(models.register_onnx(uri, MODEL, slow_onnx_graph(), example=example))
+    different = staged(models.register_sklearn(uri, MODEL, seed=1))
+    return Versions(baseline=baseline, same=same, slow=slow, different=different)
+
+
+def _canary(stack_settings: Settings, clients: Clients, tmp_path: Path, *, candidate: int,
+            baseline: int | None, policy: dict[str, Any] | None = None,
+            progress: Any = None) -> CanaryResult:
+    lines: list[str] = []
+    result = run_canary(stack_settings, clients, Policy.model_validate(policy or CANARY_POLICY),
+                        model=MODEL, candidate=candidate, baseline=baseline,
+                        progress=progress or lines.append, report_dir=tmp_path / "report")
+    _assert_nothing_loaded(clients)
+    assert result.cleanup == "unloaded"
+    return result
+
+
+def _assert_nothing_loaded(clients: Clients) -> None:
+    assert clients.canary is not None
+    left = [m for m in clients.canary.repository_index()
+            if m.get("name") == MODEL and m.get("state") in ("READY", "LOADING", "UNLOADING")]
+    assert left == []
+
+
+def _rule(result: CanaryResult, name: str) -> Any:
+    return next(r for r in result.gate_report.results if r.rule == name)
+
+
+def test_identical_candidate_passes(stack_settings: Settings, clients: Clients,
+                                    versions: Versions, tmp_path: Path) -> None:
+    result = _canary(stack_settings, clients, tmp_path, candidate=versions.same,
+                     baseline=versions.baseline)
+    document = result.to_dict()
+    assert result.verdict == "passed", document["gates"]
+    assert result.snapshot.agreement == 1.0
+    assert result.snapshot.agreement_kind == "classifier"
+    assert result.load["enough_samples"]
+    for arm in (result.snapshot.baseline, result.snapshot.candidate):
+        assert arm is not None
+        assert arm.latency_ms.size >= result.load["required_samples"] >= 300
+        assert arm.errors == 0
+        # Triton's own figures for each version, from the metrics endpoint.
+        assert arm.queue_us_mean is not None and arm.queue_us_mean > 0
+        assert arm.compute_us_mean is not None and arm.compute_us_mean > 0
+    assert document["snapshot"]["server_metrics"]["candidate"]["requests"] > 0
+
+    markdown = Path(result.report_paths["markdown"]).read_text(encoding="utf-8")
+    assert f"# Canary: {MODEL} v{versions.same} against v{versions.baseline}: **PASSED**" \
+        in markdown
+    assert "| rule | value | baseline | threshold | p-value | verdict |" in markdown
+    assert "](canary.png)" in markdown
+    assert Path(result.report_paths["png"]).read_bytes().startswith(PNG_MAGIC)
+    assert Path(result.report_paths["json"]).is_file()
+
+
+def test_much_slower_candidate_fails_the_latency_rule(stack_settings: Settings,
+                                                      clients: Clients, versions: Versions,
+                                                      tmp_path: Path) -> None:
+    result = _canary(stack_settings, clients, tmp_path, candidate=versions.slow,
+                     baseline=versions.baseline)
+    latency = _rule(result, "latency_p99")
+    assert result.verdict == "failed"
+    assert str(latency.verdict) == "failed", latency.message
+    assert latency.p_value is not None and latency.p_value < 0.05
+    cand, base = result.snapshot.candidate, result.snapshot.baseline
+    assert base is not None and cand.compute_us_mean and base.compute_us_mean
+    # The server agrees it is the model, not the client: far more compute per request.
+    assert cand.compute_us_mean > 3 * base.compute_us_mean
+    markdown = Path(result.report_paths["markdown"]).read_text(encoding="utf-8")
+    assert "**FAILED**" in markdown
+
+
+def test_candidate_with_other_answers_fails_agreement(stack_settings: Settings,
+                                                      clients: Clients, versions: Versions,
+                                                      tmp_path: Path) -> None:
+    result = _canary(stack_settings, clients, tmp_path, candidate=versions.different,
+                     baseline=versions.baseline)
+    agreement = _rule(result, "agreement")
+    assert str(agreement.verdict) == "failed", agreement.message
+    assert result.snapshot.agreement is not None and result.snapshot.agreement < 0.98
+    assert result.snapshot.agreement_samples >= 300
+    assert result.verdict == "failed"
+
+
+def test_first_release_judges_only_absolute_gates(stack_settings: Settings, clients: Clients,
+                                                  versions: Versions, tmp_path: Path) -> None:
+    policy = {**CANARY_POLICY, "canary": {**CANARY_POLICY["canary"], "max_duration_s": 6.0}}
+    result = _canary(stack_settings, clients, tmp_path, candidate=versions.same, baseline=None,
+                     policy=policy)
+    assert result.verdict == "passed", result.to_dict()["gates"]
+    assert result.skipped_rules == ["latency_p99", "agreement"]
+    assert [r.rule for r in result.gate_report.results] == ["error_rate"]
+    assert result.snapshot.baseline is None and result.snapshot.agreement is None
+    assert "first release" in Path(result.report_paths["markdown"]).read_text(encoding="utf-8")
+
+
+def test_canary_is_unloaded_when_the_run_fails(stack_settings: Settings, clients: Clients,
+                                               versions: Versions, tmp_path: Path) -> None:
+    class Interrupted(Exception):
+        pass
+
+    def progress(line: str) -> None:
+        if line.startswith("warming up"):
+            assert clients.canary is not None
+            assert clients.canary.is_model_ready(MODEL, str(versions.same))
+            raise Interrupted(line)
+
+    with pytest.raises(Interrupted):
+        run_canary(stack_settings, clients, Policy.model_validate(CANARY_POLICY), model=MODEL,
+                   candidate=versions.same, baseline=versions.baseline, progress=progress,
+                   report_dir=tmp_path)
+    _assert_nothing_loaded(clients)
+
+
+# --------------------------------------------------------------------------- agreement (pure)
+
+
+def _record(tag: str, row: int, outputs: dict[str, np.ndarray], ok: bool = True
+            ) -> RequestRecord:
+    return RequestRecord(start_s=0.0, latency_ms=1.0, ok=ok, error=None if ok else "x",
+                         server=0 if tag == "baseline" else 1, model_version="1", row=row,
+                         tag=tag, outputs=outputs if ok else None)
+
+
+def test_agreement_pairs_rows_and_uses_labels_or_argmax() -> None:
+    probs_a = np.array([[0.7, 0.2, 0.1]], np.float32)
+    probs_b = np.array([[0.1, 0.2, 0.7]], np.float32)
+    records = [
+        _record("baseline", 0, {"label": np.array([0]), "probabilities": probs_a}),
+        _record("candidate", 0, {"label": np.array([0]), "probabilities": probs_a}),
+        _record("candidate", 1, {"label": np.array([2]), "probabilities": probs_b}),
+        _record("baseline", 1, {"label": np.array([0]), "probabilities": probs_a}),
+        _record("baseline", 2, {}, ok=False),  # unanswered: an error, not a disagreement
+        _record("candidate", 2, {"label": np.array([0]), "probabilities": probs_a}),
+    ]
+    share, compared, kind = compute_agreement(records, AgreementPolicy())
+    assert (share, compared, kind) == (0.5, 2, "classifier")
+    only_probs = {"probabilities": probs_b}
+    assert rows_agree("classifier", only_probs, {"probabilities": probs_b},
+                      AgreementPolicy()).tolist() == [True]
+
+
+def test_regressor_agreement_uses_relative_and_absolute_tolerance() -> None:
+    policy = AgreementPolicy(kind="regressor", regressor_rel_tol=1e-2, regressor_abs_tol=1e-3)
+    base = {"y": np.array([[100.0], [0.0], [5.0], [np.nan]])}
+    cand = {"y": np.array([[100.9], [0.0009], [5.2], [np.nan]])}
+    assert rows_agree("regressor", cand, base, policy).tolist() == [True, True, False, False]
+    assert compute_agreement([], policy) == (None, 0, "regressor")
+
+
+@pytest.mark.parametrize(
+    ("missing", "ok_per_s", "remaining_s", "expected"),
+    [
+        (0, 100.0, 10.0, None),  # enough already
+        (100, 0.0, 10.0, None),  # nothing answered: more time will not help
+        (100, 100.0, 0.2, None),  # out of budget
+        (100, 100.0, 10.0, 1.2),  # sized from the rate, with a 20% margin
+        (10, 100.0, 10.0, 0.5),  # never a round too short to mean anything
+        (10_000, 100.0, 10.0, 10.0),  # capped at the budget
+    ],
+)
+def test_next_round_is_sized_from_the_observed_rate(missing: int, ok_per_s: float,
+                                                    remaining_s: float,
+                                                    expected: float | None) -> None:
+    assert next_round_s(missing=missing, ok_per_s=ok_per_s,
+                        remaining_s=remaining_s) == pytest.approx(expected)

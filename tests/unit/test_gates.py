@@ -1,0 +1,416 @@
+"""The gates are pure: tables of snapshots and rules in, verdicts out, no servers."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from modelship.measurements import ArmMeasurements, CanarySnapshot
+from modelship.policy import GateRule, default_gates
+from tasks.gates import (
+    GateReport,
+    RuleResult,
+    Verdict,
+    combine,
+    evaluate,
+    hodges_lehmann,
+    judge,
+    markdown_table,
+    plan_samples,
+    required_samples,
+)
+
+P, F, INC, E = Verdict.PASSED, Verdict.FAILED, Verdict.INCONCLUSIVE, Verdict.ERROR
+N = 2000
+
+
+def lat(n: int = N, scale: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Lognormal body (median 2 ms) with a 5% exponential tail, like the judge benchmark."""
+    rng = np.random.default_rng(seed)
+    return scale * (2.0 * np.exp(0.3 * rng.standard_normal(n))
+                    + (rng.random(n) < 0.05) * rng.exponential(4.0, n))
+
+
+BASE_LAT = lat(seed=1)
+
+
+def arm(version: int, latency: np.ndarray | None = None, *, requests: int | None = None,
+        errors: int = 0, rps: float | None = 100.0, queue: float | None = None,
+        compute: float | None = None) -> ArmMeasurements:
+    latency = lat() if latency is None else latency
+    return ArmMeasurements(version, latency, latency.size + errors if requests is None
+                           else requests, errors, rps, queue, compute)
+
+
+def snap(candidate: ArmMeasurements | None = None, baseline: ArmMeasurements | None = None, *,
+         agreement: float | None = 0.995, agreement_samples: int = N,
+         no_baseline: bool = False) -> CanarySnapshot:
+    cand = candidate or arm(7)
+    base = None if no_baseline else (baseline or arm(6, BASE_LAT))
+    return CanarySnapshot("fraud", cand, base, agreement=agreement,
+                          agreement_samples=agreement_samples, window_s=30.0)
+
+
+def rule(**kw: Any) -> GateRule:
+    return GateRule(name=kw.pop("name", "r"), **kw)
+
+
+# --------------------------------------------------------------------------------------
+# threshold
+
+AGREE = {"metric": "agreement", "min": 0.98}
+QUEUE_MAX = {"metric": "queue_us_mean", "max": 500.0}
+TPUT = {"metric": "throughput_ratio", "min": 0.9, "max": 1.5}
+
+
+@pytest.mark.parametrize(
+    ("bounds", "snapshot", "min_samples", "expected"),
+    [
+        # min-only
+        pytest.param(AGREE, snap(agreement=0.995), 100, P, id="min-only-above"),
+        pytest.param(AGREE, snap(agreement=0.98), 100, P, id="min-only-exactly-at-min"),
+        pytest.param(AGREE, snap(agreement=0.9799), 100, F, id="min-only-below"),
+        pytest.param(AGREE, snap(agreement=1e9), 100, P, id="min-only-no-upper-bound"),
+        pytest.param(AGREE, snap(agreement=None), 100, INC, id="min-only-None"),
+        pytest.param(AGREE, snap(agreement=math.nan), 100, INC, id="min-only-NaN"),
+        pytest.param(AGREE, snap(agreement=0.995, agreement_samples=10), 100, INC,
+                     id="min-only-too-few-pairs"),
+        pytest.param(AGREE, snap(no_baseline=True, agreement=None), 100, INC,
+                     id="min-only-first-release"),
+        # max-only
+        pytest.param(QUEUE_MAX, snap(arm(7, queue=120.0)), 100, P, id="max-only-below"),
+        pytest.param(QUEUE_MAX, snap(arm(7, queue=500.0)), 100, P, id="max-only-exactly-at-max"),
+        pytest.param(QUEUE_MAX, snap(arm(7, queue=500.01)), 100, F, id="max-only-above"),
+        pytest.param(QUEUE_MAX, snap(arm(7, queue=-1e9)), 100, P, id="max-only-no-lower-bound"),
+        pytest.param(QUEUE_MAX, snap(arm(7, queue=None)), 100, INC, id="max-only-None"),
+        pytest.param(QUEUE_MAX, snap(arm(7, queue=math.nan)), 100, INC, id="max-only-NaN"),
+        pytest.param(QUEUE_MAX, snap(arm(7, np.array([]), requests=0, queue=10.0)), 1, INC,
+                     id="max-only-zero-requests"),
+        pytest.param(QUEUE_MAX, snap(arm(7, queue=120.0)), N + 1, INC, id="max-only-too-few"),
+        # min and max
+        pytest.param(TPUT, snap(arm(7, rps=90.0)), 100, P, id="range-exactly-at-min"),
+        pytest.param(TPUT, snap(arm(7, rps=150.0)), 100, P, id="range-exactly-at-max"),
+        pytest.param(TPUT, snap(arm(7, rps=89.0)), 100, F, id="range-below"),
+        pytest.param(TPUT, snap(arm(7, rps=151.0)), 100, F, id="range-above"),
+        pytest.param(TPUT, snap(arm(7, rps=None)), 100, INC, id="range-None"),
+        pytest.param(TPUT, snap(arm(7, rps=math.nan)), 100, INC, id="range-NaN"),
+        pytest.param(TPUT, snap(arm(7), arm(6, BASE_LAT, rps=0.0)), 100, INC,
+                     id="range-baseline-zero-throughput"),
+        pytest.param(TPUT, snap(no_baseline=True), 100, INC, id="range-no-baseline"),
+        # latency and error-rate point values
+        pytest.param({"metric": "latency_p99_ms", "max": 5.0}, snap(arm(7, np.full(N, 5.0))),
+                     100, P, id="p99-exactly-at-max"),
+        pytest.param({"metric": "latency_p99_ms", "max": 5.0}, snap(arm(7, np.full(N, 5.1))),
+                     100, F, id="p99-above-max"),
+        pytest.param({"metric": "latency_p99_ms", "max": 5.0},
+                     snap(arm(7, np.array([1.0, math.nan] * 100))), 1, INC, id="p99-NaN-latency"),
+        pytest.param({"metric": "error_rate", "max": 0.01},
+                     snap(arm(7, np.array([]), requests=0)), 1, INC, id="rate-zero-requests"),
+        pytest.param({"metric": "error_rate", "max": 0.01}, snap(arm(7, errors=20)), 100, P,
+                     id="rate-under-max"),
+    ],
+)
+def test_threshold(bounds: dict[str, Any], snapshot: CanarySnapshot, min_samples: int,
+                   expected: Verdict) -> None:
+    result = judge(snapshot, rule(test="threshold", **bounds), min_samples=min_samples)
+    assert result.verdict is expected, result.message
+    assert result.test == "threshold"
+    assert result.message.startswith("r: ")
+    if expected is not P:
+        assert result.verdict is not P
+
+
+def test_threshold_message_names_the_value_the_bound_and_the_cause() -> None:
+    failed = judge(snap(agreement=0.95), rule(**AGREE), min_samples=1)
+    assert "95%" in failed.message and "98%" in failed.message and "fraud/7" in failed.message
+    empty = judge(snap(arm(7, np.array([]), requests=0, queue=1.0)), rule(**QUEUE_MAX),
+                  min_samples=1)
+    assert "no requests reached fraud/7 in the last 30 s" in empty.message
+
+
+# --------------------------------------------------------------------------------------
+# exact_rate
+
+ERR = {"metric": "error_rate", "max_rate": 0.001}
+
+
+def counts(errors: int, requests: int, version: int = 7) -> ArmMeasurements:
+    return arm(version, lat(requests - errors), requests=requests, errors=errors)
+
+
+@pytest.mark.parametrize(
+    ("bounds", "candidate", "baseline", "min_samples", "expected"),
+    [
+        # kayenta#377: the baseline has no errors, the candidate 0.5%.
+        pytest.param(ERR, counts(10, N), counts(0, N, 6), 1000, F, id="zero-baseline-0.5pct"),
+        pytest.param(ERR, counts(0, N), counts(0, N, 6), 1000, P, id="zero-baseline-zero"),
+        pytest.param(ERR, counts(2, N), counts(0, N, 6), 1000, P, id="exactly-at-max-rate"),
+        pytest.param(ERR, counts(10, N), None, 1000, F, id="no-baseline-absolute-route"),
+        pytest.param(ERR, counts(0, N), None, 1000, P, id="no-baseline-zero-errors"),
+        pytest.param(ERR, counts(5, 200), counts(0, 200, 6), 1000, INC, id="too-few-samples"),
+        pytest.param(ERR, counts(0, 0), counts(0, N, 6), 1, INC, id="zero-requests"),
+        pytest.param(ERR, arm(7, lat(10), requests=10, errors=11), None, 1, E,
+                     id="more-errors-than-requests"),
+        # A generous budget: only the comparison with a clean baseline catches 6%.
+        pytest.param({"metric": "error_rate", "max_rate": 0.05}, counts(60, 1000),
+                     counts(0, 1000, 6), 100, F, id="over-budget-and-worse-than-baseline"),
+        pytest.param({"metric": "error_rate", "max_rate": 0.05}, counts(30, 1000),
+                     counts(0, 1000, 6), 100, P, id="worse-than-baseline-within-budget"),
+        pytest.param({"metric": "error_rate", "max_rate": 0.0}, counts(1, N), None, 100, F,
+                     id="zero-budget-one-error"),
+        pytest.param({"metric": "error_rate", "max_rate": 0.0}, counts(0, N), None, 100, P,
+                     id="zero-budget-no-error"),
+        pytest.param({"metric": "error_rate", "max_rate": 1.0}, counts(N, N), None, 100, P,
+                     id="everything-allowed"),
+    ],
+)
+def test_exact_rate(bounds: dict[str, Any], candidate: ArmMeasurements,
+                    baseline: ArmMeasurements | None, min_samples: int,
+                    expected: Verdict) -> None:
+    snapshot = CanarySnapshot("fraud", candidate, baseline, window_s=30.0)
+    result = judge(snapshot, rule(**bounds), min_samples=min_samples)
+    assert result.test == "exact_rate"
+    assert result.verdict is expected, result.message
+
+
+def test_exact_rate_kayenta_377_figures() -> None:
+    result = judge(CanarySnapshot("fraud", counts(10, N), counts(0, N, 6)), rule(**ERR),
+                   min_samples=1000)
+    assert result.verdict is F
+    assert result.value == pytest.approx(0.005)
+    assert result.baseline == 0.0
+    assert result.details["p_absolute"] == pytest.approx(4.58e-5, rel=1e-2)
+    assert result.details["p_vs_baseline"] == pytest.approx(9.66e-4, rel=1e-2)
+    assert "0.5% (10/2000)" in result.message and "0.1%" in result.message
+
+
+# --------------------------------------------------------------------------------------
+# mann_whitney
+
+P99 = {"metric": "latency_p99_ms", "max_increase_pct": 10.0, "min_effect_ms": 0.5}
+
+
+def at_tolerance() -> np.ndarray:
+    """The baseline itself, scaled by exactly the tolerance: the boundary case."""
+    p99 = float(np.percentile(BASE_LAT, 99))
+    return BASE_LAT * (1 + max(0.1 * p99, 0.5) / p99)
+
+
+@pytest.mark.parametrize(
+    ("bounds", "snapshot", "min_samples", "expected"),
+    [
+        pytest.param(P99, snap(arm(7, lat(seed=2))), 1000, P, id="equal-latency"),
+        pytest.param(P99, snap(arm(7, lat(seed=2, scale=1.3))), 1000, F, id="+30pct-regression"),
+        pytest.param(P99, snap(arm(7, lat(seed=2, scale=1.15))), 1000, F, id="+15pct-regression"),
+        pytest.param(P99, snap(arm(7, at_tolerance())), 1000, P, id="exactly-at-tolerance"),
+        pytest.param(P99, snap(arm(7, lat(seed=2, scale=0.7))), 1000, P, id="faster"),
+        # +20% is significant, but the p99 moves by ~1.7 ms, under the 5 ms floor.
+        pytest.param({"metric": "latency_p99_ms", "max_increase_pct": 1.0, "min_effect_ms": 5.0},
+                     snap(arm(7, lat(seed=2, scale=1.2))), 1000, P, id="below-effect-floor"),
+        pytest.param({"metric": "latency_p99_ms", "max_increase_pct": 1.0},
+                     snap(arm(7, lat(seed=2, scale=1.2))), 1000, F, id="same-shift-no-floor"),
+        pytest.param(P99, snap(arm(7, lat(seed=2)), no_baseline=True), 1, INC, id="no-baseline"),
+        pytest.param(P99, snap(arm(7, np.array([]), requests=0)), 1, INC, id="zero-requests"),
+        pytest.param(P99, snap(arm(7, np.array([]), requests=50, errors=50)), 1, INC,
+                     id="all-requests-failed"),
+        pytest.param(P99, snap(arm(7), arm(6, np.array([]), requests=0)), 1, INC,
+                     id="baseline-zero-requests"),
+        pytest.param(P99, snap(arm(7, np.array([2.0, math.nan, 3.0] * 500))), 1, INC,
+                     id="NaN-latency"),
+        pytest.param(P99, snap(arm(7, lat(500, scale=2.0))), 1000, INC, id="too-few-samples"),
+        pytest.param(P99, snap(arm(7, lat(), requests=N), arm(6, lat(500, seed=3))), 1000, INC,
+                     id="baseline-too-few-samples"),
+        pytest.param(P99, snap(arm(7, np.full(N, 2.0)), arm(6, np.full(N, 2.0))), 1000, P,
+                     id="constant-equal-latency"),
+        pytest.param({"metric": "latency_mean_ms", "max_increase_pct": 10.0},
+                     snap(arm(7, lat(seed=2, scale=1.3))), 1000, F, id="mean-regression"),
+    ],
+)
+def test_mann_whitney(bounds: dict[str, Any], snapshot: CanarySnapshot, min_samples: int,
+                      expected: Verdict) -> None:
+    result = judge(snapshot, rule(**bounds), min_samples=min_samples)
+    assert result.test == "mann_whitney"
+    assert result.verdict is expected, result.message
+
+
+def test_mann_whitney_reports_the_shift_and_the_bound() -> None:
+    result = judge(snap(arm(7, lat(seed=2, scale=1.3))), rule(**P99), min_samples=1000)
+    assert result.verdict is F
+    assert result.value == pytest.approx(np.percentile(lat(seed=2, scale=1.3), 99))
+    assert result.baseline == pytest.approx(np.percentile(BASE_LAT, 99))
+    assert result.baseline is not None
+    assert result.threshold_value == pytest.approx(result.baseline * 1.1)
+    assert result.p_value is not None and result.p_value < 0.05
+    low, high = result.details["hodges_lehmann_ratio_ci"]
+    assert 1.1 < low <= result.details["hodges_lehmann_ratio"] <= high
+    assert result.details["hodges_lehmann_ratio"] == pytest.approx(1.3, abs=0.03)
+    assert result.samples == (N, N)
+    assert "fraud/7" in result.message and "p=" in result.message
+
+
+def test_no_baseline_message() -> None:
+    result = judge(snap(no_baseline=True), rule(**P99), min_samples=1)
+    assert "no baseline to compare against" in result.message
+
+
+def test_a_broken_measurement_is_an_error_not_a_crash() -> None:
+    broken = ArmMeasurements(7, np.array(["fast", "slow"]), 2, 0)
+    result = judge(snap(broken), rule(**P99), min_samples=1)
+    assert result.verdict is E
+    assert "ValueError" in result.message
+
+
+@pytest.mark.parametrize(("n", "m"), [(1, 1), (7, 5), (40, 40), (301, 177)])
+def test_hodges_lehmann_matches_brute_force(n: int, m: int) -> None:
+    rng = np.random.default_rng(n * 1000 + m)
+    x = np.round(rng.normal(size=n), 1)  # rounded: ties included
+    y = np.round(rng.normal(0.3, size=m), 1)
+    diffs = np.sort(np.subtract.outer(x, y).ravel())
+    est, low, high = hodges_lehmann(x, y, alpha=0.05)
+    assert est == pytest.approx(np.median(diffs))
+    assert diffs[0] <= low <= est <= high <= diffs[-1]
+    assert low in diffs and high in diffs
+
+
+# --------------------------------------------------------------------------------------
+# dry run and combining
+
+
+def result_of(verdict: Verdict, dry_run: bool = False) -> RuleResult:
+    return RuleResult("r", "agreement", "threshold", verdict, None, None, "", None, None,
+                      (0, None), dry_run, "")
+
+
+@pytest.mark.parametrize(
+    ("results", "expected"),
+    [
+        pytest.param([], INC, id="empty-is-never-a-pass"),
+        pytest.param([result_of(P)], P, id="one-pass"),
+        pytest.param([result_of(P), result_of(P)], P, id="all-pass"),
+        pytest.param([result_of(P), result_of(INC)], INC, id="inconclusive-beats-passed"),
+        pytest.param([result_of(INC), result_of(E)], E, id="error-beats-inconclusive"),
+        pytest.param([result_of(E), result_of(F), result_of(P)], F, id="failed-beats-all"),
+        pytest.param([result_of(P), result_of(F, dry_run=True)], P, id="dry-run-fail-ignored"),
+        pytest.param([result_of(F, dry_run=True)], INC, id="only-dry-run-is-inconclusive"),
+        pytest.param([P, E, INC], E, id="bare-verdicts"),
+    ],
+)
+def test_combine(results: list[RuleResult | Verdict], expected: Verdict) -> None:
+    assert combine(results) is expected
+
+
+def test_severity_order_is_argos() -> None:
+    assert sorted(Verdict, key=lambda v: v.severity) == [P, INC, E, F]
+    assert P.worse(F) is F and F.worse(E) is F and INC.worse(P) is INC
+
+
+def test_dry_run_failure_is_reported_but_does_not_block() -> None:
+    rules = [rule(name="agreement", **AGREE),
+             rule(name="p99_canary", dry_run=True, **P99)]
+    report = evaluate(snap(arm(7, lat(seed=2, scale=1.5))), rules, min_samples=1000)
+    by_name = {r.rule: r for r in report.results}
+    assert by_name["p99_canary"].verdict is F and by_name["p99_canary"].dry_run
+    assert report.verdict is P
+    assert "p99_canary (dry run)" in markdown_table(report)
+
+
+# --------------------------------------------------------------------------------------
+# evaluate and reports
+
+
+def test_evaluate_default_gates_on_a_regression() -> None:
+    snapshot = snap(arm(7, lat(N - 10, seed=2, scale=1.15), requests=N, errors=10),
+                    arm(6, BASE_LAT, requests=N, errors=0))
+    report = evaluate(snapshot, default_gates(), min_samples=1000)
+    assert isinstance(report, GateReport)
+    assert [r.verdict for r in report.results] == [F, F, P]
+    assert report.verdict is F
+    assert report.required_samples >= 1000
+    document = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert document["verdict"] == "failed"
+    assert document["results"][1]["samples"] == {"candidate": N, "baseline": N}
+    table = markdown_table(report)
+    assert table.count("\n|") == 5  # header, rule line, three rules
+    assert "| rule | value | baseline | threshold | p-value | verdict |" in table
+
+
+def test_evaluate_without_data_is_inconclusive() -> None:
+    empty = snap(arm(7, np.array([]), requests=0), agreement=None)
+    report = evaluate(empty, default_gates(), min_samples=1000)
+    assert report.verdict is INC
+    assert all(r.verdict is INC for r in report.results)
+    json.dumps(report.to_dict(), allow_nan=False)
+
+
+def test_nan_becomes_null_in_json() -> None:
+    report = evaluate(snap(agreement=math.nan), [rule(**AGREE)], min_samples=1)
+    assert report.verdict is INC
+    assert json.loads(json.dumps(report.to_dict(), allow_nan=False))["results"][0]["value"] \
+        is None
+
+
+# --------------------------------------------------------------------------------------
+# sample size
+
+
+@pytest.mark.parametrize("bounds", [P99, ERR, {"metric": "error_rate", "max_rate": 0.0}])
+@pytest.mark.parametrize("with_sample", [False, True])
+def test_required_samples_grows_with_power(bounds: dict[str, Any], with_sample: bool) -> None:
+    sample = BASE_LAT if with_sample else None
+    sizes = [required_samples(rule(power=p, effect=_effect(bounds), **bounds),
+                              baseline_latency_ms=sample) for p in (0.5, 0.8, 0.9, 0.95, 0.99)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+
+
+@pytest.mark.parametrize("bounds", [P99, ERR])
+def test_required_samples_shrinks_with_effect(bounds: dict[str, Any]) -> None:
+    base = _effect(bounds)
+    sizes = [required_samples(rule(effect=base * k, **bounds)) for k in (0.5, 1, 2, 4)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+
+
+def test_required_samples_zero_budget_is_the_classic_formula() -> None:
+    # 1 - (1 - 0.01)^n >= 0.95  <=>  n >= 298.07
+    r = rule(metric="error_rate", max_rate=0.0, effect=0.01, power=0.95)
+    assert required_samples(r) == 299
+
+
+def test_required_samples_floor_and_threshold() -> None:
+    assert required_samples(rule(**AGREE), min_samples=1000) == 1000
+    assert required_samples(rule(**P99), min_samples=10**6) == 10**6
+
+
+def test_plan_samples_ignores_dry_run_rules() -> None:
+    strict = rule(name="tiny_effect", dry_run=True, effect=0.5, power=0.99, **P99)
+    assert plan_samples([rule(**AGREE), strict], min_samples=1000) == 1000
+    assert plan_samples([], min_samples=7) == 7
+    assert plan_samples(default_gates(), min_samples=1000) == max(
+        required_samples(g, min_samples=1000) for g in default_gates())
+
+
+def _effect(bounds: dict[str, Any]) -> float:
+    if "max_increase_pct" in bounds:
+        return 5.0
+    return 0.002
+
+
+def test_evaluate_survives_a_broken_baseline() -> None:
+    broken = ArmMeasurements(6, np.array(["fast", "slow"]), 2, 0)
+    report = evaluate(snap(arm(7), broken), default_gates(), min_samples=1)
+    assert report.results[0].verdict is E
+    assert report.verdict in (E, F)
+
+
+@pytest.mark.parametrize(("ones_x", "ones_y"), [(0, 0), (10, 0), (60, 0), (50, 50), (100, 3)])
+def test_hodges_lehmann_on_indicators(ones_x: int, ones_y: int) -> None:
+    x = np.zeros(100)
+    x[:ones_x] = 1
+    y = np.zeros(100)
+    y[:ones_y] = 1
+    est, low, high = hodges_lehmann(x, y, alpha=0.05)
+    assert est == np.median(np.subtract.outer(x, y))
+    assert low <= est <= high
