@@ -82,8 +82,10 @@ def _assert_production_untouched(clients: Clients, production: Production) -> No
     np.testing.assert_array_equal(answer.outputs["label"], production.outputs["label"])
     assert clients.registry is not None
     assert clients.registry.production_version(MODEL) == production.version
-    loaded = [m for m in replica.repository_index() if m.get("state") == "READY"]
-    assert [m["name"] for m in loaded] == [MODEL]
+    # Other tests share the stack: look only at this model's entries.
+    loaded = [m for m in replica.repository_index()
+              if m.get("state") == "READY" and m.get("name") == MODEL]
+    assert [int(m["version"]) for m in loaded] == [production.version]
 
 
 def test_good_sklearn_candidate_passes_and_stages_a_verifiable_release(
