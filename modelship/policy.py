@@ -517,8 +517,10 @@ class GateRule(_Section):
     max_increase_pct: float | None = Field(
         default=None,
         gt=0,
-        description="mann_whitney: tolerated slowdown against the baseline, in percent of the "
-        "baseline's metric (Hodges-Lehmann shift). Float > 0; required for mann_whitney.",
+        description="mann_whitney: tolerated slowdown, in percent of the baseline's metric "
+        "(e.g. its p99), applied as a proportional slowdown of every request and tested with "
+        "Mann-Whitney U; the Hodges-Lehmann ratio is reported. Float > 0; required for "
+        "mann_whitney.",
     )
     min_effect_ms: float | None = Field(
         default=None,
@@ -555,9 +557,10 @@ class GateRule(_Section):
     effect: float | None = Field(
         default=None,
         gt=0,
-        description="Smallest violation the canary must detect with `power`, in percent for "
-        "mann_whitney and as a rate for exact_rate. Float > 0 or `null` (use "
-        "`max_increase_pct` / `max_rate`). Unused by threshold. Default `null`.",
+        description="Smallest violation *beyond the bound* the canary must detect with "
+        "`power`: percentage points above `max_increase_pct` for mann_whitney, a rate above "
+        "`max_rate` for exact_rate. Float > 0 or `null` (the bound itself; 0.001 when "
+        "`max_rate` is 0). Unused by threshold. Default `null`.",
     )
 
     @field_validator("metric")
