@@ -396,14 +396,14 @@ class CanaryPolicy(_Section):
         description="Inference protocol of the load: `grpc` or `http`. Default `grpc`.",
     )
     warmup_s: float = Field(
-        default=5.0,
+        default=2.0,
         ge=0,
-        description="Seconds of load discarded before measuring. Float ≥ 0. Default 5.",
+        description="Seconds of load discarded before measuring. Float ≥ 0. Default 2.",
     )
     window_s: float = Field(
-        default=30.0,
+        default=5.0,
         gt=0,
-        description="Length of one measurement window, in s. Float > 0. Default 30.",
+        description="Length of one measurement window, in s. Float > 0. Default 5.",
     )
     stability_pct: float = Field(
         default=10.0,
@@ -413,16 +413,16 @@ class CanaryPolicy(_Section):
         "by at most this percentage. Float in (0, 100]. Default 10.",
     )
     max_duration_s: float = Field(
-        default=300.0,
+        default=60.0,
         gt=0,
         description="Hard cap on the whole canary run, in s; reaching it before enough "
-        "samples makes the gates inconclusive. Float > 0. Default 300.",
+        "samples makes the gates inconclusive. Float > 0. Default 60.",
     )
     min_samples: int = Field(
-        default=1000,
+        default=2000,
         ge=1,
         description="Floor on requests per version, whatever the computed sample size says. "
-        "Integer ≥ 1. Default 1000.",
+        "Integer ≥ 1. Default 2000.",
     )
     agreement: AgreementPolicy = Field(
         default_factory=AgreementPolicy,
