@@ -98,3 +98,39 @@ def test_load_reports_the_design_schema(stack_settings: Settings,
     assert set(report["latency_ms"]) == {"p50", "p90", "p95", "p99"}
     assert report["requests"] > 0 and report["errors"] == 0
     assert report["by_version"].keys() == {str(v1)}
+
+
+def test_canary_cli_judges_against_production_and_writes_the_report(
+        stack_settings: Settings, versions: tuple[int, int], tmp_path: Any) -> None:
+    from pathlib import Path
+
+    v1, v2 = versions
+    _json("swap", MODEL, "--to", str(v1), settings=stack_settings)
+    policy = models.write_policy(Path(tmp_path) / "canary.yaml", {
+        "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 12.0,
+                   "min_samples": 300},
+        "gates": [
+            {"name": "errors", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
+            {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.999},
+            {"name": "p99", "metric": "latency_p99_ms", "test": "mann_whitney",
+             "max_increase_pct": 50.0, "min_effect_ms": 2.0, "dry_run": True},
+        ]})
+    done = run_cli("canary", MODEL, "--version", str(v2), "--policy", str(policy), "--json",
+                   home=stack_settings.home)
+    report = json.loads(done.stdout)
+    assert report["baseline"] == v1 and report["candidate"] == v2
+    codes = {"passed": 0, "failed": 4, "inconclusive": 6}
+    assert done.returncode == codes[report["verdict"]], done.stderr[-2000:]
+    rules = {r["rule"]: r for r in report["gates"]["results"]}
+    assert set(rules) == {"errors", "agreement", "p99"}
+    assert rules["p99"]["dry_run"]
+    for rule in rules.values():
+        assert rule["message"] and rule["threshold"]
+    assert Path(report["report"]["markdown"]).read_text().count("|") > 10
+    assert Path(report["report"]["png"]).read_bytes().startswith(b"\x89PNG")
+    # Another seed's model: top-1 agreement below 99.9% fails the release.
+    if rules["agreement"]["value"] < 0.999:
+        assert report["verdict"] == "failed" and done.returncode == 4
+
+    same = run_cli("canary", MODEL, "--version", str(v1), "--json", home=stack_settings.home)
+    assert same.returncode == 0 and json.loads(same.stdout)["verdict"] == "noop"
