@@ -40,17 +40,12 @@ import importlib.util
 import io
 import os
 import shutil
-import signal
-import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-import warnings
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,12 +57,7 @@ import numpy as np
 
 from bench.results import print_table, write_results
 from modelship.loadgen import LoadSpec, percentiles_ms, run_load
-from modelship.stack.triton_runtime import (
-    find_triton_runtime,
-    prepare_backend_dir,
-    server_command,
-    server_env,
-)
+from modelship.stack.local_triton import LocalTriton, local_tritonserver, mlp_classifier_onnx
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".modelship" / "bench-cache" / "perf_analyzer"
@@ -352,101 +342,26 @@ def run_sync_client(
 # --------------------------------------------------------------------------- server
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    http: str
-    grpc: str
-    log: Path
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _onnx_model() -> tuple[bytes, np.ndarray]:
-    from skl2onnx import convert_sklearn
-    from skl2onnx.common.data_types import FloatTensorType
-    from sklearn.neural_network import MLPClassifier
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2000, N_FEATURES)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64) + (x[:, 2] > 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        clf = MLPClassifier(hidden_layer_sizes=(32,), max_iter=200, random_state=0).fit(x, y)
-        proto = convert_sklearn(
-            clf,
-            initial_types=[("input", FloatTensorType([None, N_FEATURES]))],
-            options={id(clf): {"zipmap": False}},
-            target_opset=17,
-        )
+    proto, x = mlp_classifier_onnx(N_FEATURES, n_samples=2000, hidden_units=32, max_iter=200)
     return proto.SerializeToString(), x[:512]
 
 
 @contextmanager
-def tritonserver(base: Path, onnx_bytes: bytes) -> Iterator[Server]:
+def tritonserver(base: Path, onnx_bytes: bytes) -> Iterator[LocalTriton]:
     """One tritonserver with the bench model loaded; always stopped on exit."""
-    runtime = find_triton_runtime(ROOT / ".venv-triton")
     (base / "repo" / MODEL / "1").mkdir(parents=True)
     (base / "repo" / MODEL / "1" / "model.onnx").write_bytes(onnx_bytes)
     (base / "repo" / MODEL / "config.pbtxt").write_text(CONFIG_PBTXT)
-    http_port, grpc_port, metrics_port = _free_ports(3)
-    command = server_command(
-        runtime,
-        backend_dir=prepare_backend_dir(runtime, base / "backends"),
-        model_repository=str(base / "repo"),
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
+    with local_tritonserver(
+        ROOT / ".venv-triton",
+        base / "repo",
+        base,
+        ready_models=[MODEL],
+        deadline_s=90.0,
         extra_args=[f"--load-model={MODEL}"],
-    )
-    log = base / "tritonserver.log"
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            command,
-            env=server_env(runtime, os.environ),
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = Server(process, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", log)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"tritonserver did not become ready; log tail:\n"
-                    f"{log.read_text(errors='replace')[-2000:]}"
-                )
-            try:
-                url = f"http://{server.http}/v2/models/{MODEL}/ready"
-                with urllib.request.urlopen(url, timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
+    ) as server:
         yield server
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait(timeout=10)
 
 
 # --------------------------------------------------------------------------- main
@@ -501,7 +416,8 @@ def main() -> None:
         tritonserver(Path(tmp), onnx_bytes) as server,
     ):
         for protocol in args.protocols:
-            url = server.grpc if protocol == "grpc" else server.http
+            # Both tools want host:port, without a scheme.
+            url = server.grpc_url if protocol == "grpc" else server.http_url.removeprefix("http://")
             for concurrency in args.concurrency:
                 for run in range(args.runs):
                     # Alternate the order so neither tool always runs on a warmer server.

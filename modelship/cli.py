@@ -121,15 +121,10 @@ def stack_status(as_json: JsonOpt = False) -> None:
 @app.command("doctor")
 def doctor(as_json: JsonOpt = False) -> None:
     """Ping every endpoint and print one table: each endpoint, OK or the reason."""
-    from modelship.clients import build_clients, check_endpoints
+    from modelship.clients import check_endpoints
 
     def action() -> Any:
-        settings = _settings()
-        clients = build_clients(settings)
-        try:
-            return check_endpoints(clients, settings)
-        finally:
-            clients.close()
+        return _with_clients(lambda settings, clients: check_endpoints(clients, settings))
 
     def render(checks: Any) -> str:
         return table(["component", "endpoint", "status"],

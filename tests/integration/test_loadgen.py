@@ -7,22 +7,17 @@ ONNX as two versions of ``clf`` (so the answering version is visible in the reco
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
 import time
-import urllib.error
-import urllib.request
-import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from modelship.errors import StackError
 from modelship.loadgen import LoadSpec, Target, run_load, run_paired
+from modelship.stack.local_triton import LocalTriton, local_tritonserver, mlp_classifier_onnx
+from modelship.stack.triton_runtime import find_triton_runtime
 
 pytestmark = pytest.mark.integration
 
@@ -47,131 +42,28 @@ instance_group [ {{ kind: KIND_CPU count: 1 }} ]
 """
 
 
-@dataclass
-class Server:
-    """A running tritonserver and its endpoints."""
-
-    process: subprocess.Popen[bytes]
-    http_url: str
-    grpc_url: str
-    log: Path
-
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _onnx_model() -> bytes:
-    from skl2onnx import convert_sklearn
-    from skl2onnx.common.data_types import FloatTensorType
-    from sklearn.neural_network import MLPClassifier
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(300, N_FEATURES)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64) + (x[:, 2] > 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ConvergenceWarning is irrelevant here
-        clf = MLPClassifier(hidden_layer_sizes=(16,), max_iter=300, random_state=0).fit(x, y)
-        proto = convert_sklearn(
-            clf,
-            initial_types=[("input", FloatTensorType([None, N_FEATURES]))],
-            options={id(clf): {"zipmap": False}},
-            target_opset=17,
-        )
-    return proto.SerializeToString()
-
-
-def _wait_ready(server: Server) -> None:
-    deadline = time.monotonic() + READY_DEADLINE_S
-    url = f"{server.http_url}/v2/models/{MODEL}/ready"
-    while time.monotonic() < deadline:
-        code = server.process.poll()
-        if code is not None:
-            raise RuntimeError(f"tritonserver exited with {code}; log:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{MODEL} not ready in {READY_DEADLINE_S:.0f} s:\n{server.log_tail()}")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server, then SIGKILL what is left of its process group."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from modelship.errors import StackError
-    from modelship.stack.triton_runtime import (
-        find_triton_runtime,
-        prepare_backend_dir,
-        server_command,
-        server_env,
-    )
-
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTriton]:
     try:
-        runtime = find_triton_runtime(RUNTIME_VENV)
+        find_triton_runtime(RUNTIME_VENV)
     except StackError as exc:
         pytest.skip(f"no Triton runtime: {exc}")
 
     base = tmp_path_factory.mktemp("loadgen-triton")
-    onnx_bytes = _onnx_model()
+    onnx_bytes = mlp_classifier_onnx(N_FEATURES)[0].SerializeToString()
     for version in ("1", "2"):
         (base / "repo" / MODEL / version).mkdir(parents=True)
         (base / "repo" / MODEL / version / "model.onnx").write_bytes(onnx_bytes)
     (base / "repo" / MODEL / "config.pbtxt").write_text(CONFIG_PBTXT)
-    backend_dir = prepare_backend_dir(runtime, base / "backends")
-    http_port, grpc_port, metrics_port = _free_ports(3)
-    command = server_command(
-        runtime,
-        backend_dir=backend_dir,
-        model_repository=str(base / "repo"),
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
+    with local_tritonserver(
+        RUNTIME_VENV,
+        base / "repo",
+        base,
+        ready_models=[MODEL],
+        deadline_s=READY_DEADLINE_S,
         extra_args=[f"--load-model={MODEL}"],
-    )
-    log = base / "tritonserver.log"
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            command,
-            env=server_env(runtime, os.environ),
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    srv = Server(process, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", log)
-    try:
-        _wait_ready(srv)
+    ) as srv:
         yield srv
-    finally:
-        _stop(process)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +85,7 @@ def _fixed(**overrides: object) -> LoadSpec:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_concurrency_mode_records_answering_version(
-    server: Server, payload: dict[str, np.ndarray], protocol: str
+    server: LocalTriton, payload: dict[str, np.ndarray], protocol: str
 ) -> None:
     url = server.grpc_url if protocol == "grpc" else server.http_url
     spec = _fixed(protocol=protocol, concurrency=4)
@@ -216,7 +108,7 @@ def test_concurrency_mode_records_answering_version(
 
 
 def test_round_robin_over_servers_and_unversioned_answers_highest(
-    server: Server, payload: dict[str, np.ndarray]
+    server: LocalTriton, payload: dict[str, np.ndarray]
 ) -> None:
     # The same server twice stands in for two replicas: requests alternate between them.
     spec = _fixed(concurrency=2, batch_size=3, duration_s=1.0)
@@ -230,7 +122,9 @@ def test_round_robin_over_servers_and_unversioned_answers_highest(
     assert {r.row for r in report.records} <= {(3 * i) % 64 for i in range(64)}
 
 
-def test_rate_mode_holds_the_requested_rate(server: Server, payload: dict[str, np.ndarray]) -> None:
+def test_rate_mode_holds_the_requested_rate(
+    server: LocalTriton, payload: dict[str, np.ndarray]
+) -> None:
     for arrival in ("constant", "poisson"):
         spec = _fixed(rate_rps=200.0, arrival=arrival, duration_s=3.0, warmup_s=0.5, window_s=0.5)
         report = asyncio.run(run_load([server.grpc_url], MODEL, payload, spec))
@@ -243,7 +137,7 @@ def test_rate_mode_holds_the_requested_rate(server: Server, payload: dict[str, n
 
 
 def test_errors_are_counted_with_readable_text(
-    server: Server, payload: dict[str, np.ndarray]
+    server: LocalTriton, payload: dict[str, np.ndarray]
 ) -> None:
     for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
         spec = _fixed(protocol=protocol, concurrency=2, duration_s=0.8, warmup_s=0.0)
@@ -257,7 +151,7 @@ def test_errors_are_counted_with_readable_text(
         assert not any(r.ok for r in report.records) and report.by_version == {}
 
 
-def test_wrong_shape_is_an_error_on_the_client(server: Server) -> None:
+def test_wrong_shape_is_an_error_on_the_client(server: LocalTriton) -> None:
     # Triton's metrics do not count these as failures, so the client must.
     bad = {"input": np.zeros((8, N_FEATURES + 1), dtype=np.float32)}
     spec = _fixed(concurrency=1, duration_s=0.5, warmup_s=0.0)
@@ -267,7 +161,7 @@ def test_wrong_shape_is_an_error_on_the_client(server: Server) -> None:
 
 
 def test_paired_mode_alternates_arms_on_identical_rows(
-    server: Server, payload: dict[str, np.ndarray]
+    server: LocalTriton, payload: dict[str, np.ndarray]
 ) -> None:
     baseline = Target(server.grpc_url, MODEL, "1")
     candidate = Target(server.grpc_url, MODEL, "2")
@@ -293,7 +187,7 @@ def test_paired_mode_alternates_arms_on_identical_rows(
 
 
 def test_stability_rule_reports_stable_on_steady_load(
-    server: Server, payload: dict[str, np.ndarray]
+    server: LocalTriton, payload: dict[str, np.ndarray]
 ) -> None:
     # A rate well under capacity is steady; the rule stops at the third agreeing window.
     spec = LoadSpec(
@@ -315,7 +209,7 @@ def test_stability_rule_reports_stable_on_steady_load(
 
 
 def test_stability_rule_reports_unstable_when_time_runs_out(
-    server: Server, payload: dict[str, np.ndarray]
+    server: LocalTriton, payload: dict[str, np.ndarray]
 ) -> None:
     spec = LoadSpec(concurrency=2, warmup_s=0.2, window_s=0.5, max_duration_s=1.0, timeout_s=5.0)
     started = time.monotonic()
@@ -327,7 +221,7 @@ def test_stability_rule_reports_unstable_when_time_runs_out(
     assert time.monotonic() - started < 3.0
 
 
-def test_stop_event_ends_a_run_early(server: Server, payload: dict[str, np.ndarray]) -> None:
+def test_stop_event_ends_a_run_early(server: LocalTriton, payload: dict[str, np.ndarray]) -> None:
     async def scenario() -> tuple[float, bool]:
         stop = asyncio.Event()
         spec = _fixed(concurrency=2, duration_s=20.0, warmup_s=0.0)

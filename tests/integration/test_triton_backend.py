@@ -1,6 +1,6 @@
 """A real tritonserver 2.51 (CPU) serving ONNX through modelship's onnxruntime backend.
 
-One server for the module, started from :mod:`modelship.stack.triton_runtime` on free
+One server for the module, started by :mod:`modelship.stack.local_triton` on free
 loopback ports with a local model repository. Control calls go over gRPC, inference over
 HTTP, as in the stack.
 """
@@ -8,14 +8,7 @@ HTTP, as in the stack.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import time
-import urllib.error
-import urllib.request
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from modelship.errors import StackError
+from modelship.stack.local_triton import LocalTriton, local_tritonserver, mlp_classifier_onnx
+from modelship.stack.triton_runtime import find_triton_runtime, prepare_backend_dir
 
 pytestmark = pytest.mark.integration
 
@@ -84,51 +81,11 @@ class Model:
         return {"label": label, "probabilities": probabilities}
 
 
-@dataclass
-class Server:
-    """A running tritonserver."""
-
-    process: subprocess.Popen[bytes]
-    http_url: str
-    grpc_url: str
-    metrics_url: str
-    log: Path
-
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _build_model(tmp: Path) -> Model:
     import onnx
     from onnx import numpy_helper
-    from skl2onnx import convert_sklearn
-    from skl2onnx.common.data_types import FloatTensorType
-    from sklearn.neural_network import MLPClassifier
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(300, N_FEATURES)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64) + (x[:, 2] > 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ConvergenceWarning is irrelevant here
-        clf = MLPClassifier(hidden_layer_sizes=(16,), max_iter=300, random_state=0).fit(x, y)
-        proto = convert_sklearn(
-            clf,
-            initial_types=[("input", FloatTensorType([None, N_FEATURES]))],
-            options={id(clf): {"zipmap": False}},
-            target_opset=17,
-        )
+    proto, x = mlp_classifier_onnx(N_FEATURES)
     # skl2onnx writes float_data; external data needs raw_data.
     for init in proto.graph.initializer:
         init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init), init.name))
@@ -161,57 +118,13 @@ def _write_repo_model(repo: Path, name: str, model: Model, *, input_name: str = 
     (repo / name / "config.pbtxt").write_text(_config_pbtxt(name, input_name=input_name))
 
 
-def _wait_ready(server: Server, deadline_s: float) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        code = server.process.poll()
-        if code is not None:
-            raise RuntimeError(
-                f"tritonserver exited with code {code} before it was ready; log tail:\n"
-                f"{server.log_tail()}"
-            )
-        try:
-            with urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(
-        f"tritonserver was not ready within {deadline_s:.0f} s; log tail:\n{server.log_tail()}"
-    )
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server (it stops its stubs), then SIGKILL whatever is left of its group."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # the group id is the server's PID
-    except ProcessLookupError:
-        pass
-    process.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return _build_model(tmp_path_factory.mktemp("onnx"))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model: Model) -> Iterator[Server]:
-    from modelship.errors import StackError
-    from modelship.stack.triton_runtime import (
-        find_triton_runtime,
-        prepare_backend_dir,
-        server_command,
-        server_env,
-    )
-
+def server(tmp_path_factory: pytest.TempPathFactory, model: Model) -> Iterator[LocalTriton]:
     try:
         runtime = find_triton_runtime(RUNTIME_VENV)
     except StackError as exc:
@@ -225,41 +138,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, model: Model) -> Iterator[S
     backend_dir = prepare_backend_dir(runtime, base / "backends")
     assert prepare_backend_dir(runtime, base / "backends") == backend_dir  # idempotent
 
-    http_port, grpc_port, metrics_port = _free_ports(3)
-    command = server_command(
-        runtime,
-        backend_dir=backend_dir,
-        model_repository=str(repo),
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
-    )
-    log = base / "tritonserver.log"
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            command,
-            env=server_env(runtime, os.environ),
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    srv = Server(
-        process=process,
-        http_url=f"http://127.0.0.1:{http_port}",
-        grpc_url=f"127.0.0.1:{grpc_port}",
-        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
-        log=log,
-    )
-    try:
-        _wait_ready(srv, READY_DEADLINE_S)
+    with local_tritonserver(RUNTIME_VENV, repo, base, deadline_s=READY_DEADLINE_S) as srv:
         yield srv
-    finally:
-        _stop(process)
 
 
 @pytest.fixture(scope="module")
-def grpc_client(server: Server) -> Iterator[Any]:
+def grpc_client(server: LocalTriton) -> Iterator[Any]:
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -292,7 +176,7 @@ def loaded_clf(grpc_client: Any) -> str:
 
 
 def test_loads_over_grpc_and_matches_onnxruntime(
-    server: Server, grpc_client: Any, loaded_clf: str, model: Model
+    server: LocalTriton, grpc_client: Any, loaded_clf: str, model: Model
 ) -> None:
     assert grpc_client.is_model_ready(loaded_clf, "1")
     live = grpc_client.get_model_config(loaded_clf, as_json=True)["config"]
@@ -314,7 +198,7 @@ def test_loads_over_grpc_and_matches_onnxruntime(
 
 
 def test_dynamic_batch_is_one_onnxruntime_run(
-    server: Server, grpc_client: Any, loaded_clf: str, model: Model
+    server: LocalTriton, grpc_client: Any, loaded_clf: str, model: Model
 ) -> None:
     n_requests = 200
     rows = model.x[:n_requests]
@@ -362,7 +246,7 @@ def test_config_with_wrong_dtype_is_refused(grpc_client: Any, model: Model) -> N
 
 
 def test_trial_load_without_repository_entry(
-    server: Server, grpc_client: Any, model: Model
+    server: LocalTriton, grpc_client: Any, model: Model
 ) -> None:
     name = "trial_clf"
     index = grpc_client.get_model_repository_index(as_json=True).get("models", [])
