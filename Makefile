@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 RUNTIME := .venv-triton
 BIN := $(VENV)/bin
-UV := $(shell command -v uv 2>/dev/null)
+# uv from PATH, else the one pip puts next to $(PYTHON) (`python -m uv` needs no PATH entry).
+UV := $(or $(shell command -v uv 2>/dev/null),$(PYTHON) -m uv)
 export DO_NOT_TRACK := true
 export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
@@ -15,20 +16,18 @@ export GX_ANALYTICS_ENABLED := false
 install: $(VENV)/.installed $(RUNTIME)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	@test -n "$(UV)" || $(PYTHON) -m pip install -q uv
-	@uv=$$(command -v uv); \
-	  test -x $(BIN)/python || $$uv venv -q --python $(PYTHON) $(VENV); \
-	  $$uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]'
+	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
+	@test -x $(BIN)/python || $(UV) venv -q --python $(PYTHON) $(VENV)
+	@$(UV) pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]'
 	@# PYTHONDONTWRITEBYTECODE may be set on these machines: without .pyc files every
 	@# process compiles mlflow/GX/skl2onnx again (~10 s). Compile once, here.
 	@$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	@touch $@
 
 $(RUNTIME)/.installed: requirements-triton.txt
-	@test -n "$(UV)" || $(PYTHON) -m pip install -q uv
-	@uv=$$(command -v uv); \
-	  test -x $(RUNTIME)/bin/python || $$uv venv -q --python $(PYTHON) $(RUNTIME); \
-	  $$uv pip install -q --compile-bytecode --python $(RUNTIME)/bin/python -r requirements-triton.txt
+	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
+	@test -x $(RUNTIME)/bin/python || $(UV) venv -q --python $(PYTHON) $(RUNTIME)
+	@$(UV) pip install -q --compile-bytecode --python $(RUNTIME)/bin/python -r requirements-triton.txt
 	@$(RUNTIME)/bin/python -m compileall -q -j 0 $(RUNTIME)/lib >/dev/null 2>&1 || true
 	@touch $@
 
