@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -48,7 +49,10 @@ def run_reporting(
     document on stdout, so scripts always get exactly one JSON document.
     """
     try:
-        result = action()
+        # Libraries print to stdout (MLflow's "View run ..."): keep stdout for the one
+        # JSON document, everything else goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            result = action()
     except ModelshipError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         if as_json:
