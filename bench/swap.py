@@ -77,7 +77,9 @@ LOAD_TIMEOUT_S = 10.0  # per request
 LOAD_MAX_S = 120.0  # hard bound of one load run, whatever happens
 DEADLINE_S = 30.0  # per swap phase
 KILL_DELAY_S = 0.4  # from the victim's switch call to its SIGKILL: the load is in flight
-PROTOCOLS = {"plain reload": False, "pause-batching": True}
+# name -> (swap.pause_batching, swap.pause_mode)
+PROTOCOLS = {"plain reload": (False, "separate"), "pause-batching": (True, "separate"),
+             "pause at switch": (True, "at_switch")}
 
 GOALS = {
     "failed_requests": 0,
@@ -358,6 +360,9 @@ def judge(protocols: dict[str, dict[str, Any]], faults: dict[str, dict[str, Any]
     skew = None if any(s is None for s in skews) or not skews else max(s for s in skews if s)
     ratio = (pause["t100_s"] / plain["t100_s"]
              if pause.get("t100_s") and plain.get("t100_s") else None)
+    at_switch = protocols.get("pause at switch", {})
+    ratio_at_switch = (at_switch["t100_s"] / plain["t100_s"]
+                       if at_switch.get("t100_s") and plain.get("t100_s") else None)
     lat = [p.get("max_during_over_pre_p99_max") for p in protocols.values()]
     lat_max = None if any(v is None for v in lat) or not lat else max(v for v in lat if v)
     aborts = [f.get("survivors_on_p") for f in faults.values()]
@@ -369,6 +374,10 @@ def judge(protocols: dict[str, dict[str, Any]], faults: dict[str, dict[str, Any]
         row("pause-batching / plain time to 100% new (medians)", "<= 1.5",
             None if ratio is None else round(ratio, 2),
             None if ratio is None else ratio <= GOALS["pause_over_plain_t100_max"]),
+        row("pause at switch / plain time to 100% new (medians)", "<= 1.5",
+            None if ratio_at_switch is None else round(ratio_at_switch, 2),
+            None if ratio_at_switch is None
+            else ratio_at_switch <= GOALS["pause_over_plain_t100_max"]),
         row("max latency during swap / pre-swap p99, worst round", "<= 2", lat_max,
             None if lat_max is None else lat_max <= GOALS["max_during_over_pre_p99_max"]),
         row("abort: every surviving replica on P", "all faults", aborts,
@@ -394,13 +403,13 @@ class Rig:
     calls: list[LoadCall] = field(default_factory=list)
     progress: list[str] = field(default_factory=list)
 
-    def swap(self, target: int, *, pause_batching: bool,
+    def swap(self, target: int, *, pause_batching: bool, pause_mode: str = "separate",
              fault: Callable[[str, str], None] | None = None) -> dict[str, Any]:
         """One swap_fleet call; an abort comes back as its report with ``aborted``."""
         from tasks.swap import swap_fleet
 
         policy = SwapPolicy(pause_batching=pause_batching, deadline_s=DEADLINE_S,
-                            probe_timeout_s=5.0)
+                            probe_timeout_s=5.0, pause_mode=pause_mode)  # type: ignore[arg-type]
         try:
             report = swap_fleet(
                 list(self.replicas), model=MODEL, target=target, storage=self.storage,
@@ -454,13 +463,15 @@ def build_rig(settings: Settings, workdir: Path) -> Rig:
 
 
 def swap_under_load(rig: Rig, *, old: int, new: int, pause_batching: bool,
+                    pause_mode: str = "separate",
                     fault: Callable[[str, str], None] | None = None) -> dict[str, Any]:
     """Run one swap through a load and measure it from the request log."""
     rig.calls.clear()
     with load_through(rig) as load:
         began = time.perf_counter()
         swap_start = load.now()
-        report = rig.swap(new, pause_batching=pause_batching, fault=fault)
+        report = rig.swap(new, pause_batching=pause_batching, pause_mode=pause_mode,
+                          fault=fault)
         swap_end = load.now()
     assert load.report is not None
     names = [s.name for s in rig.replicas]
@@ -468,7 +479,7 @@ def swap_under_load(rig: Rig, *, old: int, new: int, pause_batching: bool,
                       swap_end_s=swap_end, old=old, new=new)
     timeline = report.get("timeline", {})
     return {
-        "from": old, "to": new, "pause_batching": pause_batching,
+        "from": old, "to": new, "pause_batching": pause_batching, "pause_mode": pause_mode,
         "load": figures,
         "throughput_rps": round(load.report.throughput_rps, 1),
         "report_skew_ms": report.get("skew_ms"),
@@ -711,8 +722,9 @@ def run(replicas: int, rounds: int, workdir: Path, settings: Settings) -> dict[s
     try:
         for i in range(rounds):
             for name in order if i % 2 == 0 else order[::-1]:  # ABBA: both directions each
-                result = swap_under_load(rig, old=current, new=other,
-                                         pause_batching=PROTOCOLS[name])
+                pause, mode = PROTOCOLS[name]
+                result = swap_under_load(rig, old=current, new=other, pause_batching=pause,
+                                         pause_mode=mode)
                 per_protocol[name].append(result)
                 figures = result["load"]
                 print(f"  {name}: v{current} -> v{other}: {figures['requests']} requests, "
@@ -755,6 +767,8 @@ def run(replicas: int, rounds: int, workdir: Path, settings: Settings) -> dict[s
         "versions": {"P": p, "C": c},
         "protocols": summaries,
         "phase_medians": {"pause-batching": _phase_medians(pause_phases),
+                          "pause at switch": _phase_medians(
+                              [r["phases"] for r in per_protocol["pause at switch"]]),
                           "plain reload": _phase_medians(plain_phases)},
         "rounds": per_protocol,
         "faults": faults,

@@ -695,6 +695,13 @@ class SwapPolicy(_Section):
         "after (≈4 s to 100% new instead of ≈2 s, 0 failed requests either way). `true` or "
         "`false`. Default `true`.",
     )
+    pause_mode: Literal["separate", "at_switch"] = Field(
+        default="separate",
+        description="With `pause_batching`: `separate` pauses batching on P everywhere first, "
+        "then switches (DESIGN §4: three reloads, ≈2× the plain-reload time to 100% new); "
+        "`at_switch` brings C up without batching directly from P and resumes once every "
+        "replica answers as C (two reloads, ≈1× plain). Default `separate`.",
+    )
     deadline_s: float = Field(
         default=60.0,
         gt=0,

@@ -419,6 +419,7 @@ def swap_fleet(
     plan = plan_swap(model, [o.view for o in observed], target=target,
                      candidate_config=candidate, production_config=production,
                      pause_batching=policy.pause_batching, candidate_verified=verified,
+                     pause_at_switch=policy.pause_mode == "at_switch",
                      candidate_problem=problem)
     for line in plan.describe():
         progress(line)

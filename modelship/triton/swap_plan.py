@@ -237,6 +237,7 @@ def plan_swap(
     pause_batching: bool,
     candidate_verified: bool,
     candidate_problem: str | None = None,
+    pause_at_switch: bool = False,
 ) -> SwapPlan:
     """Decide the swap from what the fleet serves, or refuse before anything changes.
 
@@ -250,6 +251,10 @@ def plan_swap(
         pause_batching: Turn dynamic batching off around the switch (the policy default).
         candidate_verified: C's staged files match its manifest.
         candidate_problem: Why C did not verify, for the message.
+        pause_at_switch: With ``pause_batching``, skip the separate pause phase: C comes up
+            without batching straight from P (one reload fewer; P's instances drain their
+            in-flight batches as in a plain reload), and batching resumes once every replica
+            answers as C.
 
     Raises:
         PreflightError: a replica is not live, serves several versions, the replicas
@@ -295,8 +300,13 @@ def plan_swap(
 
     assert production_config is not None  # checked above
     production_p = with_versions(production_config, [from_version])
-    if pause_batching:
+    if pause_batching and pause_at_switch:
         phases: tuple[Phase, ...] = (
+            Phase(SWITCH, without_dynamic_batching(production_c), target, probe=True),
+            Phase(RESUME, production_c, target, probe=False),
+        )
+    elif pause_batching:
+        phases = (
             Phase(PAUSE, without_dynamic_batching(production_p), from_version, probe=False),
             Phase(SWITCH, without_dynamic_batching(production_c), target, probe=True),
             Phase(RESUME, production_c, target, probe=False),

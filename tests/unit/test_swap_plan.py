@@ -116,6 +116,20 @@ def test_plan_kinds_and_phases(case: str, replicas: list[ReplicaView], target: i
     assert p.describe() and p.to_dict()["kind"] == kind
 
 
+def test_pause_at_switch_brings_c_up_unbatched_straight_from_p() -> None:
+    production = with_versions(P_CONFIG, [1])
+    p = plan_swap(MODEL, fleet(1), target=2, candidate_config=C_CONFIG,
+                  production_config=production, pause_batching=True, candidate_verified=True,
+                  pause_at_switch=True)
+    assert shape(p) == [("switch", [2], False, 2, True), ("resume_batching", [2], True, 2, False),
+                        ("abort", [1], True, 1, True)]
+    # Without pause_batching the option changes nothing.
+    plain = plan_swap(MODEL, fleet(1), target=2, candidate_config=C_CONFIG,
+                      production_config=production, pause_batching=False,
+                      candidate_verified=True, pause_at_switch=True)
+    assert shape(plain) == [("switch", [2], True, 2, True), ("abort", [1], True, 1, True)]
+
+
 def test_noop_needs_no_verified_manifest_because_nothing_changes() -> None:
     assert plan(fleet(2), verified=False).kind == "noop"
 
