@@ -65,13 +65,15 @@ def fleet(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def swap(fleet: Fleet, target: int, *, pause_batching: bool = True,
-         fault: Callable[[str, str], None] | None = None, deadline_s: float = 60) -> SwapReport:
+         fault: Callable[[str, str], None] | None = None, deadline_s: float = 60,
+         pause_mode: str = "separate") -> SwapReport:
     lines: list[str] = []
     try:
         return swap_fleet(fleet.replicas, model=MODEL, target=target, storage=fleet.storage,
                           repository_prefix=fleet.settings.repository_prefix,
                           policy=SwapPolicy(pause_batching=pause_batching, deadline_s=deadline_s,
-                                            probe_timeout_s=min(5.0, deadline_s / 2)),
+                                            probe_timeout_s=min(5.0, deadline_s / 2),
+                                            pause_mode=pause_mode),  # type: ignore[arg-type]
                           probe_feed=FEED, probe_outputs=OUTPUTS, progress=lines.append,
                           http_timeout_s=fleet.settings.http_timeout_s, fault=fault)
     finally:
@@ -309,3 +311,15 @@ def test_rollback_is_a_swap_back_without_the_pause(fleet: Fleet) -> None:
     assert load.errors() == []
     assert load.stale(v2, v1) == []
     assert_serves(fleet, v1)
+
+
+def test_pause_at_switch_under_load_fails_no_request_and_never_goes_back(fleet: Fleet) -> None:
+    v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
+    swap(fleet, v1, pause_batching=False)
+    with LoadLog(fleet.replicas) as load:
+        report = swap(fleet, v2, pause_mode="at_switch")
+    print("load:", load.summary(), "report:", report.to_dict())
+    assert [p.name for p in report.phases] == ["switch", "resume_batching"]
+    assert load.errors() == []
+    assert load.stale(v1, v2) == []
+    assert_serves(fleet, v2)
