@@ -63,6 +63,7 @@ from modelship.loadgen import LoadReport, LoadSpec, RequestRecord, percentiles_m
 from modelship.policy import Policy, SwapPolicy
 from modelship.settings import Settings, load_settings
 from modelship.stack import manager
+from modelship.stack.process import group_members
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
 
@@ -623,7 +624,7 @@ class Victim:
     shm: set[str] = field(default_factory=set)
 
     def kill(self) -> None:
-        self.shm = _shm_regions(_group(self.pid))
+        self.shm = _shm_regions(group_members(self.pid))
         self.killed_at = time.perf_counter()
         os.kill(self.pid, signal.SIGKILL)
 
@@ -633,14 +634,14 @@ class Victim:
             os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
             pass
-        leftovers = [p for p in _group(self.pid) if p != self.pid]
+        leftovers = [p for p in group_members(self.pid) if p != self.pid]
         if leftovers:
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         end = time.monotonic() + 5
-        while [p for p in _group(self.pid) if p != self.pid] and time.monotonic() < end:
+        while [p for p in group_members(self.pid) if p != self.pid] and time.monotonic() < end:
             time.sleep(0.1)
         removed = []
         for path in sorted(self.shm):
@@ -650,21 +651,6 @@ class Victim:
             except FileNotFoundError:
                 pass
         return {"stubs_killed": len(leftovers), "shm_removed": len(removed)}
-
-
-def _group(pgid: int) -> list[int]:
-    """Live members of a process group (the stack starts each server in its own session)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
 
 
 def _shm_regions(pids: Sequence[int]) -> set[str]:

@@ -195,8 +195,16 @@ def wait_ready(
 
 
 def stop_process(record: ProcessRecord, *, grace_s: float = 10.0) -> bool:
-    """Stop the recorded process group (SIGTERM, then SIGKILL). False if it was not running."""
+    """Stop the recorded process group (SIGTERM, then SIGKILL). False if it was not running.
+
+    A leader that died on its own (say, a SIGKILLed Triton) can leave its children behind
+    (the Python backend stubs); they still carry its process group id, and are stopped too.
+    """
     if not is_alive(record):
+        ticks = process_start_ticks(record.pid)
+        # The leader is gone (or is our own zombie), not a stranger that reused its PID.
+        if (ticks is None or ticks == record.start_ticks) and group_members(record.pid):
+            _kill_group_leftovers(record.pid, grace_s=0.0)
         return False
     try:
         pgid = os.getpgid(record.pid)
@@ -232,7 +240,8 @@ def _signal(pid: int, sig: signal.Signals, group: bool) -> None:
         pass
 
 
-def _group_members(pgid: int) -> list[int]:
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
     members: list[int] = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -248,9 +257,9 @@ def _group_members(pgid: int) -> list[int]:
 
 def _kill_group_leftovers(pgid: int, *, grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
-    while _group_members(pgid) and time.monotonic() < deadline:
+    while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _group_members(pgid):
+    if group_members(pgid):
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:

@@ -193,3 +193,25 @@ def test_kubernetes_discovery_settings(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert found == {"namespace": "serving", "service": "triton", "http_port_name": "http",
                      "grpc_port_name": "grpc", "metrics_port_name": "metrics",
                      "timeout_s": 4.0}
+
+
+def test_stopping_a_dead_leader_still_stops_its_orphaned_children(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from modelship.stack.process import group_members, start_process, stop_process
+
+    proc, record = start_process("fake-triton", ["sh", "-c", "sleep 60 & sleep 60 & wait"],
+                                 env=dict(os.environ), log_path=tmp_path / "x.log")
+    deadline = time.monotonic() + 5
+    while len(group_members(record.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = [p for p in group_members(record.pid) if p != record.pid]
+    assert len(children) == 2
+    os.kill(record.pid, signal.SIGKILL)  # the leader dies on its own, as a crashed server
+    proc.wait(timeout=5)
+    assert stop_process(record) is False  # it was not running any more...
+    deadline = time.monotonic() + 5
+    while group_members(record.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group_members(record.pid) == []  # ...but what it left behind is gone too
