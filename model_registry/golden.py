@@ -60,6 +60,7 @@ def load_golden(
         example = input_example(resolved.local_dir)
         if example is not None:
             frame, source = example, "input_example"
+    signature = resolved.signature or graph_signature(resolved)
     if frame is None:
         if not allow_synthetic:
             raise ValidationFailed(
@@ -69,8 +70,7 @@ def load_golden(
                 "inputs.parquet, or set export.allow_synthetic_golden: true in the policy",
                 stage="golden",
             )
-        frame, source = synthetic_rows(resolved.signature, rows=SYNTHETIC_ROWS, seed=seed), \
-            "synthetic"
+        frame, source = synthetic_rows(signature, rows=SYNTHETIC_ROWS, seed=seed), "synthetic"
     frame = frame.head(max_rows).reset_index(drop=True)
     out = workdir / "golden.parquet"
     frame.to_parquet(out)
@@ -96,6 +96,36 @@ def input_example(model_dir: Path) -> pd.DataFrame | None:
     array = np.asarray(example)
     name = _single_tensor_name(model.signature.to_dict() if model.signature else None)
     return pd.DataFrame({name: [np.asarray(row).tolist() for row in array]})
+
+
+def graph_signature(resolved: ResolvedVersion) -> dict[str, Any] | None:
+    """A tensor signature read from the graph of an ``onnx``-flavor model logged without
+    one, so that synthetic golden rows can still be made; None when it cannot be read."""
+    if resolved.flavor != "onnx":
+        return None
+    import json
+
+    import onnx
+    import yaml
+
+    from modelship.triton.model_config import numpy_dtype_from_onnx
+
+    try:
+        mlmodel = yaml.safe_load((resolved.local_dir / "MLmodel").read_text())
+        path = resolved.local_dir / mlmodel["flavors"]["onnx"]["data"]
+        graph = onnx.load(str(path), load_external_data=False).graph
+        initializers = {i.name for i in graph.initializer}
+        inputs = []
+        for tensor in graph.input:
+            if tensor.name in initializers:
+                continue
+            kind = tensor.type.tensor_type
+            shape = [d.dim_value if d.HasField("dim_value") else -1 for d in kind.shape.dim]
+            inputs.append({"type": "tensor", "name": tensor.name, "tensor-spec": {
+                "dtype": numpy_dtype_from_onnx(kind.elem_type), "shape": shape or [-1]}})
+    except Exception:  # noqa: BLE001 - the export stage reports a broken graph properly
+        return None
+    return {"inputs": json.dumps(inputs)} if inputs else None
 
 
 def _single_tensor_name(signature: dict[str, Any] | None) -> str:

@@ -139,6 +139,20 @@ def test_good_onnx_candidate_with_external_data_passes(
     assert report.golden.source == "synthetic"
 
 
+def test_onnx_candidate_without_signature_gets_golden_rows_from_its_graph(
+        stack_settings: Settings, clients: Clients, tmp_path: Path) -> None:
+    import mlflow
+
+    mlflow.set_tracking_uri(str(stack_settings.mlflow_tracking_uri))
+    with mlflow.start_run():
+        info = mlflow.onnx.log_model(models.sklearn_onnx(), name="model",
+                                     registered_model_name="gate-nosig")
+    report = _check(stack_settings, clients, tmp_path, model="gate-nosig",
+                    version=int(info.registered_model_version))
+    assert report.verdict == "passed"
+    assert report.golden.source == "synthetic" and report.golden.rows > 0
+
+
 Builder = Callable[[str, Path], int]
 
 
