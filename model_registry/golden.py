@@ -60,7 +60,7 @@ def load_golden(
         example = input_example(resolved.local_dir)
         if example is not None:
             frame, source = example, "input_example"
-    signature = resolved.signature or graph_signature(resolved)
+    signature = resolved.signature or inferred_signature(resolved)
     if frame is None:
         if not allow_synthetic:
             raise ValidationFailed(
@@ -98,11 +98,36 @@ def input_example(model_dir: Path) -> pd.DataFrame | None:
     return pd.DataFrame({name: [np.asarray(row).tolist() for row in array]})
 
 
-def graph_signature(resolved: ResolvedVersion) -> dict[str, Any] | None:
-    """A tensor signature read from the graph of an ``onnx``-flavor model logged without
-    one, so that synthetic golden rows can still be made; None when it cannot be read."""
-    if resolved.flavor != "onnx":
+def inferred_signature(resolved: ResolvedVersion) -> dict[str, Any] | None:
+    """A signature for a model logged without one, so that synthetic golden rows can still
+    be made: the graph's inputs (``onnx``) or the fitted estimator's features (``sklearn``).
+    None when it cannot be read; the export stage reports a broken model properly."""
+    if resolved.flavor == "onnx":
+        return _graph_signature(resolved)
+    if resolved.flavor == "sklearn":
+        return _estimator_signature(resolved)
+    return None
+
+
+def _estimator_signature(resolved: ResolvedVersion) -> dict[str, Any] | None:
+    import json
+
+    try:
+        import mlflow.sklearn
+
+        model = mlflow.sklearn.load_model(str(resolved.local_dir))
+        names = getattr(model, "feature_names_in_", None)
+        width = int(getattr(model, "n_features_in_", 0))
+    except Exception:  # noqa: BLE001 - see inferred_signature
         return None
+    columns = [str(n) for n in names] if names is not None else [f"f{i}" for i in range(width)]
+    if not columns:
+        return None
+    return {"inputs": json.dumps([{"type": "double", "name": c, "required": True}
+                                  for c in columns])}
+
+
+def _graph_signature(resolved: ResolvedVersion) -> dict[str, Any] | None:
     import json
 
     import onnx
@@ -123,7 +148,7 @@ def graph_signature(resolved: ResolvedVersion) -> dict[str, Any] | None:
             shape = [d.dim_value if d.HasField("dim_value") else -1 for d in kind.shape.dim]
             inputs.append({"type": "tensor", "name": tensor.name, "tensor-spec": {
                 "dtype": numpy_dtype_from_onnx(kind.elem_type), "shape": shape or [-1]}})
-    except Exception:  # noqa: BLE001 - the export stage reports a broken graph properly
+    except Exception:  # noqa: BLE001 - see inferred_signature
         return None
     return {"inputs": json.dumps(inputs)} if inputs else None
 

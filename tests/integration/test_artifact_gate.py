@@ -153,6 +153,23 @@ def test_onnx_candidate_without_signature_gets_golden_rows_from_its_graph(
     assert report.golden.source == "synthetic" and report.golden.rows > 0
 
 
+def test_sklearn_candidate_without_signature_gets_golden_rows_from_its_features(
+        stack_settings: Settings, clients: Clients, tmp_path: Path) -> None:
+    import mlflow
+
+    model, _ = models.sklearn_classifier()
+    mlflow.set_tracking_uri(str(stack_settings.mlflow_tracking_uri))
+    with mlflow.start_run():
+        info = mlflow.sklearn.log_model(model, name="model",
+                                        registered_model_name="gate-sk-nosig",
+                                        pip_requirements=["scikit-learn"])
+    report = _check(stack_settings, clients, tmp_path, model="gate-sk-nosig",
+                    version=int(info.registered_model_version))
+    assert report.verdict == "passed"
+    assert report.golden.source == "synthetic"
+    assert report.exported.spec.inputs[0].dims == (models.N_FEATURES,)
+
+
 Builder = Callable[[str, Path], int]
 
 
