@@ -23,9 +23,6 @@ from modelship.settings import Settings
 
 Progress = Callable[[str], None]
 
-STAGES = ("preflight", "resolve", "golden", "input_checks", "export", "validate",
-          "output_checks", "trial_load", "stage")
-
 
 @dataclass
 class CheckReport:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import urllib.error
 import urllib.request
-from typing import Any
 
 from modelship.errors import InfrastructureError, Unreachable
 
@@ -24,19 +22,6 @@ def get(url: str, *, timeout_s: float, what: str) -> tuple[int, bytes]:
             hint=f"check that {what} is running and its URL is right (`modelship doctor`)",
             endpoint=url,
         ) from exc
-
-
-def get_json(url: str, *, timeout_s: float, what: str) -> Any:
-    """GET ``url`` expecting 200 and a JSON body."""
-    status, body = get(url, timeout_s=timeout_s, what=what)
-    if status != 200:
-        raise InfrastructureError(
-            f"{what} at {url} answered HTTP {status}",
-            hint=f"see the log of {what}",
-            endpoint=url,
-            status=status,
-        )
-    return json.loads(body or b"null")
 
 
 def expect_ok(url: str, *, timeout_s: float, what: str) -> None:
