@@ -122,10 +122,9 @@ def onnx_graph(body: str, n_features: int = N_FEATURES) -> Any:
     """A tiny hand-written classifier graph: ``probabilities`` = f(input), ``label`` = argmax.
 
     ``body`` chooses f: ``"nan"`` (input * NaN), ``"scaled"`` (softmax * 10, out of [0,1]),
-    ``"softmax"`` (a proper distribution), ``"slow"`` (softmax after many MatMuls).
+    ``"softmax"`` (a proper distribution).
     """
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(3)
     weights = numpy_helper.from_array(rng.standard_normal((n_features, 3)).astype(np.float32),
@@ -142,12 +141,23 @@ def onnx_graph(body: str, n_features: int = N_FEATURES) -> Any:
     else:
         nodes.append(helper.make_node("Identity", ["soft"], ["probabilities"]))
     nodes.append(helper.make_node("ArgMax", ["probabilities"], ["label"], axis=1, keepdims=0))
+    return classifier_graph(nodes, inits, name="candidate", n_features=n_features)
+
+
+def classifier_graph(nodes: list[Any], initializers: list[Any], *, name: str,
+                     n_features: int = N_FEATURES) -> Any:
+    """A checked opset-17 graph with the classifier I/O every test model shares:
+    ``input`` float32 [batch, n_features] -> ``label`` int64 [batch], ``probabilities``
+    float32 [batch, 3]."""
+    import onnx
+    from onnx import TensorProto, helper
+
     graph = helper.make_graph(
-        nodes, "candidate",
+        nodes, name,
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, n_features])],
         [helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
          helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 3])],
-        initializer=inits)
+        initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model)

@@ -65,8 +65,7 @@ def slow_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
     file small); a vanishing multiple of the chain's sum joins the logits, so the runtime
     cannot skip it and the answers stay a proper softmax.
     """
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(5)
     q, _ = np.linalg.qr(rng.standard_normal((SLOW_WIDTH, SLOW_WIDTH)))
@@ -88,16 +87,7 @@ def slow_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
         helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
         helper.make_node("ArgMax", ["probabilities"], ["label"], axis=1, keepdims=0),
     ]
-    graph = helper.make_graph(
-        nodes, "slow_candidate",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, n_features])],
-        [helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
-         helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 3])],
-        initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model
+    return models.classifier_graph(nodes, inits, name="slow_candidate", n_features=n_features)
 
 
 @pytest.fixture(scope="module")
