@@ -434,8 +434,8 @@ class Rig:
 def build_rig(settings: Settings, workdir: Path) -> Rig:
     """Register, check and stage two versions, and first-deploy the first on every replica."""
     from flows.check import run_check
-    from flows.fleet import staged_config
     from modelship.triton.model_config import example_request
+    from tasks.stage import staged_config
     from tests import models
 
     clients = build_clients(settings)
@@ -448,7 +448,8 @@ def build_rig(settings: Settings, workdir: Path) -> Rig:
         if report.verdict != "passed":
             raise SystemExit(f"the check of {MODEL} v{version} did not pass: {report.verdict}")
         versions.append(version)
-    config = staged_config(clients, settings, MODEL, versions[0])
+    config = staged_config(clients.storage, repository_prefix=settings.repository_prefix,
+                           model=MODEL, version=versions[0])
     calls: list[LoadCall] = []
     rig = Rig(settings, clients, clients.storage,
               [TimedServer(s, calls) for s in clients.replicas], (versions[0], versions[1]),

@@ -11,32 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from model_registry.client import PREVIOUS_ALIAS, PRODUCTION_ALIAS
 from modelship.clients import Clients
 from modelship.errors import ModelNotFound, SwapAborted, UsageError
 from modelship.locks import release_lock
 from modelship.policy import Policy
 from modelship.settings import Settings
-from modelship.triton.model_config import ModelConfig, example_request, from_pbtxt
+from modelship.triton.model_config import example_request
+from tasks.stage import staged_config
 
 Progress = Callable[[str], None]
-
-
-def staged_config(clients: Clients, settings: Settings, model: str, version: int) -> ModelConfig:
-    """The config staged with a version (``<prefix>/<model>/<V>/config.pbtxt``)."""
-    from tasks.stage import version_prefix
-
-    assert clients.storage is not None
-    key = f"{version_prefix(settings.repository_prefix, model, version)}/config.pbtxt"
-    if not clients.storage.exists(key):
-        raise ModelNotFound(
-            f"version {version} of {model} is not staged (no {key} in the repository)",
-            hint=f"run `modelship stage {model} --version {version}` first",
-            model=model, version=version,
-        )
-    return from_pbtxt(clients.storage.get_bytes(key).decode())
 
 
 def _require_fleet(clients: Clients) -> None:
@@ -55,7 +39,8 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
 
     _require_fleet(clients)
     assert clients.storage is not None
-    config = staged_config(clients, settings, model, target)
+    config = staged_config(clients.storage, repository_prefix=settings.repository_prefix,
+                           model=model, version=target)
     with release_lock(model, prefect_api_url=settings.prefect_api_url, home=settings.home):
         report = swap_fleet(
             clients.replicas, model=model, target=target, storage=clients.storage,
@@ -136,29 +121,6 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
     clients.registry.set_tags(model, to, {"modelship.rolled_back_from": str(current)})
     return {"model": model, "from_version": current, "to_version": to, "dry_run": False,
             "aliases": clients.registry.aliases(model), "swap": result}
-
-
-def load_payload(clients: Clients, settings: Settings, model: str, version: int,
-                 rows: int = 64) -> tuple[dict[str, np.ndarray], str]:
-    """Rows to replay: the version's golden inputs when MLflow has them, else random rows
-    shaped by the staged config (the source is returned so the report can say so)."""
-    import tempfile
-    from pathlib import Path
-
-    config = staged_config(clients, settings, model, version)
-    if clients.registry is not None:
-        from model_registry.golden import load_golden
-        from tasks.export import golden_feed
-        from tasks.validate import spec_of_config
-
-        with tempfile.TemporaryDirectory(prefix="modelship-load-") as tmp:
-            resolved = clients.registry.resolve(model, version=version,
-                                                download_dir=Path(tmp))
-            info, golden = load_golden(clients.registry, resolved, workdir=Path(tmp) / "g",
-                                       max_rows=rows, allow_synthetic=True)
-            feed = golden_feed(golden, spec_of_config(config), resolved.signature)
-            return feed, info.source
-    return example_request(config, rows=rows, random=True), "synthetic"
 
 
 def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, version: int,

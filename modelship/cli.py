@@ -346,7 +346,11 @@ def load(model: ModelArg, version: VersionOpt = None,
 
                 raise UsageError(f"{model} is not served consistently; cannot pick payloads",
                                  hint="pass --version V (a staged version)")
-            payload, source = fleet.load_payload(clients, settings, model, served)
+            from tasks.payload import load_payload
+
+            payload, source = load_payload(clients.storage, clients.registry,
+                                           repository_prefix=settings.repository_prefix,
+                                           model=model, version=served)
             progress(f"loading {model} (payload: {source} rows of v{served})")
             spec = LoadSpec(protocol=protocol,  # type: ignore[arg-type]
                             concurrency=concurrency if rate is None else None,

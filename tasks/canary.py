@@ -524,11 +524,11 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         StagingError: A staged version fails its manifest.
         InfrastructureError: The canary could not load or serve the versions.
     """
-    from flows.fleet import load_payload, staged_config
     from modelship.triton.model_config import to_json, with_versions
     from tasks.gates import evaluate
+    from tasks.payload import load_payload
     from tasks.report import publish_markdown_artifact, write_canary_report
-    from tasks.stage import verify_staged
+    from tasks.stage import staged_config, verify_staged
 
     started = time.monotonic()
     server, storage = clients.canary, clients.storage
@@ -544,9 +544,11 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     for version in versions:
         verify_staged(storage, model=model, version=version,
                       repository_prefix=settings.repository_prefix)
-    config = with_versions(staged_config(clients, settings, model, candidate), versions)
-    payload, source = load_payload(clients, settings, model, candidate,
-                                   rows=policy.export.golden_max_rows)
+    config = with_versions(staged_config(storage, repository_prefix=settings.repository_prefix,
+                                         model=model, version=candidate), versions)
+    payload, source = load_payload(storage, clients.registry,
+                                   repository_prefix=settings.repository_prefix, model=model,
+                                   version=candidate, rows=policy.export.golden_max_rows)
     rules = list(policy.gates)
     skipped = [] if baseline is not None else [r.name for r in rules if is_comparative(r)]
     judged = [r for r in rules if r.name not in skipped]

@@ -39,9 +39,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from modelship.errors import StagingError, UsageError
+from modelship.errors import ModelNotFound, StagingError, UsageError
 from modelship.policy import StagingPolicy
 from modelship.storage import S3Storage
+from modelship.triton.model_config import ModelConfig, from_pbtxt
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "release.json"
@@ -835,3 +836,20 @@ def prune_versions(
         storage.delete_key(f"{vprefix}/{MANIFEST_NAME}")
         storage.delete_prefix(vprefix + "/")
     return pruned
+
+
+def staged_config(storage: S3Storage, *, repository_prefix: str, model: str,
+                  version: int) -> ModelConfig:
+    """The config staged with a version (``P/<model>/<V>/config.pbtxt``).
+
+    Raises:
+        ModelNotFound: the version is not staged (the hint says how to stage it).
+    """
+    key = f"{version_prefix(repository_prefix, model, version)}/{CONFIG_NAME}"
+    if not storage.exists(key):
+        raise ModelNotFound(
+            f"version {version} of {model} is not staged (no {key} in the repository)",
+            hint=f"run `modelship stage {model} --version {version}` first",
+            model=model, version=version,
+        )
+    return from_pbtxt(storage.get_bytes(key).decode())
