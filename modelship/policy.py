@@ -12,7 +12,8 @@ key path (``policies/fraud.yaml: unknown key 'gates.0.mxa'``).
 ::
 
     Policy
-    ├── triton          TritonPolicy         max_batch_size, dynamic_batching, instance_group
+    ├── triton          TritonPolicy         max_batch_size, dynamic_batching, instance_group,
+    │                                        gpu (accelerators, warmup, swap headroom)
     ├── export          ExportPolicy         opsets, parity tolerances, golden rows
     ├── validation      ValidationPolicy     input expectations, output checks, class mix
     ├── canary          CanaryPolicy         load shape, windows, agreement
@@ -57,6 +58,7 @@ __all__ = [
     "DynamicBatchingPolicy",
     "ExportPolicy",
     "GateRule",
+    "GpuPolicy",
     "InputExpectations",
     "InstanceGroupPolicy",
     "NotificationsPolicy",
@@ -66,8 +68,10 @@ __all__ = [
     "StagingPolicy",
     "SwapPolicy",
     "Target",
+    "TensorRTPolicy",
     "TritonPolicy",
     "ValidationPolicy",
+    "WarmupPolicy",
     "default_gates",
     "load_policy",
     "policy_for",
@@ -125,6 +129,90 @@ class InstanceGroupPolicy(_Section):
         le=64,
         description="Instances per device. Integer 1..64. Default 1.",
     )
+    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None,
+        description="GPU device ids the instances run on (`count` instances on each), GPU "
+        "instances only. List of integers ≥ 0, or `null` for every GPU the pod sees. "
+        "Default `null`.",
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct_gpus(cls, gpus: list[int] | None) -> list[int] | None:
+        if gpus is not None and (not gpus or len(set(gpus)) != len(gpus)):
+            raise ValueError("gpus must be a non-empty list of distinct device ids, or null")
+        return gpus
+
+
+class TensorRTPolicy(_Section):
+    """ONNX Runtime's TensorRT execution provider (``accelerator: tensorrt``)."""
+
+    precision: Literal["FP32", "FP16", "INT8"] = Field(
+        default="FP16",
+        description="TensorRT precision mode. `FP32`, `FP16` or `INT8` (INT8 needs a "
+        "calibrated graph). Default `FP16`; export parity is checked in FP32, so keep the "
+        "canary's agreement gate on.",
+    )
+    max_workspace_bytes: int = Field(
+        default=1024 * MiB,
+        ge=16 * MiB,
+        description="Scratch GPU memory TensorRT may use while building and running an "
+        "engine, bytes. Integer ≥ 16 MiB. Default 1073741824 (1 GiB); it counts in the swap's "
+        "GPU headroom.",
+    )
+    engine_cache: bool = Field(
+        default=True,
+        description="Cache built engines in the pod's scratch dir so a reload of the same "
+        "version skips the build. `true` or `false`. Default `true`.",
+    )
+
+
+class WarmupPolicy(_Section):
+    """``model_warmup``: requests Triton runs before it reports a GPU model ready."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Render `model_warmup` on the GPU target, so TensorRT engines and CUDA "
+        "allocations happen before the model is ready rather than on the first requests. "
+        "`true` or `false`. Default `true`. Never rendered on the CPU target.",
+    )
+    data: Literal["zero", "random"] = Field(
+        default="zero",
+        description="What the warmup tensors hold: `zero` or `random`. Default `zero`. Their "
+        "shapes come from the golden rows (batch size and variable dims).",
+    )
+    count: int = Field(
+        default=1,
+        ge=1,
+        le=100,
+        description="Times each warmup sample runs. Integer 1..100. Default 1.",
+    )
+
+
+class GpuPolicy(_Section):
+    """What the GPU rendering adds: ONNX Runtime accelerators, warmup, swap headroom."""
+
+    accelerator: Literal["cuda", "tensorrt", "none"] = Field(
+        default="cuda",
+        description="ONNX Runtime execution accelerator on GPU instances: `cuda` (the CUDA "
+        "provider), `tensorrt` (TensorRT engines, see `tensorrt`), or `none` (the backend's "
+        "default, CUDA). Default `cuda`.",
+    )
+    tensorrt: TensorRTPolicy = Field(
+        default_factory=TensorRTPolicy,
+        description="TensorRT settings, used when `accelerator` is `tensorrt`.",
+    )
+    warmup: WarmupPolicy = Field(
+        default_factory=WarmupPolicy,
+        description="Warmup settings (see the keys below).",
+    )
+    headroom_bytes: int = Field(
+        default=256 * MiB,
+        ge=0,
+        description="Free GPU memory that must remain on every replica with the candidate "
+        "loaded next to production, bytes (the swap preflight). Integer ≥ 0. Default "
+        "268435456 (256 MiB).",
+    )
 
 
 class TritonPolicy(_Section):
@@ -155,6 +243,10 @@ class TritonPolicy(_Section):
         default_factory=InstanceGroupPolicy,
         description="Instance group settings (see the keys below).",
     )
+    gpu: GpuPolicy = Field(
+        default_factory=GpuPolicy,
+        description="GPU rendering settings (see the keys below); used on the `gpu` target.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TritonPolicy:
@@ -175,6 +267,9 @@ class TritonPolicy(_Section):
                 "instance_group.kind 'gpu' cannot run on target 'cpu'; use kind 'auto' or "
                 "target 'gpu'"
             )
+        if self.instance_group.gpus is not None and self.instance_group.kind == "cpu":
+            raise ValueError("instance_group.gpus needs GPU instances; drop it or use kind "
+                             "'auto' or 'gpu'")
         return self
 
 
@@ -767,6 +862,62 @@ class NotificationsPolicy(_Section):
     )
 
 
+class BakePolicy(_Section):
+    """The watch after the swap: a breach rolls the fleet back on its own (SageMaker's
+    baking period)."""
+
+    duration_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="Seconds the fleet is watched after the swap; `0` skips the bake. "
+        "Float ≥ 0. Default 10.",
+    )
+    window_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Length of one watch window, in s; each window is judged on its own. "
+        "Float > 0. Default 2.",
+    )
+    baseline_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="Seconds of the same probe load on the production version just before "
+        "the swap: the pre-swap window the latency is compared with. Float > 0. Default 4.",
+    )
+    probe_rps: float = Field(
+        default=40.0,
+        gt=0,
+        description="Requests per second of golden rows the bake sends across the fleet, so "
+        "there is always evidence (organic traffic counts too, through Triton's metrics). "
+        "Float > 0. Default 40.",
+    )
+    max_error_rate: float = Field(
+        default=0.001,
+        ge=0,
+        le=1,
+        description="Failed requests (client-side or counted by Triton) allowed per request "
+        "in a window; above it the release rolls back. Float in [0, 1]. Default 0.001.",
+    )
+    max_latency_increase_pct: float = Field(
+        default=50.0,
+        gt=0,
+        description="Server-side latency (queue + compute per request, from Triton's "
+        "metrics) allowed above the pre-swap window, in percent. Float > 0. Default 50.",
+    )
+    min_latency_effect_us: float = Field(
+        default=300.0,
+        ge=0,
+        description="A latency increase smaller than this many µs never breaches (noise "
+        "floor on small models). Float ≥ 0. Default 300.",
+    )
+    breach_windows: int = Field(
+        default=2,
+        ge=1,
+        description="Consecutive windows over the latency limit that make a breach (errors "
+        "breach at once). Integer ≥ 1. Default 2.",
+    )
+
+
 # --------------------------------------------------------------------------------------
 # the policy
 
@@ -797,6 +948,9 @@ class Policy(_Section):
         default_factory=ApprovalPolicy, description="Human approval."
     )
     swap: SwapPolicy = Field(default_factory=SwapPolicy, description="The fleet swap.")
+    bake: BakePolicy = Field(
+        default_factory=BakePolicy, description="The watch after the swap."
+    )
     staging: StagingPolicy = Field(
         default_factory=StagingPolicy, description="The S3 repository."
     )

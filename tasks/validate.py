@@ -11,7 +11,7 @@ All functions here are pure.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +22,12 @@ from modelship.triton.model_config import (
     ModelSpec,
     TensorSpec,
     assert_lint_clean,
+    for_target,
+    from_pbtxt,
     lint,
     numpy_dtype_from_triton,
     render_model_config,
+    to_pbtxt,
 )
 
 _COLUMN_KINDS = {"double": "f", "float": "f", "long": "i", "integer": "i", "boolean": "b",
@@ -257,9 +260,70 @@ def check_breaking(
 
 
 def render_checked_config(
-    graph: ModelSpec, policy: Policy, *, target: Target, versions: list[int] | None = None
+    graph: ModelSpec, policy: Policy, *, target: Target, versions: list[int] | None = None,
+    golden_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> ModelConfig:
-    """Render the Triton config from the graph and the policy, then lint it."""
-    config = render_model_config(graph, policy.triton, versions=versions, target=target)
-    assert_lint_clean(lint(config, target=target), model=graph.name)
-    return config
+    """Render the Triton config from the graph and the policy for ``target``, then lint it.
+
+    The lint runs on the config as Triton will read it: serialised to ``config.pbtxt`` and
+    parsed back with Triton's protobuf schema (the round trip must be exact).
+    """
+    config = render_model_config(graph, policy.triton, versions=versions, target=target,
+                                 golden_shapes=golden_shapes)
+    parsed = from_pbtxt(to_pbtxt(config))
+    if parsed != config:
+        raise ValidationFailed(
+            f"{graph.name}: the rendered {target} config does not survive config.pbtxt",
+            hint="report this as a bug in modelship/triton/model_config.py")
+    assert_lint_clean(lint(parsed, target=target), model=graph.name)
+    return parsed
+
+
+@dataclass(frozen=True)
+class RenderedConfigs:
+    """The configs of one check: what is staged, and what the CPU stack serves.
+
+    Attributes:
+        target: The policy's declared target, the fleet the staged config is for.
+        staged: Rendered for ``target``; it goes into the version folder and the manifest.
+        cpu: ``for_target(staged, "cpu")``: what a CPU server (the local stack's canary and
+            replicas) loads. Equal to ``staged`` when the target is ``cpu``.
+    """
+
+    target: Target
+    staged: ModelConfig
+    cpu: ModelConfig
+
+    def for_fleet(self, fleet: Target) -> ModelConfig:
+        """The config a fleet of ``fleet`` loads."""
+        return self.staged if fleet == self.target else for_target(self.staged, fleet)
+
+
+def render_checked_configs(
+    graph: ModelSpec, policy: Policy, *, versions: list[int] | None = None,
+    golden: Mapping[str, Any] | None = None,
+) -> RenderedConfigs:
+    """Render and lint the staged config (the policy's target) and its CPU form.
+
+    A check on the CPU stack therefore still renders and lints the GPU config (instance
+    groups, accelerators, warmup) of a ``triton.target: gpu`` policy, and trial-loads its
+    CPU form.
+
+    Args:
+        graph: The exported graph's I/O.
+        policy: The release policy.
+        versions: ``version_policy: specific`` versions.
+        golden: The golden feed (input name to array ``[rows, *dims]``), which shapes the
+            GPU warmup; only the arrays' ``shape`` is read.
+
+    Raises:
+        ValidationFailed: either config fails lint.
+    """
+    shapes = {name: tuple(array.shape) for name, array in (golden or {}).items()}
+    target = policy.triton.target
+    staged = render_checked_config(graph, policy, target=target, versions=versions,
+                                   golden_shapes=shapes)
+    cpu = for_target(staged, "cpu")
+    if target != "cpu":
+        assert_lint_clean(lint(cpu, target="cpu"), model=graph.name)
+    return RenderedConfigs(target=target, staged=staged, cpu=cpu)

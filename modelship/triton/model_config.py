@@ -18,13 +18,36 @@ backend), which :func:`from_live_json` and the digests account for:
 - Without a ``version_policy``, Triton uses ``latest { num_versions: 1 }``.
 - The JSON override takes int64 fields as strings (``"dims": ["4"]``), as
   ``json_format.MessageToJson`` writes them.
+
+One staged version, two kinds of fleet (CPU stack, GPU production): **the staged config is
+rendered for the policy's declared target** (``triton.target``), and a CPU fleet serves
+its derivation :func:`for_target` ``(cfg, "cpu")``. Why this way round:
+
+- What serves in production is what was staged, hashed into ``release.json`` and linted at
+  check time: no re-rendering at swap time from a policy file that may have changed since.
+- Deriving *down* is lossless and needs no policy: the CPU form only turns ``KIND_GPU``
+  into ``KIND_CPU`` and drops what has no meaning on a CPU (GPU device ids, GPU
+  accelerators, warmup). Deriving *up* would need the accelerator choices, so it is never
+  done; a check on the CPU stack renders and lints the GPU config all the same
+  (``tasks.validate.render_checked_configs``).
+- Rendering per target at swap time would have made every swap depend on the policy file
+  of the day, and staging a config per target would have put two candidate configs in each
+  version folder for every reader to choose from.
+
+GPU rendering (``target: gpu``): ``KIND_GPU`` instance groups (``count``, optional
+``gpus``), ONNX Runtime accelerators in ``optimization.execution_accelerators``
+(``tensorrt`` with ``precision_mode`` and ``max_workspace_size_bytes``, or ``cuda``), and
+``model_warmup`` shaped by the golden rows. Warmup data are zeros or random values rather
+than the golden bytes: Triton reads warmup files from ``<model>/warmup/``, a model-level
+folder outside the immutable, manifested version folder, and what warmup is for (building
+TensorRT engines and CUDA allocations) depends on shapes only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +66,7 @@ __all__ = [
     "TensorSpec",
     "assert_lint_clean",
     "config_digest",
+    "for_target",
     "from_live_json",
     "from_pbtxt",
     "lint",
@@ -54,6 +78,7 @@ __all__ = [
     "to_json",
     "to_pbtxt",
     "triton_dtype",
+    "warmup_samples",
     "with_versions",
     "without_dynamic_batching",
 ]
@@ -206,6 +231,7 @@ def render_model_config(
     *,
     versions: Sequence[int] | None = None,
     target: Target | None = None,
+    golden_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> ModelConfig:
     """Render the full Triton config of a model from its I/O spec and its policy.
 
@@ -219,6 +245,10 @@ def render_model_config(
             serves the latest one.
         target: Overrides ``triton_policy.target``, e.g. ``"cpu"`` for the local stack when
             the policy targets the GPU fleet. An instance group kind ``auto`` follows it.
+            On ``gpu``, the ``triton.gpu`` accelerators and warmup are rendered too.
+        golden_shapes: Input name to the shape of the golden feed (``[rows, *dims]``), which
+            sizes the warmup requests; without it the warmup uses batch 1 and variable dims
+            of 1.
 
     Raises:
         ValidationFailed: a dtype has no Triton equivalent, or ``versions`` is empty.
@@ -251,12 +281,112 @@ def render_model_config(
         cfg.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
     group = triton_policy.instance_group
     kind = where if group.kind == "auto" else group.kind
-    cfg.instance_group.add(kind=_KINDS[kind], count=group.count)
+    added_group = cfg.instance_group.add(kind=_KINDS[kind], count=group.count)
+    if kind == "gpu" and group.gpus is not None:
+        added_group.gpus.extend(group.gpus)
     if versions is None:
         cfg.version_policy.latest.num_versions = 1
     else:
         _set_specific(cfg, versions)
+    if where == "gpu":
+        _render_gpu(cfg, triton_policy, golden_shapes)
     return cfg
+
+
+_TRT_PRECISION = ("FP32", "FP16", "INT8")
+_ORT_GPU_ACCELERATORS = ("tensorrt", "cuda")
+
+
+def _render_gpu(cfg: ModelConfig, triton_policy: TritonPolicy,
+                golden_shapes: Mapping[str, Sequence[int]] | None) -> None:
+    gpu = triton_policy.gpu
+    if gpu.accelerator != "none":
+        accel = cfg.optimization.execution_accelerators.gpu_execution_accelerator.add(
+            name=gpu.accelerator)
+        if gpu.accelerator == "tensorrt":
+            trt = gpu.tensorrt
+            accel.parameters["precision_mode"] = trt.precision
+            accel.parameters["max_workspace_size_bytes"] = str(trt.max_workspace_bytes)
+            if trt.engine_cache:
+                accel.parameters["trt_engine_cache_enable"] = "1"
+                accel.parameters["trt_engine_cache_path"] = "/tmp/trt-engines"
+    if gpu.warmup.enabled:
+        cfg.model_warmup.extend(warmup_samples(cfg, golden_shapes, data=gpu.warmup.data,
+                                               count=gpu.warmup.count))
+
+
+def warmup_samples(
+    cfg: ModelConfig,
+    golden_shapes: Mapping[str, Sequence[int]] | None,
+    *,
+    data: Literal["zero", "random"] = "zero",
+    count: int = 1,
+) -> list[model_config_pb2.ModelWarmup]:
+    """``model_warmup`` entries for ``cfg``, shaped by the golden rows (pure).
+
+    One sample at batch 1 and, when the golden rows and ``max_batch_size`` allow more, one
+    at ``min(golden rows, max_batch_size)``, so both the single-request and the full-batch
+    shapes are built before the model reports ready. Variable dims (-1) take the golden
+    feed's size, else 1.
+
+    Args:
+        cfg: A config with its inputs rendered.
+        golden_shapes: Input name to the golden feed's shape ``[rows, *dims]``, or None.
+        data: ``zero`` or ``random`` tensor contents.
+        count: How many times Triton runs each sample.
+    """
+    shapes = dict(golden_shapes or {})
+    batching = cfg.max_batch_size > 0
+    rows = min((int(shape[0]) for shape in shapes.values() if len(shape)), default=1)
+    sizes = [1]
+    if batching and min(rows, cfg.max_batch_size) > 1:
+        sizes.append(min(rows, cfg.max_batch_size))
+    samples = []
+    for batch in sizes:
+        sample = model_config_pb2.ModelWarmup(
+            name=f"golden_batch_{batch}", batch_size=batch, count=count)
+        for tensor in cfg.input:
+            golden = list(shapes.get(tensor.name, ()))
+            golden_dims = golden[1:] if batching else golden
+            dims = []
+            for i, d in enumerate(tensor.dims):
+                known = golden_dims[i] if i < len(golden_dims) else 1
+                dims.append(int(d) if d > 0 else max(int(known), 1))
+            entry = sample.inputs[tensor.name]
+            entry.data_type = tensor.data_type
+            entry.dims.extend(dims)
+            if data == "random" and tensor.data_type != model_config_pb2.TYPE_STRING:
+                entry.random_data = True
+            else:
+                entry.zero_data = True
+        samples.append(sample)
+    return samples
+
+
+def for_target(cfg: ModelConfig, target: Target) -> ModelConfig:
+    """The config a fleet of ``target`` serves, from the staged config (pure, deterministic).
+
+    ``gpu`` returns a copy unchanged (a CPU-rendered config serves on a GPU fleet, slowly;
+    lint warns). ``cpu`` derives the CPU form of a GPU config: every ``KIND_GPU`` group
+    becomes ``KIND_CPU`` without ``gpus``, and the GPU accelerators and ``model_warmup`` are
+    dropped. The derivation depends on the config alone, so every CPU replica, the
+    canary and the swap arrive at the same bytes and digests.
+    """
+    out = _copy(cfg)
+    if target == "gpu":
+        return out
+    for group in out.instance_group:
+        if group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
+            group.kind = model_config_pb2.ModelInstanceGroup.KIND_CPU
+        group.ClearField("gpus")
+    if out.HasField("optimization"):
+        out.optimization.execution_accelerators.ClearField("gpu_execution_accelerator")
+        if not out.optimization.execution_accelerators.ListFields():
+            out.optimization.ClearField("execution_accelerators")
+        if not out.optimization.ListFields():
+            out.ClearField("optimization")
+    out.ClearField("model_warmup")
+    return out
 
 
 def _set_specific(cfg: ModelConfig, versions: Iterable[int]) -> None:
@@ -462,6 +592,15 @@ def lint(
     - ``instance-kind``: ``KIND_GPU`` on a cpu target is an error (the model cannot load);
       ``KIND_CPU`` on a gpu target is a warning (it serves, slowly; legitimate for cheap
       models, so it does not block). ``count`` ≥ 1.
+    - ``instance-gpus``: device ids (``gpus``) on a ``KIND_CPU`` group (Triton refuses).
+    - ``accelerator``: GPU execution accelerators of the onnxruntime backend are
+      ``tensorrt`` or ``cuda``; TensorRT's ``precision_mode`` is FP32/FP16/INT8 and
+      ``max_workspace_size_bytes`` a positive integer. GPU accelerators without a
+      ``KIND_GPU`` group are a warning (ignored).
+    - ``warmup``: each ``model_warmup`` sample has a batch size in 1..``max_batch_size``
+      (exactly 1 without batching), one entry per config input and no other, the input's
+      data type, concrete dims (> 0) of the input's rank that agree with its fixed dims,
+      and a data source.
     - ``version-dirs`` (only with ``version_dirs``): version folders are positive integers
       without leading zeros (Triton skips other folders, so the version would silently not
       exist), and every ``specific`` version has a folder.
@@ -576,6 +715,10 @@ def lint(
             )
         if group.count < 1:
             add("instance-kind", f"instance_group count is {group.count}", "use count ≥ 1")
+        if kind == model_config_pb2.ModelInstanceGroup.KIND_CPU and group.gpus:
+            add("instance-gpus", f"instance_group KIND_CPU lists gpus {list(group.gpus)}",
+                "drop triton.instance_group.gpus, or serve on GPU instances")
+    _lint_gpu(cfg, add)
     if version_dirs is not None:
         bad_dirs = sorted(d for d in version_dirs if not _VERSION_DIR.match(d))
         if bad_dirs:
@@ -594,6 +737,59 @@ def lint(
                     "stage those versions first, or serve the versions that exist",
                 )
     return findings
+
+
+def _lint_gpu(cfg: ModelConfig, add: Callable[..., None]) -> None:
+    """The ``accelerator`` and ``warmup`` rules of :func:`lint`."""
+    accelerators = cfg.optimization.execution_accelerators.gpu_execution_accelerator
+    on_gpu = any(g.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+                 for g in cfg.instance_group)
+    if accelerators and not on_gpu:
+        add("accelerator", "GPU execution accelerators without a KIND_GPU instance group are "
+            "ignored", "serve on GPU instances, or drop triton.gpu.accelerator", "warning")
+    for accel in accelerators:
+        if cfg.backend == "onnxruntime" and accel.name not in _ORT_GPU_ACCELERATORS:
+            add("accelerator", f"unknown onnxruntime GPU accelerator '{accel.name}'",
+                "use 'tensorrt' or 'cuda'")
+        if accel.name != "tensorrt":
+            continue
+        precision = accel.parameters.get("precision_mode", "FP32")
+        if precision not in _TRT_PRECISION:
+            add("accelerator", f"TensorRT precision_mode '{precision}'",
+                "use one of " + ", ".join(_TRT_PRECISION))
+        workspace = accel.parameters.get("max_workspace_size_bytes")
+        if workspace is not None and not (workspace.isdigit() and int(workspace) > 0):
+            add("accelerator", f"TensorRT max_workspace_size_bytes '{workspace}'",
+                "give a positive number of bytes")
+    mbs = cfg.max_batch_size
+    inputs = {t.name: t for t in cfg.input}
+    for sample in cfg.model_warmup:
+        where = f"model_warmup '{sample.name or '<unnamed>'}'"
+        high = mbs if mbs > 0 else 1
+        if not 1 <= sample.batch_size <= high:
+            add("warmup", f"{where} batch_size {sample.batch_size} outside 1..{high}",
+                "warm up with batch sizes the model accepts")
+        missing = sorted(inputs.keys() - sample.inputs.keys())
+        extra = sorted(sample.inputs.keys() - inputs.keys())
+        if missing or extra:
+            add("warmup", f"{where} inputs missing {missing}, unknown {extra}",
+                "render the warmup from the config's inputs")
+        for name, entry in sample.inputs.items():
+            tensor = inputs.get(name)
+            if tensor is None:
+                continue
+            if entry.data_type != tensor.data_type:
+                add("warmup", f"{where} input '{name}' data_type differs from the input's",
+                    "use the input's data type")
+            dims = list(entry.dims)
+            fixed = list(tensor.dims)
+            if len(dims) != len(fixed) or any(d <= 0 for d in dims) or any(
+                    f > 0 and d != f for d, f in zip(dims, fixed, strict=False)):
+                add("warmup", f"{where} input '{name}' dims {dims} do not fit {fixed}",
+                    "give concrete dims (> 0) of the input's rank")
+            if entry.WhichOneof("input_data_type") is None:
+                add("warmup", f"{where} input '{name}' has no data",
+                    "set zero_data, random_data or input_data_file")
 
 
 def assert_lint_clean(findings: Sequence[LintFinding], *, model: str | None = None) -> None:

@@ -18,6 +18,7 @@ from modelship.triton.model_config import (
     TensorSpec,
     assert_lint_clean,
     config_digest,
+    for_target,
     from_live_json,
     from_pbtxt,
     lint,
@@ -408,3 +409,171 @@ def test_assert_lint_clean_lists_every_error_with_its_fix() -> None:
 
 def test_lint_finding_is_a_value() -> None:
     assert LintFinding("r", "m", "h") == LintFinding("r", "m", "h", "error")
+
+
+# ---------------------------------------------------------------------------- GPU rendering
+
+GOLDEN = {"features": (20, 30), "country": (20, 1)}
+
+
+def render_gpu(golden: dict[str, tuple[int, ...]] | None = GOLDEN, **triton: Any) -> ModelConfig:
+    policy = TritonPolicy.model_validate({"target": "gpu", **triton})
+    return render_model_config(SPEC, policy, versions=[3], golden_shapes=golden)
+
+
+def _accelerators(cfg: ModelConfig) -> list[tuple[str, dict[str, str]]]:
+    found = cfg.optimization.execution_accelerators.gpu_execution_accelerator
+    return [(a.name, dict(a.parameters)) for a in found]
+
+
+TRT_DEFAULTS = {"precision_mode": "FP16", "max_workspace_size_bytes": str(1024 * 1024 * 1024),
+                "trt_engine_cache_enable": "1", "trt_engine_cache_path": "/tmp/trt-engines"}
+GPU_CASES: list[tuple[str, dict[str, Any], list[tuple[str, dict[str, str]]]]] = [
+    # id, triton policy (target gpu), the accelerators expected
+    ("cuda default", {}, [("cuda", {})]),
+    ("no accelerator", {"gpu": {"accelerator": "none"}}, []),
+    ("tensorrt defaults", {"gpu": {"accelerator": "tensorrt"}}, [("tensorrt", TRT_DEFAULTS)]),
+    ("tensorrt fp32 2GiB no cache",
+     {"gpu": {"accelerator": "tensorrt",
+              "tensorrt": {"precision": "FP32", "max_workspace_bytes": 2 << 30,
+                           "engine_cache": False}}},
+     [("tensorrt", {"precision_mode": "FP32", "max_workspace_size_bytes": str(2 << 30)})]),
+    ("tensorrt int8", {"gpu": {"accelerator": "tensorrt", "tensorrt": {"precision": "INT8"}}},
+     [("tensorrt", {**TRT_DEFAULTS, "precision_mode": "INT8"})]),
+]
+
+
+@pytest.mark.parametrize(("triton", "accelerators"), [c[1:] for c in GPU_CASES],
+                         ids=[c[0] for c in GPU_CASES])
+@pytest.mark.parametrize("gpus", [None, [0], [0, 1]])
+@pytest.mark.parametrize("count", [1, 2])
+def test_gpu_rendering_table(triton: dict[str, Any], accelerators: list[Any],
+                             gpus: list[int] | None, count: int) -> None:
+    cfg = render_gpu(**triton, instance_group={"count": count, "gpus": gpus})
+    (group,) = cfg.instance_group
+    assert (group.kind, group.count, list(group.gpus)) == (KIND_GPU, count, gpus or [])
+    assert _accelerators(cfg) == accelerators
+    assert [w.batch_size for w in cfg.model_warmup] == [1, 20]
+    # Triton's schema reads back exactly what was rendered, and lint finds nothing.
+    assert from_pbtxt(to_pbtxt(cfg)) == cfg
+    assert lint(cfg, target="gpu", graph_rank={"features": 2, "country": 2}) == []
+    # The CPU form of the same config: no GPU, no accelerator, no warmup, still clean.
+    cpu = for_target(cfg, "cpu")
+    assert [(g.kind, g.count, list(g.gpus)) for g in cpu.instance_group] == [
+        (pb.ModelInstanceGroup.KIND_CPU, count, [])]
+    assert not cpu.HasField("optimization") and not cpu.model_warmup
+    assert lint(cpu, target="cpu") == []
+    assert serving_digest(cpu) == serving_digest(render(instance_group={"count": count}))
+
+
+@pytest.mark.parametrize(
+    ("golden", "max_batch_size", "sizes", "features_dims"),
+    [
+        (GOLDEN, 32, [1, 20], [30]),
+        ({"features": (100, 30), "country": (100, 1)}, 32, [1, 32], [30]),
+        ({"features": (1, 30), "country": (1, 1)}, 32, [1], [30]),
+        (None, 32, [1], [30]),
+        (GOLDEN, 0, [1], [30]),  # no batching: one sample, dims are the full shape
+    ],
+    ids=["rows<mbs", "rows>mbs", "one row", "no golden", "no batching"],
+)
+def test_warmup_is_shaped_by_the_golden_rows(
+    golden: dict[str, tuple[int, ...]] | None, max_batch_size: int, sizes: list[int],
+    features_dims: list[int],
+) -> None:
+    batching = {"enabled": max_batch_size > 0}
+    cfg = render_gpu(golden, max_batch_size=max_batch_size, dynamic_batching=batching)
+    assert [w.batch_size for w in cfg.model_warmup] == sizes
+    for sample in cfg.model_warmup:
+        assert set(sample.inputs) == {"features", "country"}
+        assert sample.inputs["country"].data_type == pb.TYPE_STRING
+        assert sample.inputs["country"].WhichOneof("input_data_type") == "zero_data"
+    if max_batch_size:
+        assert list(cfg.model_warmup[0].inputs["features"].dims) == features_dims
+    assert [f for f in lint(cfg, target="gpu") if f.severity == "error"] == []
+
+
+def test_warmup_resolves_variable_dims_from_the_golden_rows() -> None:
+    spec = ModelSpec("seq", inputs=(TensorSpec("tokens", "int64", (-1,)),),
+                     outputs=(TensorSpec("score", "float32", (1,)),))
+    policy = TritonPolicy.model_validate({"target": "gpu", "gpu": {"warmup": {"data": "random"}}})
+    cfg = render_model_config(spec, policy, golden_shapes={"tokens": (8, 128)})
+    assert [list(w.inputs["tokens"].dims) for w in cfg.model_warmup] == [[128], [128]]
+    assert cfg.model_warmup[0].inputs["tokens"].random_data
+    no_golden = render_model_config(spec, policy)
+    assert [list(w.inputs["tokens"].dims) for w in no_golden.model_warmup] == [[1]]
+
+
+def test_warmup_can_be_turned_off_and_cpu_target_never_renders_gpu_parts() -> None:
+    off = render_gpu(gpu={"warmup": {"enabled": False}})
+    assert not off.model_warmup and _accelerators(off) == [("cuda", {})]
+    cpu = render_model_config(SPEC, TritonPolicy(), golden_shapes=GOLDEN)
+    assert not cpu.HasField("optimization") and not cpu.model_warmup
+
+
+def test_for_target_gpu_is_an_unchanged_copy() -> None:
+    cfg = render_gpu()
+    out = for_target(cfg, "gpu")
+    assert out == cfg and out is not cfg
+
+
+def test_gpus_need_gpu_instances() -> None:
+    with pytest.raises(ValueError, match="gpus"):
+        TritonPolicy.model_validate({"target": "gpu", "instance_group": {"kind": "cpu",
+                                                                         "gpus": [0]}})
+    with pytest.raises(ValueError, match="distinct"):
+        TritonPolicy.model_validate({"target": "gpu", "instance_group": {"gpus": [0, 0]}})
+
+
+def _gpu_cfg(change: Callable[[ModelConfig], object] | None = None) -> ModelConfig:
+    cfg = render_gpu(gpu={"accelerator": "tensorrt"})
+    if change is not None:
+        change(cfg)
+    return cfg
+
+
+def _trt(cfg: ModelConfig) -> Any:
+    return cfg.optimization.execution_accelerators.gpu_execution_accelerator[0]
+
+
+GPU_LINT: list[tuple[str, Change, str, str | None]] = [
+    # id, change to a clean TensorRT config, target, rule expected to fail (None: clean)
+    ("clean", None, "gpu", None),
+    ("unknown accelerator", lambda c: setattr(_trt(c), "name", "openvino"), "gpu",
+     "accelerator"),
+    ("bad precision", lambda c: _trt(c).parameters.__setitem__("precision_mode", "FP8"), "gpu",
+     "accelerator"),
+    ("bad workspace", lambda c: _trt(c).parameters.__setitem__("max_workspace_size_bytes", "-1"),
+     "gpu", "accelerator"),
+    ("gpus on cpu group", lambda c: c.instance_group[0].MergeFrom(
+        pb.ModelInstanceGroup(kind=pb.ModelInstanceGroup.KIND_CPU, gpus=[0])), "gpu",
+     "instance-gpus"),
+    ("warmup batch too big", lambda c: setattr(c.model_warmup[1], "batch_size", 64), "gpu",
+     "warmup"),
+    ("warmup missing input", lambda c: c.model_warmup[0].inputs.pop("country"), "gpu", "warmup"),
+    ("warmup wrong dtype", lambda c: setattr(c.model_warmup[0].inputs["features"], "data_type",
+                                             pb.TYPE_FP16), "gpu", "warmup"),
+    ("warmup variable dim", lambda c: _dims(c.model_warmup[0].inputs["features"], -1), "gpu",
+     "warmup"),
+    ("warmup wrong dim", lambda c: _dims(c.model_warmup[0].inputs["features"], 31), "gpu",
+     "warmup"),
+    ("warmup no data", lambda c: c.model_warmup[0].inputs["features"].ClearField("zero_data"),
+     "gpu", "warmup"),
+    ("gpu config on cpu", None, "cpu", "instance-kind"),
+]
+
+
+@pytest.mark.parametrize(("change", "target", "rule"), [c[1:] for c in GPU_LINT],
+                         ids=[c[0] for c in GPU_LINT])
+def test_gpu_lint_rules(change: Change, target: str, rule: str | None) -> None:
+    cfg = _gpu_cfg(change)
+    errors = [f for f in lint(cfg, target=target) if f.severity == "error"]  # type: ignore[arg-type]
+    assert [f.rule for f in errors] == ([] if rule is None else [rule])
+    assert all(f.message and f.hint for f in errors)
+
+
+def test_gpu_accelerator_on_cpu_instances_is_a_warning() -> None:
+    cfg = render_gpu(instance_group={"kind": "cpu"})
+    findings = lint(cfg, target="gpu")
+    assert {(f.rule, f.severity) for f in findings} == {
+        ("instance-kind", "warning"), ("accelerator", "warning")}
