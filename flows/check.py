@@ -171,8 +171,12 @@ def run_check(
 
     with _stage(report, "validate", progress) as entry:
         graph = exported.spec
-        config = validate.render_checked_config(graph, policy, target="cpu",
-                                                versions=[resolved.version])
+        # Staged: the policy target's config (KIND_GPU on the fleet); trial-loaded here: its
+        # CPU form. Both are rendered and linted (tasks/validate.py, issue 13).
+        rendered = validate.render_checked_configs(
+            graph, policy, versions=[resolved.version],
+            golden=export.golden_feed(golden, graph, resolved.signature))
+        config = rendered.cpu
         validate.check_contract(resolved.signature, graph, config)
         production_spec = None
         if report.production_version is not None and \
@@ -186,7 +190,7 @@ def run_check(
         changes = validate.check_breaking(
             production_spec, report.production_version, graph,
             allowed=allow_breaking_changes or policy.validation.allow_breaking_changes)
-        report.config_pbtxt = to_pbtxt(config)
+        report.config_pbtxt = to_pbtxt(rendered.staged)
         entry.update(breaking_changes=changes, contract="ok", lint="ok")
 
     feed = export.golden_feed(golden, exported.spec, resolved.signature)
