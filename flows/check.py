@@ -18,8 +18,10 @@ from typing import Any
 from modelship.candidate import ExportedModel, GoldenInputs, ResolvedVersion
 from modelship.clients import Clients
 from modelship.errors import ModelshipError, PreflightError, UsageError
+from modelship.jsonable import jsonable
 from modelship.policy import Policy
 from modelship.settings import Settings
+from modelship.signing import key_bytes
 
 Progress = Callable[[str], None]
 
@@ -39,6 +41,8 @@ class CheckReport:
     config_pbtxt: str | None = None
     checks: dict[str, Any] = field(default_factory=dict)
     staged: dict[str, Any] | None = None
+    feed: dict[str, Any] = field(default_factory=dict, repr=False)
+    outputs: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -214,7 +218,28 @@ def run_check(
         report.checks["trial_load"] = trial
         entry.update(server=trial["server"], load_s=trial["load_s"])
 
-    if stage and dry_run:
+    report.feed, report.outputs = feed, outputs
+    if stage:
+        stage_checked(settings, clients, policy, report, dry_run=dry_run, progress=progress)
+    report.verdict = "passed"
+    return report
+
+
+def stage_checked(settings: Settings, clients: Clients, policy: Policy, report: CheckReport,
+                  *, dry_run: bool = False, progress: Progress = lambda _: None) -> None:
+    """Stage a candidate that passed :func:`run_check` (``report.staged`` says what was
+    done); with ``dry_run`` only the staging plan is computed."""
+    from tasks import stage as staging
+
+    registry, storage = clients.registry, clients.storage
+    resolved, exported, golden_info = report.resolved, report.exported, report.golden
+    if registry is None or storage is None or resolved is None or exported is None \
+            or golden_info is None or report.config_pbtxt is None:
+        raise UsageError("stage_checked needs a report from a passed check",
+                         hint="run the check first")
+    graph, feed, outputs = exported.spec, report.feed, report.outputs
+    model = report.model
+    if dry_run:
         with _stage(report, "stage", progress) as entry:
             plan = staging.prepare_staging(
                 storage, model=model, version=resolved.version, files=exported.files,
@@ -223,7 +248,7 @@ def run_check(
             for line in plan.describe():
                 progress(f"plan: {line}")
             entry.update(dry_run=True)
-    elif stage:
+    else:
         with _stage(report, "stage", progress) as entry:
             provenance = {
                 "mlflow_uri": resolved.uri,
@@ -241,14 +266,14 @@ def run_check(
             }
             staged = staging.stage_version(
                 storage, model=model, version=resolved.version, files=exported.files,
-                config_pbtxt=report.config_pbtxt, provenance=_jsonable(provenance),
+                config_pbtxt=report.config_pbtxt, provenance=jsonable(provenance),
                 policy=policy.staging, repository_prefix=settings.repository_prefix,
+                signing_key=key_bytes(settings.manifest_signing_key),
+                probe=staging.golden_probe(feed, outputs, policy.export.parity),
                 progress=progress)
             report.staged = staged.to_dict()
             entry.update(bytes_uploaded=staged.bytes_uploaded,
                          already_staged=staged.already_staged)
-    report.verdict = "passed"
-    return report
 
 
 def _signature_columns(signature: dict[str, Any] | None) -> list[dict[str, Any]] | None:
@@ -260,12 +285,6 @@ def _signature_columns(signature: dict[str, Any] | None) -> list[dict[str, Any]]
     specs = json.loads(raw) if isinstance(raw, str) else raw
     columns = [s for s in specs if s.get("type") != "tensor"]
     return columns or None
-
-
-def _jsonable(value: Any) -> Any:
-    import json
-
-    return json.loads(json.dumps(value, default=str))
 
 
 def parse_ref(version: int | None, alias: str | None) -> tuple[int | None, str | None]:

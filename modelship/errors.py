@@ -21,9 +21,12 @@ boundary with ``raise ... from exc`` and never leak into ``flows/``.
         ├── ExportError                 exit 3
         ├── ValidationFailed            exit 3
         ├── StagingError                exit 3
+        ├── EvidenceMissing             exit 3  no passing canary on record for the digest
         ├── GateFailed                  exit 4
         ├── GatesInconclusive           exit 6
         ├── ApprovalDenied              exit 5
+        ├── ApprovalUnavailable         exit 2  approval needed, no channel to ask it
+        ├── BakeBreached                exit 4  the bake rolled the release back
         ├── SwapAborted                 exit 1
         └── ReleaseLocked               exit 1
 """
@@ -132,6 +135,12 @@ class StagingError(ReleaseError):
     exit_code = 3
 
 
+class EvidenceMissing(ReleaseError):
+    """A swap was asked for a candidate with no passing canary on record."""
+
+    exit_code = 3
+
+
 class GateFailed(ReleaseError):
     """At least one canary gate failed."""
 
@@ -148,6 +157,16 @@ class ApprovalDenied(ReleaseError):
     """The approver rejected the release, or the approval expired."""
 
     exit_code = 5
+
+
+class ApprovalUnavailable(ReleaseError):
+    """The release needs an approval that no configured channel can give."""
+
+    exit_code = 2
+
+
+class BakeBreached(GateFailed):
+    """The fleet breached the bake after the swap and was rolled back."""
 
 
 class SwapAborted(ReleaseError):

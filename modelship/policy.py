@@ -51,6 +51,8 @@ from modelship.errors import PolicyError
 __all__ = [
     "KNOWN_METRICS",
     "LATENCY_METRICS",
+    "TAIL_LATENCY_METRICS",
+    "TYPICAL_LATENCY_METRICS",
     "AgreementPolicy",
     "ApprovalPolicy",
     "CanaryPolicy",
@@ -556,13 +558,22 @@ KNOWN_METRICS: dict[str, str] = {
     "throughput_ratio": "candidate / baseline requests per second under the same load",
     "queue_us_mean": "server-side mean queue time per request of the candidate, µs",
     "compute_us_mean": "server-side mean compute time per request of the candidate, µs",
+    "server_latency_ratio": "candidate / baseline Triton queue + compute µs per request, "
+    "measured on the canary server at the same time (no client overhead)",
 }
 """Metric names a gate may use, with their meaning and units."""
 
-GateTest = Literal["mann_whitney", "exact_rate", "threshold"]
+GateTest = Literal["mann_whitney", "quantile", "exact_rate", "threshold"]
+
+TYPICAL_LATENCY_METRICS: tuple[str, ...] = ("latency_p50_ms", "latency_mean_ms")
+"""Latency metrics that describe a typical request: Mann-Whitney's domain."""
+
+TAIL_LATENCY_METRICS: tuple[str, ...] = ("latency_p90_ms", "latency_p95_ms", "latency_p99_ms")
+"""Tail percentiles: judged by the quantile test, which looks at the percentile named."""
 
 _TEST_FIELDS: dict[str, tuple[str, ...]] = {
     "mann_whitney": ("max_increase_pct", "min_effect_ms"),
+    "quantile": ("max_increase_pct", "min_effect_ms"),
     "exact_rate": ("max_rate",),
     "threshold": ("min", "max"),
 }
@@ -571,19 +582,24 @@ _TEST_FIELDS: dict[str, tuple[str, ...]] = {
 class GateRule(_Section):
     """One canary gate; :mod:`tasks.gates` turns it into a verdict.
 
-    Three tests exist:
+    Four tests exist, each testing the statistic its metric names:
 
-    - ``mann_whitney``: latency metrics only. A one-sided Mann-Whitney U test on the
-      per-request latencies, candidate against the baseline run at the same time. It fails
-      when the candidate is significantly slower by more than the tolerance:
-      ``max(max_increase_pct% of the baseline's metric, min_effect_ms)``, where the shift is
-      the Hodges-Lehmann estimate.
-    - ``exact_rate``: ``error_rate`` only. An exact binomial test that the candidate's error
-      rate is at most ``max_rate``; it stays correct with zero errors.
+    - ``mann_whitney``: typical latency (``latency_p50_ms``, ``latency_mean_ms``). A
+      one-sided Mann-Whitney U test on the per-request latencies, candidate against the
+      baseline run at the same time and scaled by the tolerance ``max(max_increase_pct% of
+      the baseline's metric, min_effect_ms)``; the Hodges-Lehmann ratio is reported.
+    - ``quantile``: tail latency (``latency_p90_ms``, ``latency_p95_ms``,
+      ``latency_p99_ms``). The candidate's percentile against the baseline's times the same
+      tolerance, with a pooled-quantile exceedance test (Fisher's exact test); a tail-only
+      regression fails it. ``mann_whitney`` on a tail percentile is read as ``quantile``.
+    - ``exact_rate``: ``error_rate`` only. H0 "the candidate's error rate ≤ ``max_rate``",
+      exact binomial test: a candidate within its budget fails at most α of the time at any
+      sample size, and it stays correct with zero errors.
     - ``threshold``: the metric's point value must be ``>= min`` and/or ``<= max``.
 
     When ``test`` is omitted it follows from the bounds given (``min``/``max``: threshold,
-    ``max_increase_pct``: mann_whitney, ``max_rate``: exact_rate), else from the metric.
+    ``max_increase_pct``: mann_whitney or quantile by metric, ``max_rate``: exact_rate),
+    else from the metric.
     """
 
     name: str = Field(
@@ -596,7 +612,9 @@ class GateRule(_Section):
     )
     test: GateTest | None = Field(
         default=None,
-        description="`mann_whitney` (latency metrics), `exact_rate` (`error_rate`) or "
+        description="`mann_whitney` (typical latency: `latency_p50_ms`, `latency_mean_ms`), "
+        "`quantile` (tail latency: `latency_p90_ms`, `latency_p95_ms`, `latency_p99_ms`; "
+        "`mann_whitney` on these is read as `quantile`), `exact_rate` (`error_rate`) or "
         "`threshold`. Default: inferred from the bounds given, else from the metric.",
     )
     min: float | None = Field(
@@ -612,16 +630,17 @@ class GateRule(_Section):
     max_increase_pct: float | None = Field(
         default=None,
         gt=0,
-        description="mann_whitney: tolerated slowdown, in percent of the baseline's metric "
-        "(e.g. its p99), applied as a proportional slowdown of every request and tested with "
-        "Mann-Whitney U; the Hodges-Lehmann ratio is reported. Float > 0; required for "
-        "mann_whitney.",
+        description="mann_whitney and quantile: tolerated slowdown, in percent of the "
+        "baseline's metric (its p50 or mean for mann_whitney, the named percentile for "
+        "quantile); the candidate fails when its metric is significantly beyond the "
+        "baseline's × (1 + tolerance). Float > 0; required for both.",
     )
     min_effect_ms: float | None = Field(
         default=None,
         ge=0,
-        description="mann_whitney: effect-size floor in ms; a shift below it never fails, "
-        "however significant. Float ≥ 0 or `null` (no floor). Default `null`.",
+        description="mann_whitney and quantile: tolerance floor in ms; a slowdown of the "
+        "metric below it never fails, however significant. Float ≥ 0 or `null` (no floor). "
+        "Default `null`.",
     )
     max_rate: float | None = Field(
         default=None,
@@ -653,8 +672,8 @@ class GateRule(_Section):
         default=None,
         gt=0,
         description="Smallest violation *beyond the bound* the canary must detect with "
-        "`power`: percentage points above `max_increase_pct` for mann_whitney, a rate above "
-        "`max_rate` for exact_rate. Float > 0 or `null` (the bound itself; 0.001 when "
+        "`power`: percentage points above `max_increase_pct` for mann_whitney and quantile, "
+        "a rate above `max_rate` for exact_rate. Float > 0 or `null` (the bound itself; 0.001 when "
         "`max_rate` is 0). Unused by threshold. Default `null`.",
     )
 
@@ -673,7 +692,7 @@ class GateRule(_Section):
     def _coherent(self) -> GateRule:
         test = self.test or _infer_test(self.model_dump())
         for other, names in _TEST_FIELDS.items():
-            if other == test:
+            if other == test or set(names) == set(_TEST_FIELDS[test]):
                 continue
             stray = [n for n in names if getattr(self, n) is not None]
             if stray:
@@ -689,14 +708,15 @@ class GateRule(_Section):
             if self.min is not None and self.max is not None and self.min > self.max:
                 raise ValueError(f"rule '{self.name}': min {self.min} is greater than max "
                                  f"{self.max}")
-        elif test == "mann_whitney":
-            if self.metric not in LATENCY_METRICS:
+        elif test in ("mann_whitney", "quantile"):
+            allowed = TYPICAL_LATENCY_METRICS if test == "mann_whitney" else TAIL_LATENCY_METRICS
+            if self.metric not in allowed:
                 raise ValueError(
-                    f"rule '{self.name}': mann_whitney compares latencies, so the metric must "
-                    f"be one of {', '.join(LATENCY_METRICS)}, not '{self.metric}'"
+                    f"rule '{self.name}': {test} compares latencies, so the metric must "
+                    f"be one of {', '.join(allowed)}, not '{self.metric}'"
                 )
             if self.max_increase_pct is None:
-                raise ValueError(f"mann_whitney rule '{self.name}' needs max_increase_pct")
+                raise ValueError(f"{test} rule '{self.name}' needs max_increase_pct")
         else:
             if self.metric != "error_rate":
                 raise ValueError(
@@ -712,6 +732,11 @@ class GateRule(_Section):
     def _fill_test(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("test") is None and "metric" in data:
             return {**data, "test": _infer_test(data)}
+        if isinstance(data, dict) and data.get("test") == "mann_whitney" \
+                and data.get("metric") in TAIL_LATENCY_METRICS:
+            # Mann-Whitney cannot see a tail-only regression: a rule on a tail percentile
+            # is judged by the test of that percentile (older policies said mann_whitney).
+            return {**data, "test": "quantile"}
         return data
 
 
@@ -719,6 +744,8 @@ def _infer_test(data: dict[str, Any]) -> GateTest:
     """The test a rule means when it names none: from its bounds first, then its metric."""
     if data.get("min") is not None or data.get("max") is not None:
         return "threshold"
+    if data.get("metric") in TAIL_LATENCY_METRICS:
+        return "quantile"
     if data.get("max_increase_pct") is not None or data.get("min_effect_ms") is not None:
         return "mann_whitney"
     if data.get("max_rate") is not None:
@@ -731,17 +758,27 @@ def _infer_test(data: dict[str, Any]) -> GateTest:
 
 
 def default_gates() -> list[GateRule]:
-    """The documented default rule set (DESIGN §2.6)."""
+    """The documented default rule set (DESIGN §2.6).
+
+    Typical latency (p50, Mann-Whitney) and tail latency (p99, quantile test) each within
+    10% of the baseline, at α = 0.01 so that an A/A canary rolls back ≤ 1% of the time,
+    sized to catch +25% on the p50 and +50% on the p99 with power 0.95; errors within a
+    0.1% budget (α = 0.05: a candidate at the budget fails ≤ 5%); agreement ≥ 98%; and
+    Triton's own queue + compute time within 10% of the baseline's, so client overhead
+    cannot dilute a server-side regression.
+    """
     return [
-        GateRule(
-            name="latency_p99",
-            metric="latency_p99_ms",
-            test="mann_whitney",
-            max_increase_pct=10.0,
-            min_effect_ms=0.5,
-        ),
-        GateRule(name="error_rate", metric="error_rate", test="exact_rate", max_rate=0.001),
+        GateRule(name="latency_p50", metric="latency_p50_ms", test="mann_whitney",
+                 max_increase_pct=10.0, min_effect_ms=0.05, alpha=0.01, power=0.95,
+                 effect=15.0),
+        GateRule(name="latency_p99", metric="latency_p99_ms", test="quantile",
+                 max_increase_pct=10.0, min_effect_ms=0.5, alpha=0.01, power=0.95,
+                 effect=40.0),
+        GateRule(name="error_rate", metric="error_rate", test="exact_rate", max_rate=0.001,
+                 power=0.95, effect=0.004),
         GateRule(name="agreement", metric="agreement", test="threshold", min=0.98),
+        GateRule(name="server_latency", metric="server_latency_ratio", test="threshold",
+                 max=1.10),
     ]
 
 

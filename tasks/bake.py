@@ -1,0 +1,243 @@
+"""Stage 9, bake: watch the fleet after the swap; a breach rolls back (SageMaker's baking
+period).
+
+The bake sends a light probe load of golden rows across every replica (so there is always
+evidence, even with no organic traffic) and, window by window, reads Triton's metrics on
+every replica. It judges each window against the **pre-swap window**, the same probe load
+on the production version measured just before the swap:
+
+- **errors**: failed requests seen by the probe plus failures Triton counted for the new
+  version (organic traffic included), against ``bake.max_error_rate``;
+- **latency**: the server-side mean (queue + compute per request, from the metrics, so
+  client overhead cannot dilute it) against the pre-swap mean, over
+  ``bake.max_latency_increase_pct`` and ``bake.min_latency_effect_us`` for
+  ``bake.breach_windows`` windows in a row;
+- **a replica that stops answering** (its metrics or its requests) is an infrastructure
+  outcome, never a pass.
+
+The verdict is pure (:func:`judge_windows`); the I/O around it is :func:`measure_window`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from modelship.errors import ModelshipError
+from modelship.jsonable import jsonable
+from modelship.loadgen import LoadSpec, run_load_sync
+from modelship.policy import BakePolicy
+from modelship.triton.client import TritonServer
+from modelship.triton.metrics import Scrape, delta, mean_compute_us, mean_queue_us, scrape
+
+Progress = Callable[[str], None]
+Outcome = Literal["passed", "breach", "infrastructure"]
+Fault = Callable[[int], None]
+
+
+def _quiet(_: str) -> None:
+    """The default progress sink: say nothing."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """What one window of the watch saw on the whole fleet.
+
+    Attributes:
+        requests: Answered requests (probe) plus successes Triton counted for the version.
+        errors: Failed probe requests plus failures Triton counted for the version.
+        server_us: Mean server-side latency per request (queue + compute), in µs; None
+            without server-side data.
+        unreachable: Replicas whose metrics or requests did not answer, with why.
+    """
+
+    index: int
+    seconds: float
+    requests: int
+    errors: int
+    server_us: float | None
+    unreachable: dict[str, str] = field(default_factory=dict)
+    error_texts: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return jsonable({"index": self.index, "seconds": round(self.seconds, 3),
+                         "requests": self.requests, "errors": self.errors,
+                         "server_us": None if self.server_us is None
+                         else round(self.server_us, 1),
+                         "unreachable": self.unreachable, "error_texts": self.error_texts})
+
+
+@dataclass(frozen=True)
+class BakeVerdict:
+    outcome: Outcome
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "reason": self.reason}
+
+
+def judge_window(window: Window, baseline: Window | None, policy: BakePolicy) -> str | None:
+    """Why this window breaches on its own (errors, no evidence), or None. Pure."""
+    if window.requests + window.errors == 0:
+        return f"window {window.index}: no request was answered or failed (no evidence)"
+    rate = window.errors / (window.requests + window.errors)
+    if rate > policy.max_error_rate:
+        top = ", ".join(f"{k} ×{v}" for k, v in list(window.error_texts.items())[:3])
+        return (f"window {window.index}: error rate {rate:.2%} ({window.errors} of "
+                f"{window.requests + window.errors}) above the bake's "
+                f"{policy.max_error_rate:.2%}" + (f" ({top})" if top else ""))
+    return None
+
+
+def latency_over(window: Window, baseline: Window | None, policy: BakePolicy) -> str | None:
+    """Why this window's server-side latency is over the limit, or None. Pure."""
+    if baseline is None or baseline.server_us is None or window.server_us is None:
+        return None
+    limit = baseline.server_us * (1 + policy.max_latency_increase_pct / 100)
+    limit = max(limit, baseline.server_us + policy.min_latency_effect_us)
+    if window.server_us <= limit:
+        return None
+    return (f"window {window.index}: server-side latency {window.server_us:.0f} µs per "
+            f"request against {baseline.server_us:.0f} µs before the swap (limit "
+            f"{limit:.0f} µs: +{policy.max_latency_increase_pct:g}%, at least "
+            f"+{policy.min_latency_effect_us:g} µs)")
+
+
+def judge_windows(windows: Sequence[Window], baseline: Window | None,
+                  policy: BakePolicy) -> BakeVerdict:
+    """The bake's verdict from its windows so far (pure; worst first).
+
+    An unreachable replica is ``infrastructure``; errors over budget in any window, or
+    ``breach_windows`` latency windows in a row, are a ``breach``; otherwise ``passed``.
+    """
+    for window in windows:
+        if window.unreachable:
+            who = "; ".join(f"{k}: {v}" for k, v in window.unreachable.items())
+            return BakeVerdict("infrastructure",
+                               f"window {window.index}: replicas stopped answering ({who})")
+    for window in windows:
+        why = judge_window(window, baseline, policy)
+        if why:
+            return BakeVerdict("breach", why)
+    run: list[str] = []
+    for window in windows:
+        why = latency_over(window, baseline, policy)
+        run = [*run, why] if why else []
+        if len(run) >= policy.breach_windows:
+            return BakeVerdict("breach", "; ".join(run))
+    if not windows:
+        return BakeVerdict("passed", "nothing to watch (bake.duration_s is 0)")
+    served = sum(w.requests for w in windows)
+    return BakeVerdict("passed", f"{len(windows)} windows, {served} requests, no breach")
+
+
+# --------------------------------------------------------------------------------------
+# I/O
+
+
+def _scrape_all(replicas: Sequence[TritonServer], timeout_s: float
+                ) -> tuple[dict[str, Scrape], dict[str, str]]:
+    def one(server: TritonServer) -> tuple[str, Scrape | None, str | None]:
+        try:
+            return server.name, scrape(server.endpoint.metrics, timeout_s), None
+        except ModelshipError as exc:
+            return server.name, None, exc.message
+
+    found: dict[str, Scrape] = {}
+    failed: dict[str, str] = {}
+    with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
+        for name, result, error in pool.map(one, replicas):
+            if result is None:
+                failed[name] = error or "no answer"
+            else:
+                found[name] = result
+    return found, failed
+
+
+def measure_window(replicas: Sequence[TritonServer], *, index: int, model: str,
+                   version: int, payload: Mapping[str, np.ndarray], policy: BakePolicy,
+                   seconds: float, timeout_s: float) -> Window:
+    """Probe the fleet for ``seconds`` and read what Triton counted for ``version``."""
+    before, failed = _scrape_all(replicas, timeout_s)
+    began = time.monotonic()
+    spec = LoadSpec(protocol="grpc", rate_rps=policy.probe_rps, duration_s=seconds,
+                    warmup_s=0.0, window_s=seconds, timeout_s=timeout_s)
+    report = run_load_sync([s.endpoint.grpc for s in replicas], model, payload, spec)
+    after, failed_after = _scrape_all(replicas, timeout_s)
+    failed.update(failed_after)
+    for server in replicas:
+        row = report.by_server.get(server.endpoint.grpc) or {}
+        sent, errors = int(row.get("requests", 0) or 0), int(row.get("errors", 0) or 0)
+        if sent and errors == sent and server.name not in failed:
+            failed[server.name] = f"every one of its {sent} probe requests failed"
+    key = (model, str(version))
+    server_requests = server_failures = 0.0
+    queue_total = compute_total = 0.0
+    for name, now in after.items():
+        change = delta(before.get(name, {}), now).get(key)
+        if change is None:
+            continue
+        server_requests += change.requests
+        server_failures += change.failures
+        queue, compute = mean_queue_us(change), mean_compute_us(change)
+        if queue is not None and compute is not None:
+            queue_total += queue * change.requests
+            compute_total += compute * change.requests
+    server_us = (queue_total + compute_total) / server_requests if server_requests else None
+    # Triton counts the probe's requests too: the server's count covers them, and failures
+    # it did not count (wrong shapes, refused connections) come from the probe.
+    probe_only_errors = max(0, report.errors - int(server_failures))
+    return Window(index=index, seconds=time.monotonic() - began,
+                  requests=int(max(server_requests, report.requests - report.errors)),
+                  errors=int(server_failures) + probe_only_errors, server_us=server_us,
+                  unreachable=failed, error_texts=dict(report.error_texts))
+
+
+@dataclass
+class BakeReport:
+    verdict: BakeVerdict
+    baseline: Window | None
+    windows: list[Window]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.verdict.to_dict(),
+                "baseline": self.baseline.to_dict() if self.baseline else None,
+                "windows": [w.to_dict() for w in self.windows],
+                "seconds": round(self.seconds, 3)}
+
+
+def watch(replicas: Sequence[TritonServer], *, model: str, version: int,
+          payload: Mapping[str, np.ndarray], policy: BakePolicy, baseline: Window | None,
+          timeout_s: float, progress: Progress = _quiet, fault: Fault | None = None
+          ) -> BakeReport:
+    """Watch ``version`` on the fleet for ``bake.duration_s``; stop at the first breach.
+
+    Args:
+        fault: Test hook, called with the window index before each window (a test sends
+            poisoned traffic or kills a replica there).
+    """
+    started = time.monotonic()
+    windows: list[Window] = []
+    count = int(np.ceil(policy.duration_s / policy.window_s)) if policy.duration_s else 0
+    for index in range(count):
+        if fault is not None:
+            fault(index)
+        seconds = min(policy.window_s, policy.duration_s - index * policy.window_s)
+        window = measure_window(replicas, index=index, model=model, version=version,
+                                payload=payload, policy=policy, seconds=seconds,
+                                timeout_s=timeout_s)
+        windows.append(window)
+        latency = "-" if window.server_us is None else f"{window.server_us:.0f} µs"
+        progress(f"bake window {index + 1}/{count}: {window.requests} ok, {window.errors} "
+                 f"failed, server-side {latency}")
+        verdict = judge_windows(windows, baseline, policy)
+        if verdict.outcome != "passed":
+            return BakeReport(verdict, baseline, windows, time.monotonic() - started)
+    return BakeReport(judge_windows(windows, baseline, policy), baseline, windows,
+                      time.monotonic() - started)

@@ -1,0 +1,165 @@
+"""Stage 10, record/notify: every state change of a release goes through one journal.
+
+:class:`ReleaseJournal` is the ``emit(event)`` of STYLE §11. Each stage that begins or ends
+updates the :class:`~model_registry.ledger.ReleaseRecord`, rewrites it in the ledger (so a
+crash leaves a record that says where it stopped), prints one progress line, and reaches
+the release's Slack thread: the parent message is updated in place and the stage gets one
+reply.
+
+Slack being down never changes a release's outcome: the first failure is logged and noted
+in the record, and the thread stops posting (one slow timeout, not one per stage).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from model_registry.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
+from modelship.errors import ModelshipError
+from modelship.slack import blocks
+from modelship.slack.notifier import Notifier, NullNotifier
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    """The default progress sink: say nothing."""
+
+
+class ReleaseThread:
+    """One Slack thread per release; every failure is swallowed and reported once."""
+
+    def __init__(self, notifier: Notifier, on_failure: Callable[[str], None]) -> None:
+        self.notifier = notifier
+        self.on_failure = on_failure
+        self.ts: str | None = None
+        self.down: str | None = None
+
+    def _safe(self, what: str, call: Callable[[], Any]) -> Any:
+        if self.down is not None or isinstance(self.notifier, NullNotifier):
+            return None
+        try:
+            return call()
+        except ModelshipError as exc:
+            self.down = exc.message
+            self.on_failure(f"Slack {what} failed, later posts skipped: {exc.message}")
+            return None
+
+    def open(self, record: ReleaseRecord) -> None:
+        data = record.to_dict()
+        self.ts = self._safe("post", lambda: self.notifier.post(
+            blocks.title(data), blocks.parent_blocks(data)))
+
+    def refresh(self, record: ReleaseRecord) -> None:
+        if self.ts is None:
+            return
+        data = record.to_dict()
+        ts = self.ts
+        self._safe("update", lambda: self.notifier.update(ts, blocks.title(data),
+                                                           blocks.parent_blocks(data)))
+
+    def reply(self, text: str, reply_blocks: list[dict[str, Any]]) -> None:
+        if self.ts is None:
+            return
+        ts = self.ts
+        self._safe("reply", lambda: self.notifier.post(text, reply_blocks, thread_ts=ts))
+
+    def upload(self, path: Path, title: str) -> None:
+        if self.ts is None or not path.exists():
+            return
+        ts = self.ts
+        self._safe("upload", lambda: self.notifier.upload(path, title=title, thread_ts=ts))
+
+
+class ReleaseJournal:
+    """The record of one release, kept true in the ledger and the Slack thread as it goes.
+
+    Args:
+        record: The record to keep (already started).
+        ledger: Where it is written; None only for dry runs (nothing is written).
+        notifier: The Slack notifier (or the null one).
+        progress: Receives one human line per event.
+    """
+
+    def __init__(self, record: ReleaseRecord, ledger: Ledger | None, notifier: Notifier,
+                 progress: Progress = _quiet) -> None:
+        self.record = record
+        self.ledger = ledger
+        self.progress = progress
+        self.thread = ReleaseThread(notifier, self.note)
+        if notifier.channel:
+            record.slack = {"channel": notifier.channel}
+
+    def save(self) -> None:
+        if self.ledger is not None:
+            self.ledger.write(self.record)
+
+    def note(self, text: str) -> None:
+        """Something that went wrong without changing the outcome."""
+        self.record.notes.append(text)
+        self.progress(f"note: {text}")
+
+    def open(self) -> None:
+        self.save()
+        self.thread.open(self.record)
+        if self.thread.ts:
+            self.record.slack["ts"] = self.thread.ts
+        self.save()
+
+    @contextmanager
+    def stage(self, name: str, *, next_step: Callable[[ModelshipError], str] | None = None
+              ) -> Iterator[StageEntry]:
+        """Run one stage: record its start, then its outcome (ok, or the error's message)."""
+        entry = StageEntry(name=name, started_at=now_iso())
+        self.record.stages.append(entry)
+        self.save()
+        self.thread.refresh(self.record)
+        self.progress(f"{name} ...")
+        began = time.monotonic()
+        try:
+            yield entry
+        except ModelshipError as exc:
+            entry.outcome, entry.reason = "failed", exc.message
+            entry.details.setdefault("error", type(exc).__name__)
+            entry.ended_at = now_iso()
+            entry.details["seconds"] = round(time.monotonic() - began, 3)
+            self.save()
+            hint = next_step(exc) if next_step else exc.hint
+            self.thread.reply(f"{name} failed: {exc.message}",
+                              blocks.stage_blocks(entry.to_dict(), next_step=hint))
+            self.progress(f"{name} failed: {exc.message}")
+            raise
+        except BaseException as exc:
+            entry.outcome, entry.reason = "failed", f"{type(exc).__name__}: {exc}"
+            entry.ended_at = now_iso()
+            self.save()
+            raise
+        if entry.outcome == "running":
+            entry.outcome = "ok"
+        entry.ended_at = now_iso()
+        entry.details["seconds"] = round(time.monotonic() - began, 3)
+        self.save()
+        self.thread.refresh(self.record)
+        lines = entry.details.pop("_lines", [])
+        self.thread.reply(f"{name} {entry.outcome}",
+                          blocks.stage_blocks(entry.to_dict(), lines=lines))
+        self.progress(f"{name} {entry.outcome} ({entry.details['seconds']:.1f} s)"
+                      + (f": {entry.reason}" if entry.reason else ""))
+
+    def upload(self, path: Path, title: str) -> None:
+        self.thread.upload(path, title)
+
+    def finish(self, status: str, exit_code: int, reason: str | None = None,
+               links: Sequence[str] = ()) -> None:
+        """End the release: the record's last write, the parent's last update, a summary."""
+        self.record.finish(status, exit_code, reason)
+        self.save()
+        self.thread.refresh(self.record)
+        data = self.record.to_dict()
+        self.thread.reply(blocks.title(data), blocks.summary_blocks(data, links))
+        if self.thread.down is not None:
+            self.save()  # the note about Slack came after the last write
