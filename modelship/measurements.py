@@ -13,6 +13,40 @@ from typing import Any
 import numpy as np
 
 
+class MeasurementError(ValueError):
+    """A latency sample that is not a measurement: non-numeric, non-finite or negative.
+
+    A ValueError for callers of the pure functions; the gates turn it into an ``error``
+    verdict that carries this message.
+    """
+
+
+def check_latency(latency_ms: object, who: str = "the sample") -> np.ndarray:
+    """The latencies as a flat float array, or a clear error when they cannot be real.
+
+    Latencies are durations: finite and ≥ 0 ms. NaN, ±inf and negative values come from a
+    broken clock or a broken collector; flooring or dropping them would judge invented
+    data, so they are refused.
+
+    Raises:
+        MeasurementError: Naming how many values are bad, of which kind, and whose.
+    """
+    try:
+        lat = np.asarray(latency_ms, dtype=float).ravel()
+    except (TypeError, ValueError) as exc:
+        raise MeasurementError(f"the latencies of {who} are not numbers ({exc})") from exc
+    nonfinite = int(np.count_nonzero(~np.isfinite(lat)))
+    negative = int(np.count_nonzero(lat < 0))
+    if nonfinite or negative:
+        parts = ([f"{nonfinite} NaN or infinite"] if nonfinite else []) + \
+            ([f"{negative} negative"] if negative else [])
+        raise MeasurementError(
+            f"{' and '.join(parts)} of {lat.size} latencies of {who}: the measurement is "
+            "broken (latencies must be finite and ≥ 0 ms); check the load generator's clock "
+            "and records")
+    return lat
+
+
 @dataclass(frozen=True)
 class ArmMeasurements:
     """One side of the comparison (baseline P or candidate C) on the canary server.

@@ -58,7 +58,7 @@ _UNLOAD_WAIT_S = 15.0
 _BUSY_STATES = frozenset({"READY", "LOADING", "UNLOADING"})
 _MIN_ROUND_S = 0.5
 _ROUND_MARGIN = 1.2
-_COMPARATIVE_METRICS = frozenset({"agreement", "throughput_ratio"})
+_COMPARATIVE_METRICS = frozenset({"agreement", "throughput_ratio", "server_latency_ratio"})
 
 
 def _quiet(_: str) -> None:
@@ -292,8 +292,9 @@ def next_round_s(*, missing: int, ok_per_s: float, remaining_s: float,
 
 
 def is_comparative(rule: GateRule) -> bool:
-    """Whether a rule needs a baseline: latency tests against it, agreement, throughput."""
-    return rule.test == "mann_whitney" or rule.metric in _COMPARATIVE_METRICS
+    """Whether a rule needs a baseline: latency tests against it, agreement, throughput,
+    the server-side latency ratio."""
+    return rule.test in ("mann_whitney", "quantile") or rule.metric in _COMPARATIVE_METRICS
 
 
 # --------------------------------------------------------------------------- I/O steps

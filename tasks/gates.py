@@ -6,28 +6,40 @@ Each rule gives one of four verdicts (argo-rollouts' phases, best to worst)::
 
 and the rules combine worst-wins (:func:`combine`). No data is never a pass: None, NaN,
 zero requests, an empty latency array or fewer samples than required give
-``inconclusive``, with a message that names the likely cause. An exception inside a test
-gives ``error``. ``dry_run`` rules are judged and reported, but never block.
+``inconclusive``, with a message that names the likely cause. A broken measurement
+(non-finite or negative latencies) and an exception inside a test give ``error``.
+``dry_run`` rules are judged and reported, but never block.
 
 The candidate C is judged against the production version P measured at the same time on
 the same inputs (the snapshot's ``baseline``), never alone, except by ``threshold`` rules
-and the absolute half of ``exact_rate``:
+and ``exact_rate``. **A rule tests the statistic it names:**
 
-- ``mann_whitney`` (:func:`judge`): one-sided Mann-Whitney U, C against P *scaled by the
-  tolerance*, so only a slowdown beyond the tolerance can fail (Kayenta's design, with the
-  Hodges-Lehmann estimate reported). Why a scale and not an additive shift: see
-  :func:`_judge_latency`.
-- ``exact_rate``: an exact binomial test against ``max_rate`` plus Fisher's exact test
-  against P; both stay exact with zero errors (kayenta#377). See :func:`_judge_rate`.
-- ``threshold``: the point value must lie within ``[min, max]``, bounds inclusive.
+- ``mann_whitney`` (typical latency: ``latency_p50_ms``, ``latency_mean_ms``): one-sided
+  Mann-Whitney U of C against P *scaled by the tolerance*, with the Hodges-Lehmann ratio
+  and its interval (Kayenta's design). See :func:`_judge_latency`.
+- ``quantile`` (tail latency: ``latency_p90_ms``, ``latency_p95_ms``, ``latency_p99_ms``):
+  the generalised median test at the named quantile (Mood, *Introduction to the Theory of
+  Statistics*, 1950, §16.4; Conover, *Practical Nonparametric Statistics*, 3rd ed., 1999,
+  §4.3 "The median test", extended to any quantile): the candidate scaled by the tolerance
+  is pooled with the baseline, split at the pooled pXX, and the exceedances compared with
+  Fisher's exact test. Exact (a permutation test) when C is the baseline scaled by exactly
+  the tolerance, so its false-fail rate at the tolerance is ≤ α at every n; a tail-only
+  regression fails it and a body-only one does not. See :func:`_judge_quantile`.
+- ``exact_rate``: H0 "C's error rate ≤ ``max_rate``", exact binomial test; the baseline
+  can only explain shared errors away (then ``inconclusive``), never add a way to fail.
+  See :func:`_judge_rate`.
+- ``threshold``: the point value must lie within ``[min, max]``, bounds inclusive. The
+  server-side ``server_latency_ratio`` (C's Triton queue + compute µs per request over
+  P's) is judged this way: client overhead cannot dilute a server-side regression.
 
-The canary sizes its load with :func:`plan_samples` (per rule: effect, α, power) and
-passes ``max(plan, policy floor)`` as ``min_samples`` to :func:`evaluate`.
+Every message states the statistic, both values, the tolerance, the interval and the
+p-value. The canary sizes its load with :func:`plan_samples` (per rule: effect, α, power)
+and passes ``max(plan, policy floor)`` as ``min_samples`` to :func:`evaluate`. Sequential,
+always-valid versions of these tests live in :mod:`tasks.sequential`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,9 +48,14 @@ from enum import StrEnum
 from typing import Any
 
 import numpy as np
-from scipy import special, stats
+from scipy import stats
 
-from modelship.measurements import ArmMeasurements, CanarySnapshot
+from modelship.measurements import (
+    ArmMeasurements,
+    CanarySnapshot,
+    MeasurementError,
+    check_latency,
+)
 from modelship.policy import LATENCY_METRICS, GateRule, _infer_test
 
 __all__ = [
@@ -53,6 +70,9 @@ __all__ = [
     "markdown_table",
     "metric_value",
     "plan_samples",
+    "quantile_exceedance",
+    "quantile_interval",
+    "rate_power",
     "required_samples",
 ]
 
@@ -229,8 +249,15 @@ def judge(snapshot: CanarySnapshot, rule: GateRule, *, min_samples: int) -> Rule
             # Degenerate input (empty, constant) is handled explicitly below; a stray
             # RuntimeWarning from numpy/scipy must not turn into an exception under -W error.
             warnings.simplefilter("ignore", RuntimeWarning)
+            if rule.metric in LATENCY_METRICS:
+                broken = _broken_latency(snapshot)
+                if broken:
+                    return _result(rule, test, Verdict.ERROR, None, None, "", None, None,
+                                   (0, None), f"{rule.name}: {broken}")
             if test == "mann_whitney":
                 return _judge_latency(snapshot, rule, min_samples)
+            if test == "quantile":
+                return _judge_quantile(snapshot, rule, min_samples)
             if test == "exact_rate":
                 return _judge_rate(snapshot, rule, min_samples)
             return _judge_threshold(snapshot, rule, min_samples)
@@ -273,6 +300,15 @@ def metric_value(snapshot: CanarySnapshot, metric: str, *,
                 or base.throughput_rps is None or not base.throughput_rps > 0:
             return None, 0
         return cand.throughput_rps / base.throughput_rps, min(cand.requests, base.requests)
+    if metric == "server_latency_ratio":
+        base = snapshot.baseline
+        cand = snapshot.candidate
+        if arm != "candidate" or base is None:
+            return None, 0
+        c_us, b_us = server_us(cand), server_us(base)
+        if c_us is None or b_us is None or not b_us > 0:
+            return None, 0
+        return c_us / b_us, min(cand.requests, base.requests)
     if metric == "queue_us_mean":
         return measured.queue_us_mean, measured.requests
     if metric == "compute_us_mean":
@@ -312,45 +348,22 @@ def _judge_threshold(snapshot: CanarySnapshot, rule: GateRule, min_samples: int)
                   f"{shown}, within {bound}")
 
 
-def _judge_latency(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:
-    """Mann-Whitney U beyond a tolerance; the Hodges-Lehmann estimate says by how much.
+def _latency_prologue(snapshot: CanarySnapshot, rule: GateRule, test: str, min_samples: int
+                      ) -> RuleResult | tuple[np.ndarray, np.ndarray, float, float]:
+    """Shared checks of the comparative latency tests: a result when they cannot run.
 
-    The tolerance is set where the rule looks: ``tol = max(max_increase_pct % of P's
-    metric, min_effect_ms)`` in ms at P's percentile (p99 for ``latency_p99_ms``). It is
-    applied as a *scale*: ``r = 1 + tol / P_metric``, and C fails when it is significantly
-    slower than ``r × P`` (one-sided U, ``alternative="greater"``, at ``rule.alpha``). So:
-
-    - Exactly ``r × P`` (every percentile, including the judged one, up by exactly the
-      tolerance) is at the boundary and passes; a slowdown below ``min_effect_ms`` at the
-      judged percentile can never fail, however many samples.
-    - The whole distribution carries the evidence, not the ~1% of samples in the tail: a
-      +15% slowdown of every request is detected with a few thousand samples, where a test
-      on the p99 alone would need a hundred times more. An additive shift of the p99's
-      tolerance would instead hide such a slowdown entirely (10% of p99 is ~40% of the
-      median for a tailed distribution).
-    - A regression confined to the tail (median unchanged, p99 +50%) is diluted; guard the
-      tail with an additional ``threshold`` rule on ``latency_p99_ms`` when it matters.
-
-    Kayenta tests against the baseline *shifted* by its tolerance in the same way. The
-    reported Hodges-Lehmann estimates are the median pairwise ratio C/P (with its
-    distribution-free interval at confidence ``1 - 2·alpha``, whose lower end matches the
-    one-sided test) and the median pairwise difference in ms.
+    Returns either the verdict (inconclusive without data or baseline, error on a broken
+    measurement) or ``(candidate ms, baseline ms, tolerance ms, tolerance ratio)``.
     """
     metric = rule.metric
     cand = snapshot.candidate
     base = snapshot.baseline
-    pct = float(rule.max_increase_pct or 0.0)
-    floor = float(rule.min_effect_ms or 0.0)
     value, n = metric_value(snapshot, metric)
     base_value, m = metric_value(snapshot, metric, arm="baseline")
-    tol_text = f"max({pct:g}%, {floor:g} ms)" if floor else f"{pct:g}%"
 
-    def result(verdict: Verdict, message: str, *, threshold: str = f"+{tol_text} vs baseline",
-               threshold_value: float | None = None, p: float | None = None,
-               details: Mapping[str, Any] | None = None) -> RuleResult:
-        return _result(rule, "mann_whitney", verdict, value, base_value, threshold,
-                       threshold_value, p, (n, m if base is not None else None), message,
-                       details)
+    def result(verdict: Verdict, message: str) -> RuleResult:
+        return _result(rule, test, verdict, value, base_value, f"+{_tol_text(rule)} vs baseline",
+                       None, None, (n, m if base is not None else None), message)
 
     missing = _missing_reason(snapshot, metric, value, n)
     if missing:
@@ -366,64 +379,204 @@ def _judge_latency(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -
         short, have = ("baseline", m) if m < n else ("candidate", n)
         return result(Verdict.INCONCLUSIVE,
                       f"{rule.name}: {_too_few(snapshot, have, min_samples, arm=short)}")
-    c = _clean_latency(cand.latency_ms)
-    b = _clean_latency(base.latency_ms)
     if not base_value > 0:
         return result(Verdict.INCONCLUSIVE, f"{rule.name}: the baseline's {metric} is "
                       f"{base_value:g} ms; a relative tolerance needs a positive latency")
-    tol_ms = max(pct / 100.0 * base_value, floor)
-    ratio = 1.0 + tol_ms / base_value
+    tol_ms = max(float(rule.max_increase_pct or 0.0) / 100.0 * base_value,
+                 float(rule.min_effect_ms or 0.0))
+    return (_clean_latency(cand.latency_ms), _clean_latency(base.latency_ms), tol_ms,
+            1.0 + tol_ms / base_value)
+
+
+def _tol_text(rule: GateRule) -> str:
+    pct = float(rule.max_increase_pct or 0.0)
+    floor = float(rule.min_effect_ms or 0.0)
+    return f"max({pct:g}%, {floor:g} ms)" if floor else f"{pct:g}%"
+
+
+def _judge_latency(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:
+    """Typical latency (p50 or mean): Mann-Whitney U beyond a tolerance, Hodges-Lehmann size.
+
+    The tolerance is ``tol = max(max_increase_pct % of P's metric, min_effect_ms)`` in ms,
+    applied as a *scale* ``r = 1 + tol / P_metric``: H0 is "C is stochastically no slower
+    than ``r × P``" and C fails when the one-sided U test (``alternative="greater"``) of C
+    against ``r × P`` rejects at ``rule.alpha``. Exactly ``r × P`` is the boundary: it fails
+    with probability α (U is exact in distribution there, asymptotically).
+
+    Mann-Whitney answers "is a random request of C slower than one of P", which is what a
+    median or mean means for a shift or scale change of the whole distribution; it says
+    nothing about the tail, so tail percentiles use :func:`_judge_quantile`.
+
+    The reported Hodges-Lehmann estimates are the median pairwise ratio C/P with its
+    distribution-free interval at confidence ``1 - 2·alpha`` (its lower end matches the
+    one-sided test) and the median pairwise difference in ms.
+    """
+    metric = rule.metric
+    inputs = _latency_prologue(snapshot, rule, "mann_whitney", min_samples)
+    if isinstance(inputs, RuleResult):
+        return inputs
+    c, b, tol_ms, ratio = inputs
+    value, n = metric_value(snapshot, metric)
+    base_value, m = metric_value(snapshot, metric, arm="baseline")
+    assert value is not None and base_value is not None
     bound_ms = base_value + tol_ms
-    threshold = (f"≤ {bound_ms:.3g} ms: baseline {base_value:.3g} ms + {tol_text} "
+    threshold = (f"≤ {bound_ms:.3g} ms: baseline {base_value:.3g} ms + {_tol_text(rule)} "
                  f"= {tol_ms:.3g} ms (scale ×{ratio:.3f})")
+
+    def result(verdict: Verdict, message: str, p: float | None = None,
+               details: Mapping[str, Any] | None = None) -> RuleResult:
+        return _result(rule, "mann_whitney", verdict, value, base_value, threshold, bound_ms,
+                       p, (n, m), message, details)
+
     p = float(stats.mannwhitneyu(c, b * ratio, alternative="greater").pvalue)
     if math.isnan(p):
         return result(Verdict.ERROR, f"{rule.name}: the Mann-Whitney test is undefined on "
-                      f"these samples (n={n}, m={m})", threshold=threshold,
-                      threshold_value=bound_ms)
+                      f"these samples (n={n}, m={m})")
     hl_ratio, lo, hi = hodges_lehmann(np.log(c), np.log(b), alpha=rule.alpha)
     hl_ms, _, _ = hodges_lehmann(c, b, alpha=None)
-    details = {"tolerance_ms": tol_ms, "tolerance_ratio": ratio,
+    conf = 1 - 2 * rule.alpha
+    details = {"statistic": "typical latency (Mann-Whitney U, Hodges-Lehmann ratio)",
+               "tolerance_ms": tol_ms, "tolerance_ratio": ratio,
                "hodges_lehmann_ratio": math.exp(hl_ratio),
                "hodges_lehmann_ratio_ci": [math.exp(lo), math.exp(hi)],
-               "ci_confidence": 1 - 2 * rule.alpha, "hodges_lehmann_shift_ms": hl_ms,
-               "alpha": rule.alpha}
-    how = (f"{metric} {value:.3g} ms vs baseline {base_value:.3g} ms; Hodges-Lehmann "
-           f"×{math.exp(hl_ratio):.3f} ({(1 - 2 * rule.alpha):.0%} CI ×{math.exp(lo):.3f}–"
-           f"×{math.exp(hi):.3f}, {hl_ms:+.3g} ms)")
+               "ci_confidence": conf, "hodges_lehmann_shift_ms": hl_ms, "alpha": rule.alpha}
+    how = (f"{metric} {value:.3g} ms vs baseline {base_value:.3g} ms, tolerance "
+           f"{_tol_text(rule)} = ×{ratio:.3f}; Hodges-Lehmann ratio ×{math.exp(hl_ratio):.3f} "
+           f"({conf:.0%} CI ×{math.exp(lo):.3f}–×{math.exp(hi):.3f}, {hl_ms:+.3g} ms); "
+           f"Mann-Whitney p={p:.2g}")
     if p < rule.alpha:
-        return result(Verdict.FAILED, f"{rule.name}: {_arm_name(snapshot)} is slower than "
-                      f"the baseline by more than {tol_text} = {tol_ms:.3g} ms: {how}; "
-                      f"Mann-Whitney p={p:.2g} < α={rule.alpha:g}", threshold=threshold,
-                      threshold_value=bound_ms, p=p, details=details)
-    return result(Verdict.PASSED, f"{rule.name}: {_arm_name(snapshot)} is within {tol_text} "
-                  f"= {tol_ms:.3g} ms of the baseline: {how}; Mann-Whitney p={p:.2g} ≥ "
-                  f"α={rule.alpha:g}", threshold=threshold, threshold_value=bound_ms, p=p,
-                  details=details)
+        return result(Verdict.FAILED, f"{rule.name}: typical latency of {_arm_name(snapshot)} "
+                      f"is slower than the baseline × {ratio:.3f}: {how} < α={rule.alpha:g}",
+                      p, details)
+    return result(Verdict.PASSED, f"{rule.name}: typical latency of {_arm_name(snapshot)} is "
+                  f"not shown slower than the baseline × {ratio:.3f}: {how} ≥ "
+                  f"α={rule.alpha:g}", p, details)
+
+
+def quantile_exceedance(candidate: np.ndarray, baseline: np.ndarray, q: float,
+                        ratio: float) -> tuple[float, int, int, float]:
+    """The pooled-quantile exceedance test of ``Q_C(q) ≤ ratio · Q_P(q)`` (pure).
+
+    Scales the candidate by ``1 / ratio``, pools it with the baseline, splits the pool at
+    its ``q``-quantile ``ξ`` and compares how many of each arm exceed ``ξ`` with Fisher's
+    exact test (one-sided, the candidate exceeding more often).
+
+    Returns:
+        ``(p_value, candidate exceedances, baseline exceedances, ξ in baseline ms)``.
+    """
+    cs = candidate / ratio
+    xi = float(np.quantile(np.concatenate([cs, baseline]), q))
+    kc = int(np.count_nonzero(cs > xi))
+    kb = int(np.count_nonzero(baseline > xi))
+    n, m = cs.size, baseline.size
+    p = float(stats.fisher_exact([[kc, n - kc], [kb, m - kb]], alternative="greater").pvalue)
+    return min(p, 1.0), kc, kb, xi
+
+
+def quantile_interval(sample: np.ndarray, q: float, confidence: float) -> tuple[float, float]:
+    """Distribution-free two-sided interval for the ``q``-quantile from order statistics.
+
+    The ranks come from Binomial(n, q) (Conover 1999, §3.2): ``[x_(l), x_(u)]`` covers the
+    true quantile with probability ≥ ``confidence``. NaN ends when the sample is too small.
+    """
+    xs = np.sort(sample)
+    n = xs.size
+    tail = (1.0 - confidence) / 2.0
+    lo_rank = int(stats.binom.ppf(tail, n, q))  # 1-based rank l: P(B < l) ≤ tail
+    hi_rank = int(stats.binom.ppf(1.0 - tail, n, q)) + 1
+    low = float(xs[lo_rank - 1]) if 1 <= lo_rank <= n else math.nan
+    high = float(xs[hi_rank - 1]) if 1 <= hi_rank <= n else math.nan
+    return low, high
+
+
+def _judge_quantile(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:
+    """A tail percentile (p90/p95/p99): the candidate's pXX against the baseline's, scaled.
+
+    H0: ``Q_C(q) ≤ r · Q_P(q)`` with ``r = 1 + tol / Q̂_P(q)`` and ``tol = max(max_increase_pct
+    % of P's pXX, min_effect_ms)``; H1: the candidate's pXX is beyond that. The test is the
+    generalised median test (Mood 1950; Conover 1999 §4.3, "the median test" extended to
+    any quantile): pool ``C / r`` with P, split the pool at its ``q``-quantile, and compare
+    the share of each arm above the split with Fisher's exact test (see
+    :func:`quantile_exceedance`).
+
+    - When ``C / r`` and P have the same distribution (C exactly at the tolerance everywhere)
+      the split is a symmetric function of the pooled sample, so the test is exact: a
+      permutation test with size ≤ α at every n.
+    - When only the quantiles are equal, the split point lies between them and each arm's
+      exceedance probability at it is ≤ ``1 - q`` for C and ≥ ``1 - q`` for P, so the test is
+      asymptotically conservative; a candidate better in the tail fails less often.
+    - It looks only at the tail: a body-only slowdown that leaves pXX alone does not fail
+      it (the typical-latency rule catches that), and a tail-only regression does.
+
+    Why not Mann-Whitney: U compares whole distributions, so a p99 +50% with the median
+    unchanged passes it and a 12% slower body with a better p99 fails it. Why not a
+    bootstrap of the quantile ratio: its coverage at p99 with a few thousand samples is
+    poor and not exact; the exceedance count is. The price is power: ~1% of the samples
+    carry the evidence, so the canary sizes its load for it (:func:`required_samples`).
+
+    The reported interval is ``[C_low / P_high, C_high / P_low]`` from each arm's
+    order-statistic interval at ``1 - alpha/2`` (joint confidence ≥ ``1 - alpha``).
+    """
+    metric = rule.metric
+    q = _PERCENTILES[metric] / 100.0
+    inputs = _latency_prologue(snapshot, rule, "quantile", min_samples)
+    if isinstance(inputs, RuleResult):
+        return inputs
+    c, b, tol_ms, ratio = inputs
+    value, n = metric_value(snapshot, metric)
+    base_value, m = metric_value(snapshot, metric, arm="baseline")
+    assert value is not None and base_value is not None
+    bound_ms = base_value + tol_ms
+    threshold = (f"{metric} ≤ {bound_ms:.3g} ms: baseline {base_value:.3g} ms + "
+                 f"{_tol_text(rule)} = {tol_ms:.3g} ms (×{ratio:.3f})")
+    p, kc, kb, xi = quantile_exceedance(c, b, q, ratio)
+    conf = 1 - rule.alpha
+    c_lo, c_hi = quantile_interval(c, q, 1 - rule.alpha / 2)
+    b_lo, b_hi = quantile_interval(b, q, 1 - rule.alpha / 2)
+    ci = [c_lo / b_hi if b_hi > 0 else math.nan, c_hi / b_lo if b_lo > 0 else math.nan]
+    details = {"statistic": f"p{_PERCENTILES[metric]:g} (pooled-quantile exceedance test)",
+               "tolerance_ms": tol_ms, "tolerance_ratio": ratio, "ratio": value / base_value,
+               "ratio_ci": ci, "ci_confidence": conf, "split_ms": xi * ratio,
+               "exceedances": {"candidate": kc, "baseline": kb}, "alpha": rule.alpha}
+    ci_text = ("interval unavailable (too few samples)" if any(map(math.isnan, ci))
+               else f"{conf:.0%} CI ×{ci[0]:.3f}–×{ci[1]:.3f}")
+    how = (f"{metric} {value:.3g} ms vs baseline {base_value:.3g} ms (×{value / base_value:.3f}, "
+           f"{ci_text}), tolerance {_tol_text(rule)} = ×{ratio:.3f}; {kc} of {n} candidate "
+           f"requests (scaled) and {kb} of {m} baseline ones above the pooled "
+           f"p{_PERCENTILES[metric]:g}, Fisher p={p:.2g}")
+    result_args = (rule, "quantile")
+    if p < rule.alpha:
+        return _result(*result_args, Verdict.FAILED, value, base_value, threshold, bound_ms, p,
+                       (n, m), f"{rule.name}: {metric} of {_arm_name(snapshot)} is beyond the "
+                       f"baseline's × {ratio:.3f}: {how} < α={rule.alpha:g}", details)
+    return _result(*result_args, Verdict.PASSED, value, base_value, threshold, bound_ms, p,
+                   (n, m), f"{rule.name}: {metric} of {_arm_name(snapshot)} is not shown beyond "
+                   f"the baseline's × {ratio:.3f}: {how} ≥ α={rule.alpha:g}", details)
 
 
 def _judge_rate(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:
-    """Error rate: exact, so it stays correct with zero errors on either side.
+    """Error rate against its budget; exact, so it stays correct with zero errors.
 
-    With C's ``k`` errors in ``n`` requests, P's ``k0`` in ``n0`` and ``max_rate``:
+    With C's ``k`` errors in ``n`` requests, P's ``k0`` in ``n0`` and ``b = max_rate``, the
+    hypothesis is about the candidate alone:
 
-    - **absolute**: exact one-sided binomial test of H0 ``rate ≤ max_rate``; fails when
-      ``p < alpha``. It alone controls false rollbacks at ``alpha`` for a candidate at
-      ``max_rate``.
-    - **against P**: one-sided Fisher exact test that C's rate exceeds P's; fails when
-      ``p < alpha`` *and* C's observed rate is above ``max_rate`` (a candidate worse than a
-      perfect baseline but still within its budget passes). Fisher conditions on the total
-      number of errors, so ``k0 = 0`` is an ordinary table, not a degenerate one.
+        H0: p_C ≤ b  (within budget)    against    H1: p_C > b
 
-    Either route fails the rule. Kayenta's Mann-Whitney passes kayenta#377's case (P with
-    no errors, C with 0.5%) because the median pairwise difference of 0/1 indicators is 0;
-    here, with ``n = n0 = 2000`` and ``max_rate = 0.001``, C's 10 errors give a binomial
-    p = 4.6e-5 and a Fisher p = 9.7e-4: failed. Zero errors give p = 1: passed. Exactly
-    ``max_rate`` (2/2000) gives p = 0.59: passed.
+    tested with the exact one-sided binomial test (``P(X ≥ k | n, b)``, X ~ Bin(n, b)). The
+    rule fails only when that test rejects at ``alpha``, so a candidate within its budget
+    fails with probability ≤ α at **every** n (the test is exact and its size at the
+    boundary ``p_C = b`` is the largest over H0; the rate can only be lower inside).
 
-    Fisher rather than Boschloo: Boschloo is more powerful but maximises over a nuisance
-    parameter on every (n+1)×(n0+1) table, far too slow at canary sizes; the binomial
-    route makes up the power against a zero baseline.
+    The baseline never adds a way to fail; it can only explain the errors away. When P
+    itself is significantly above the budget (binomial test at ``alpha``), the errors are
+    shared by both arms (a broken canary server, a bad input) and C fails only if it is
+    also significantly worse than P (one-sided Fisher exact test at ``alpha``); otherwise
+    the verdict is ``inconclusive``, and the canary reports an infrastructure failure.
+
+    The old rule also failed C when Fisher's test against a perfect baseline was
+    significant while C's observed rate was above the budget: its false-fail rate at the
+    budget grew with n (25% at n = 3363). Power of this one, budget 0.1%, C at 0.5%, α
+    0.05: 0.93 at n = 2000 and 0.99 at n = 2600.
     """
     cand = snapshot.candidate
     base = snapshot.baseline
@@ -450,38 +603,66 @@ def _judge_rate(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> R
     if n < min_samples:
         return result(Verdict.INCONCLUSIVE, f"{rule.name}: {_too_few(snapshot, n, min_samples)}")
     p_abs = _binom_greater(k, n, max_rate)
+    ci = _rate_interval(k, n, 1 - 2 * rule.alpha)
+    details: dict[str, Any] = {"hypothesis": f"H0: error rate ≤ {max_rate:g}",
+                               "p_absolute": p_abs, "p_vs_baseline": None,
+                               "p_baseline_over_budget": None, "alpha": rule.alpha,
+                               "errors": k, "requests": n, "rate_ci": list(ci),
+                               "ci_confidence": 1 - 2 * rule.alpha}
+    shown = (f"{_fmt('error_rate', value)} ({k}/{n}, {1 - 2 * rule.alpha:.0%} CI "
+             f"{_fmt('error_rate', ci[0])}–{_fmt('error_rate', ci[1])})")
+    vs = "; no baseline to compare against"
+    base_over = False
     p_cmp: float | None = None
-    if base is not None and base_ok:
+    if base is not None and base_ok and base_value is not None:
         k0, n0 = int(base.errors), int(base.requests)
+        p_base = _binom_greater(k0, n0, max_rate)
+        base_over = p_base < rule.alpha
         p_cmp = float(stats.fisher_exact([[k, n - k], [k0, n0 - k0]],
                                          alternative="greater").pvalue)
-    details: dict[str, Any] = {"p_absolute": p_abs, "p_vs_baseline": p_cmp,
-                               "alpha": rule.alpha, "errors": k, "requests": n}
-    shown = f"{_fmt('error_rate', value)} ({k}/{n})"
-    vs = (f"; baseline {_fmt('error_rate', base_value)} ({base.errors}/{base.requests}), "
-          f"Fisher p={p_cmp:.2g}" if base is not None and base_value is not None
-          and p_cmp is not None else "; no baseline to compare against")
+        details.update(p_vs_baseline=p_cmp, p_baseline_over_budget=p_base,
+                       baseline_errors=k0, baseline_requests=n0)
+        vs = (f"; baseline {_fmt('error_rate', base_value)} ({k0}/{n0}), Fisher p={p_cmp:.2g} "
+              "for the candidate being worse")
+    budget = _fmt("error_rate", max_rate)
+    if p_abs < rule.alpha and base_over:
+        assert p_cmp is not None
+        if p_cmp < rule.alpha:
+            return result(Verdict.FAILED, f"{rule.name}: error rate of {_arm_name(snapshot)} "
+                          f"is {shown}, above the budget {budget} (exact binomial p="
+                          f"{p_abs:.2g}) and worse than a failing baseline{vs} < "
+                          f"α={rule.alpha:g}", p_cmp, details)
+        details["infrastructure"] = True
+        return result(Verdict.INCONCLUSIVE, f"{rule.name}: both arms fail alike: "
+                      f"candidate {shown}{vs}; the baseline is also above the budget {budget}, "
+                      "so the canary server or the load path is failing, not the candidate; "
+                      "check the canary Triton and rerun", p_abs, details)
     if p_abs < rule.alpha:
         return result(Verdict.FAILED, f"{rule.name}: error rate of {_arm_name(snapshot)} is "
-                      f"{shown}, significantly above {_fmt('error_rate', max_rate)} (exact "
-                      f"binomial p={p_abs:.2g} < α={rule.alpha:g}){vs}", p_abs, details)
-    if p_cmp is not None and p_cmp < rule.alpha and value > max_rate:
-        return result(Verdict.FAILED, f"{rule.name}: error rate of {_arm_name(snapshot)} is "
-                      f"{shown}, above {_fmt('error_rate', max_rate)} and significantly worse "
-                      f"than the baseline{vs} < α={rule.alpha:g}", p_cmp, details)
-    p_shown = min(p_abs, p_cmp) if p_cmp is not None and value > max_rate else p_abs
+                      f"{shown}, significantly above the budget {budget} (H0 rate ≤ {budget}, "
+                      f"exact binomial p={p_abs:.2g} < α={rule.alpha:g}){vs}", p_abs, details)
     return result(Verdict.PASSED, f"{rule.name}: error rate of {_arm_name(snapshot)} is "
-                  f"{shown}, not significantly above {_fmt('error_rate', max_rate)} "
-                  f"(exact binomial p={p_abs:.2g}){vs}", p_shown, details)
+                  f"{shown}, not significantly above the budget {budget} (exact binomial "
+                  f"p={p_abs:.2g} ≥ α={rule.alpha:g}){vs}", p_abs, details)
 
 
 def _binom_greater(k: int, n: int, rate: float) -> float:
     """P(X ≥ k) for X ~ Binomial(n, rate); exact, also at rate 0 and 1."""
+    if k <= 0:
+        return 1.0
     if rate <= 0.0:
-        return 1.0 if k == 0 else 0.0
+        return 0.0
     if rate >= 1.0:
         return 1.0
-    return float(stats.binomtest(k, n, rate, alternative="greater").pvalue)
+    return float(stats.binom.sf(k - 1, n, rate))
+
+
+def _rate_interval(k: int, n: int, confidence: float) -> tuple[float, float]:
+    """Clopper-Pearson interval of a rate (exact, conservative)."""
+    if n <= 0:
+        return math.nan, math.nan
+    ci = stats.binomtest(k, n).proportion_ci(confidence_level=confidence, method="exact")
+    return float(ci.low), float(ci.high)
 
 
 # --------------------------------------------------------------------------------------
@@ -534,8 +715,17 @@ def _pair_quantile(xs: np.ndarray, ys: np.ndarray, k: int) -> float:
     lo, hi = float(xs[0] - ys[-1]), float(xs[-1] - ys[0])
     if lo == hi:
         return lo
-    scale = max(abs(lo), abs(hi), 1e-300)
+    if k <= 0:
+        return lo  # the smallest difference, exactly
+    if k >= total - 1:
+        return hi  # the largest difference, exactly
+    # Counting compares ys with ``xs - t``, which rounds: widen both ends by a relative
+    # margin so that the extreme differences stay inside the bracket (the selection below
+    # works on the actual differences, so the margin never changes the answer).
+    scale = max(abs(lo), abs(hi), float(np.max(np.abs(xs))), float(np.max(np.abs(ys))),
+                1e-300)
     lo -= 1e-9 * scale
+    hi += 1e-9 * scale
     c_lo, c_hi = 0, total
     # Invariant: c_lo = count_le(lo) < k + 1 <= c_hi = count_le(hi). Steps alternate between
     # interpolating the count (fast on smooth data) and bisecting (a guaranteed halving),
@@ -584,48 +774,68 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
     A *violation of size effect* is measured beyond the rule's bound (``effect`` defaults to
     the bound itself):
 
-    - ``mann_whitney``: C slower by ``max_increase_pct + effect`` percent (a +20% slowdown
-      for the default 10%) against a tolerance of ``max_increase_pct``. Noether's formula
-      ``n = (z_{1-α} + z_power)² / (6 (p - ½)²)`` per arm, with ``p = P(C > r·P)`` computed
-      exactly from the baseline sample's pairs when given, else from a lognormal with
-      log-sd :data:`DEFAULT_LOG_SD` (the normal approximation with efficiency 3/π).
+    - ``mann_whitney``: C slower by ``max_increase_pct + effect`` percent against a
+      tolerance of ``max_increase_pct``. Noether's formula ``n = (z_{1-α} + z_power)² /
+      (6 (p - ½)²)`` per arm, with ``p = P(C > r·P)`` computed from the baseline sample's
+      pairs when given, else from a lognormal with log-sd :data:`DEFAULT_LOG_SD`.
+    - ``quantile``: C's pXX at ``(1 + (max_increase_pct + effect)/100) ×`` P's, assuming the
+      scaled shape. The share of P above its pXX shrunk by ``r_tol / r_alt`` gives C's
+      exceedance ``p1`` at the split (from the baseline sample, else the lognormal), and
+      the two-proportion formula with Fleiss' continuity correction sizes Fisher's test.
     - ``exact_rate``: C at ``max_rate + effect`` (``effect`` defaults to ``max_rate``, or
-      0.001 when ``max_rate`` is 0). The smallest n at which either route of
-      :func:`_judge_rate` fails with ``power``: the binomial test against ``max_rate``, or
-      Fisher's test against a baseline at ``baseline_error_rate`` with as many requests
-      (approximated by the conditional binomial test, exact for ``n0 = n``). With
-      ``max_rate = 0`` this is the classic ``1 - (1 - effect)^n ≥ power``.
+      0.001 when ``max_rate`` is 0): the smallest n where the exact binomial test reaches
+      ``power``, computed with ``scipy.stats.binom`` over all n at once (no overflow, at
+      most a few dozen vectorised steps). When the baseline errs above the budget, C must
+      also beat it (arcsine approximation of Fisher's test), so n is the larger of the two.
     - ``threshold``: no test, so ``min_samples``.
 
     The result is at least ``min_samples`` and at most 10 million.
+
+    Raises:
+        MeasurementError: ``baseline_latency_ms`` holds non-finite or negative values.
     """
     test = rule.test or _infer_test(rule.model_dump())
-    z = float(stats.norm.ppf(1 - rule.alpha) + stats.norm.ppf(rule.power))
-    if test == "mann_whitney":
+    za = float(stats.norm.ppf(1 - rule.alpha))
+    zb = float(stats.norm.ppf(rule.power))
+    if test in ("mann_whitney", "quantile"):
         pct = float(rule.max_increase_pct or 0.0)
         effect = float(rule.effect if rule.effect is not None else pct)
+        lat = None
+        if baseline_latency_ms is not None:
+            lat = _clean_latency(check_latency(baseline_latency_ms, "the baseline sample"))
         r_tol = 1.0 + pct / 100.0
-        lat = _clean_latency(baseline_latency_ms) if baseline_latency_ms is not None else None
+        q = _PERCENTILES.get(rule.metric, 50.0) / 100.0
         if lat is not None and lat.size >= 2:
             ref = float(np.mean(lat)) if rule.metric == "latency_mean_ms" else \
-                float(np.percentile(lat, _PERCENTILES.get(rule.metric, 99.0)))
+                float(np.quantile(lat, q))
             if ref > 0:
                 r_tol = 1.0 + max(pct / 100.0 * ref, float(rule.min_effect_ms or 0.0)) / ref
-            r_alt = r_tol + effect / 100.0
-            p = _prob_greater(np.log(lat), math.log(r_alt / r_tol))
+        r_alt = r_tol + effect / 100.0
+        delta = math.log(r_alt / r_tol)
+        if test == "quantile":
+            if lat is not None and lat.size >= 2:
+                p1 = float(np.mean(lat > np.quantile(lat, q) / math.exp(delta)))
+            else:
+                p1 = float(stats.norm.sf(stats.norm.ppf(q) - delta / DEFAULT_LOG_SD))
+            n_q = _two_proportion_n(1.0 - q, p1, za, zb)
+            return int(min(max(n_q, min_samples), _MAX_PLAN))
+        if lat is not None and lat.size >= 2:
+            p = _prob_greater(np.log(lat), delta)
         else:
-            r_alt = r_tol + effect / 100.0
-            delta = math.log(r_alt / r_tol)
             p = float(stats.norm.cdf(delta / (DEFAULT_LOG_SD * math.sqrt(2.0))))
         if not p > 0.5:
             return _MAX_PLAN
-        n = math.ceil(z * z / (6.0 * (p - 0.5) ** 2))
+        n = math.ceil((za + zb) ** 2 / (6.0 * (p - 0.5) ** 2))
         return int(min(max(n, min_samples), _MAX_PLAN))
     if test == "exact_rate":
         max_rate = float(rule.max_rate or 0.0)
         effect = float(rule.effect if rule.effect is not None else max_rate or 1e-3)
-        p1 = min(max_rate + effect, 1.0)
-        n = _rate_plan(max_rate, p1, max(baseline_error_rate, 0.0), rule.alpha, rule.power)
+        pb = min(max(float(baseline_error_rate), 0.0), 1.0) if math.isfinite(
+            baseline_error_rate) else 0.0
+        p1 = min(max(max_rate, pb) + effect, 1.0)
+        n = _rate_plan(max_rate, p1, rule.alpha, rule.power)
+        if pb > max_rate and p1 > pb:
+            n = max(n, _fisher_plan(p1, pb, za, zb))
         return int(min(max(n, min_samples), _MAX_PLAN))
     return max(min_samples, 1)
 
@@ -650,73 +860,69 @@ def _prob_greater(logs: np.ndarray, delta: float) -> float:
     return float(0.5 * (below + at_or_below) / (s.size * s.size))
 
 
-def _rate_plan(p0: float, p1: float, pb: float, alpha: float, power: float) -> int:
-    """Smallest n (on a fine geometric grid, then refined) where C at p1 fails with power."""
+def _two_proportion_n(p0: float, p1: float, za: float, zb: float) -> int:
+    """Per-arm n for the one-sided pooled-split exceedance test of p1 against p0.
+
+    The split sits at the pooled quantile, so the arms exceed it at ``p̄ ± d/2`` with
+    ``p̄ = p0`` and ``d = p1 - p0``; Fleiss' continuity correction accounts for Fisher's
+    conservativeness.
+    """
+    d = p1 - p0
+    if not d > 0:
+        return _MAX_PLAN
+    pc, pb = p0 + d / 2.0, max(p0 - d / 2.0, 1e-12)
+    n = (za * math.sqrt(2 * p0 * (1 - p0)) + zb * math.sqrt(pc * (1 - pc) + pb * (1 - pb))) \
+        ** 2 / d ** 2
+    n_cc = n / 4.0 * (1.0 + math.sqrt(1.0 + 4.0 / (n * d))) ** 2
+    return int(min(math.ceil(n_cc), _MAX_PLAN))
+
+
+def _fisher_plan(p1: float, p0: float, za: float, zb: float) -> int:
+    """Per-arm n for Fisher's test of p1 against p0 (arcsine approximation)."""
+    h = 2.0 * (math.asin(math.sqrt(p1)) - math.asin(math.sqrt(p0)))
+    if not h > 0:
+        return _MAX_PLAN
+    return int(min(math.ceil(2.0 * ((za + zb) / h) ** 2), _MAX_PLAN))
+
+
+def rate_power(n: np.ndarray | int, p0: float, p1: float, alpha: float) -> np.ndarray:
+    """Power of the exact binomial test of H0 ``rate ≤ p0`` at level alpha, C at ``p1``.
+
+    Vectorised over ``n`` through ``scipy.stats.binom`` (log-space internally: no overflow
+    at any n or rate). The critical count is the smallest k with ``P(X ≥ k | p0) < alpha``.
+    """
+    ns = np.atleast_1d(np.asarray(n, dtype=np.int64))
+    if p0 <= 0:
+        crit = np.ones_like(ns)
+    else:
+        # isf gives the smallest c with sf(c) ≤ alpha, i.e. P(X > c) ≤ alpha; ties at the
+        # level (sf(c) == alpha) are stepped past so that the size stays strictly below.
+        c = stats.binom.isf(alpha, ns, p0).astype(np.int64)
+        c = np.where(stats.binom.sf(c, ns, p0) < alpha, c, c + 1)
+        crit = c + 1
+    power = np.asarray(stats.binom.sf(crit - 1, ns, p1), dtype=float)
+    return np.where(crit > ns, 0.0, power)
+
+
+def _rate_plan(p0: float, p1: float, alpha: float, power: float) -> int:
+    """Smallest n where the binomial test reaches ``power`` at ``p1`` (bounded time).
+
+    Doubles n until the power is reached, then scans the last octave in one vectorised
+    call (the power is sawtoothed in n, so the first n that reaches it is returned).
+    """
     if p1 <= p0:
         return _MAX_PLAN
-
-    def achieved(n: int) -> float:
-        return _rate_power(n, p0, p1, pb, alpha)
-
-    n = 1
-    while n < _MAX_PLAN and achieved(n) < power:
-        n = max(n + 1, int(n * 1.25))
-    if n >= _MAX_PLAN:
+    hi = 1
+    while hi < _MAX_PLAN and rate_power(hi, p0, p1, alpha)[0] < power:
+        hi *= 2
+    if hi >= _MAX_PLAN:
         return _MAX_PLAN
-    lo, hi = max(1, int(n / 1.25)), n
-    # Power is sawtoothed in n (discrete critical values): scan the last step for the first
-    # n that reaches it, in at most ~60 evaluations.
-    step = max(1, (hi - lo) // 60)
-    for cand in range(lo, hi + 1, step):
-        if achieved(cand) >= power:
-            return cand
-    return hi
-
-
-def _rate_power(n: int, p0: float, p1: float, pb: float, alpha: float) -> float:
-    """Probability that :func:`_judge_rate` fails C at rate p1 with n requests per arm."""
-    k_abs = _binom_critical(n, p0, alpha)
-    over = math.floor(p0 * n) + 1  # smallest k with k/n > p0
-    kb_hi = 0
-    if pb > 0:
-        while kb_hi < n and _binom_sf(kb_hi + 1, n, pb) > 1e-4:
-            kb_hi += 1
-    total = 0.0
-    for kb in range(kb_hi + 1):
-        weight = float(special.binom(n, kb) * pb**kb * (1 - pb) ** (n - kb)) if pb > 0 else 1.0
-        k_cmp = max(_conditional_critical(kb, alpha), over)
-        total += weight * _binom_sf(min(k_abs, k_cmp), n, p1)
-    return total
-
-
-def _binom_sf(k: int, n: int, p: float) -> float:
-    """P(X ≥ k) for X ~ Binomial(n, p), through scipy.special (no per-call overhead)."""
-    if k <= 0:
-        return 1.0
-    if k > n:
-        return 0.0
-    return float(special.bdtrc(k - 1, n, p))
-
-
-def _binom_critical(n: int, p0: float, alpha: float) -> int:
-    """Smallest k with P(X ≥ k | n, p0) < alpha (n + 1 when none)."""
-    if p0 <= 0:
-        return 1
-    k = max(1, math.floor(n * p0))
-    while k > 1 and _binom_sf(k - 1, n, p0) < alpha:
-        k -= 1
-    while k <= n and not _binom_sf(k, n, p0) < alpha:
-        k += 1
-    return k
-
-
-@functools.lru_cache(maxsize=4096)
-def _conditional_critical(kb: int, alpha: float) -> int:
-    """Smallest k with the conditional (Fisher, equal arms) p-value below alpha given kb."""
-    k = 1
-    while k < 100_000 and not _binom_sf(k, k + kb, 0.5) < alpha:
-        k += 1
-    return k
+    lo = max(1, hi // 2)
+    ns = np.arange(lo, hi + 1)
+    if ns.size > 200_000:
+        ns = np.unique(np.linspace(lo, hi, 200_000).astype(np.int64))
+    ok = np.nonzero(rate_power(ns, p0, p1, alpha) >= power)[0]
+    return int(ns[ok[0]]) if ok.size else hi
 
 
 # --------------------------------------------------------------------------------------
@@ -754,8 +960,33 @@ def _result(rule: GateRule, test: str, verdict: Verdict, value: float | None,
 
 
 def _clean_latency(latency: np.ndarray) -> np.ndarray:
-    """Latencies as a flat float array, floored at 1 ns so ratios and logs stay defined."""
+    """Latencies as a flat float array, floored at 1 ns so ratios and logs stay defined.
+
+    Only for latencies :func:`~modelship.measurements.check_latency` accepted (finite,
+    ≥ 0): the floor moves exact zeros, never a negative value.
+    """
     return np.maximum(np.asarray(latency, dtype=float).ravel(), 1e-6)
+
+
+def server_us(measured: ArmMeasurements) -> float | None:
+    """Triton's queue + compute time per request of one arm, in µs (None if unknown)."""
+    q, c = measured.queue_us_mean, measured.compute_us_mean
+    if q is None or c is None or not (math.isfinite(q) and math.isfinite(c)):
+        return None
+    return q + c
+
+
+def _broken_latency(snapshot: CanarySnapshot) -> str:
+    """Why an arm's latency sample is not a measurement ("" when both are fine)."""
+    for arm_name in ("candidate", "baseline"):
+        measured = snapshot.candidate if arm_name == "candidate" else snapshot.baseline
+        if measured is None:
+            continue
+        try:
+            check_latency(measured.latency_ms, _arm_name(snapshot, arm_name))
+        except MeasurementError as exc:
+            return str(exc)
+    return ""
 
 
 def _arm_name(snapshot: CanarySnapshot, arm: str = "candidate") -> str:

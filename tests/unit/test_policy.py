@@ -36,13 +36,15 @@ def test_defaults_apply_without_a_file(tmp_path: Path) -> None:
     assert policy.approval.required is False
     assert policy.swap.pause_batching is True
     assert [(g.metric, g.test) for g in policy.gates] == [
-        ("latency_p99_ms", "mann_whitney"),
+        ("latency_p50_ms", "mann_whitney"),
+        ("latency_p99_ms", "quantile"),
         ("error_rate", "exact_rate"),
         ("agreement", "threshold"),
+        ("server_latency_ratio", "threshold"),
     ]
-    assert policy.gates[0].max_increase_pct == 10
-    assert policy.gates[1].max_rate == 0.001
-    assert policy.gates[2].min == 0.98
+    assert policy.gates[1].max_increase_pct == 10
+    assert policy.gates[2].max_rate == 0.001
+    assert policy.gates[3].min == 0.98
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "triton:\n  # all defaults\n"])
@@ -208,7 +210,8 @@ def test_gate_rule_validation(tmp_path: Path, rule: dict[str, object], error: st
 @pytest.mark.parametrize(
     ("rule", "test"),
     [
-        ({"metric": "latency_p95_ms", "max_increase_pct": 5}, "mann_whitney"),
+        ({"metric": "latency_p95_ms", "max_increase_pct": 5}, "quantile"),
+        ({"metric": "latency_p50_ms", "max_increase_pct": 5}, "mann_whitney"),
         ({"metric": "latency_p99_ms", "max": 50}, "threshold"),
         ({"metric": "error_rate", "max_rate": 0.01}, "exact_rate"),
         ({"metric": "error_rate", "max": 0.01}, "threshold"),

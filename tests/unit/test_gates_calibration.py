@@ -1,0 +1,154 @@
+"""Calibration of the default gates by seeded simulation: error rates, not single cases.
+
+Each test draws a few hundred seeded canaries and checks a rate against a bound with a
+binomial margin (three standard errors), so a correct rule never flakes and a wrong one
+(the old judge's p99 rule, its error rule) fails. The large runs, with 95% intervals, are
+in ``bench/judge.py``; these stay under ~15 s in all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from modelship.measurements import ArmMeasurements, CanarySnapshot
+from modelship.policy import GateRule, default_gates
+from tasks.gates import Verdict, judge, rate_power, required_samples
+
+REPS = 200
+
+
+def draw(rng: np.random.Generator, n: int, *, scale: float = 1.0, tail_scale: float = 1.0,
+         body_scale: float = 1.0) -> np.ndarray:
+    """Lognormal body (median 2 ms) plus a 5% exponential tail (mean 4 ms), in ms."""
+    body = body_scale * 2.0 * np.exp(0.3 * rng.standard_normal(n))
+    tail = (rng.random(n) < 0.05) * rng.exponential(4.0 * tail_scale, n)
+    return scale * (body + tail)
+
+
+def canary(c: np.ndarray, b: np.ndarray, *, c_err: int = 0, b_err: int = 0,
+           server: tuple[float, float] = (500.0, 500.0),
+           requests: int | None = None) -> CanarySnapshot:
+    """A snapshot; ``requests`` overrides the counts (error-rate cases skip the latencies)."""
+    cand = ArmMeasurements(7, c, requests or c.size + c_err, c_err, 100.0, 20.0, server[0])
+    base = ArmMeasurements(6, b, requests or b.size + b_err, b_err, 100.0, 20.0, server[1])
+    return CanarySnapshot("fraud", cand, base, agreement=1.0, agreement_samples=c.size,
+                          window_s=30.0)
+
+
+def fail_rate(rule: GateRule, make: object, reps: int = REPS) -> float:
+    failed = 0
+    for rep in range(reps):
+        rng = np.random.default_rng(np.random.SeedSequence([hash(rule.name) % 997, rep]))
+        snapshot = make(rng)  # type: ignore[operator]
+        failed += judge(snapshot, rule, min_samples=1).verdict is Verdict.FAILED
+    return failed / reps
+
+
+def upper(rate: float, reps: int = REPS) -> float:
+    """``rate`` plus three binomial standard errors (and one count)."""
+    return rate + 3 * math.sqrt(rate * (1 - rate) / reps) + 1 / reps
+
+
+GATES = {g.name: g for g in default_gates()}
+
+
+@pytest.mark.parametrize("name", list(GATES))
+def test_aa_false_rollbacks_stay_below_alpha(name: str) -> None:
+    rule = GATES[name]
+    n = 2000
+
+    def aa(rng: np.random.Generator) -> CanarySnapshot:
+        c_err, b_err = rng.binomial(n, 0.0005, 2)
+        return canary(draw(rng, n - c_err), draw(rng, n - b_err), c_err=int(c_err),
+                      b_err=int(b_err), server=tuple(rng.normal(500.0, 10.0, 2)))
+
+    assert fail_rate(rule, aa) <= upper(min(rule.alpha, 0.01))
+
+
+@pytest.mark.parametrize("metric", ["latency_p50_ms", "latency_p99_ms", "latency_p95_ms"])
+def test_exactly_at_the_tolerance_fails_about_alpha(metric: str) -> None:
+    """C is P scaled by exactly the tolerance (1.1): the boundary of H0."""
+    rule = GateRule(name=f"at-{metric}", metric=metric, max_increase_pct=10.0, alpha=0.05)
+    n = 1000
+
+    def at_tolerance(rng: np.random.Generator) -> CanarySnapshot:
+        return canary(draw(rng, n, scale=1.1), draw(rng, n))
+
+    rate = fail_rate(rule, at_tolerance, reps=250)
+    assert rate <= upper(0.05, 250)
+    # Not a test that never fails: at the boundary it must fail close to α of the time.
+    assert rate >= 0.015, rate
+
+
+def test_error_rule_never_exceeds_alpha_within_budget_at_any_n() -> None:
+    """Exact: the size at the budget, for every n from 1 to 20,000 (the old rule: 0.49)."""
+    ns = np.arange(1, 20_001)
+    for budget in (0.001, 0.01):
+        size = rate_power(ns, budget, budget, 0.05)
+        assert float(size.max()) <= 0.05
+        inside = rate_power(ns, budget, 0.8 * budget, 0.05)
+        assert float(inside.max()) <= 0.05
+
+
+def test_error_rule_size_by_simulation_with_a_perfect_baseline() -> None:
+    rule = GATES["error_rate"]
+    n = 13_541
+
+    def at_budget(rng: np.random.Generator) -> CanarySnapshot:
+        k = int(rng.binomial(n, 0.001))
+        return canary(draw(rng, 50), draw(rng, 50), c_err=k, b_err=0, requests=n)
+
+    assert fail_rate(rule.model_copy(update={"name": "budget"}), at_budget) <= upper(0.05)
+
+
+def test_error_rule_power_for_half_a_percent_against_a_clean_baseline() -> None:
+    assert float(rate_power(2600, 0.001, 0.005, 0.05)[0]) >= 0.95
+    plan = required_samples(GATES["error_rate"].model_copy(update={"effect": 0.004}))
+    assert plan <= 2600
+    rule = GATES["error_rate"]
+
+    def regression(rng: np.random.Generator) -> CanarySnapshot:
+        k = int(rng.binomial(plan, 0.005))
+        return canary(draw(rng, 50), draw(rng, 50), c_err=k, requests=plan)
+
+    assert fail_rate(rule, regression) >= 0.95 - 3 * math.sqrt(0.05 * 0.95 / REPS)
+
+
+@pytest.mark.parametrize("pb", [0.0, 0.01, 0.1, 0.5])
+def test_error_plan_reaches_its_power_for_any_baseline_rate(pb: float) -> None:
+    rule = GateRule(name="e", metric="error_rate", max_rate=0.001, power=0.9, effect=0.04)
+    n = required_samples(rule, baseline_error_rate=pb)
+    p1 = max(0.001, pb) + 0.04
+
+    def worse(rng: np.random.Generator) -> CanarySnapshot:
+        k, k0 = int(rng.binomial(n, p1)), int(rng.binomial(n, pb))
+        return canary(draw(rng, 20), draw(rng, 20), c_err=k, b_err=k0, requests=n)
+
+    assert fail_rate(rule, worse) >= 0.9 - 3 * math.sqrt(0.1 * 0.9 / REPS), n
+
+
+@pytest.mark.parametrize(
+    ("kind", "fails_typical", "fails_tail"),
+    [("tail-only", False, True), ("body-only", True, False), ("mixed", True, True)],
+)
+def test_power_follows_the_statistic_each_rule_names(kind: str, fails_typical: bool,
+                                                     fails_tail: bool) -> None:
+    """Tail-only: p99 ×1.75, p50 the same. Body-only: body +30%, tail shorter (p99 ≤ P's).
+    Mixed: both. Each rule at the sample size the planner asks for on this baseline."""
+    p50, p99 = GATES["latency_p50"], GATES["latency_p99"]
+    ref = draw(np.random.default_rng(99), 4000)
+    n = max(required_samples(p99, baseline_latency_ms=ref), 1000)
+    shapes = {"tail-only": {"tail_scale": 2.2}, "body-only": {"body_scale": 1.3,
+                                                              "tail_scale": 0.6},
+              "mixed": {"body_scale": 1.3, "tail_scale": 2.2}}
+
+    def regression(rng: np.random.Generator) -> CanarySnapshot:
+        return canary(draw(rng, n, **shapes[kind]), draw(rng, n))
+
+    typical = fail_rate(p50, regression, reps=60)
+    tail = fail_rate(p99, regression, reps=60)
+    assert (typical >= 0.9) if fails_typical else (typical <= 0.05), typical
+    assert (tail >= 0.9) if fails_tail else (tail <= 0.05), tail
