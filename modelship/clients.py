@@ -9,8 +9,10 @@ from typing import Any
 
 from model_registry.client import RegistryClient
 from modelship.errors import ModelshipError
+from modelship.policy import Policy
 from modelship.prefect_api import PrefectApi
 from modelship.settings import Settings
+from modelship.slack.notifier import Notifier
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
 
@@ -145,3 +147,14 @@ def check_endpoints(clients: Clients, settings: Settings) -> list[EndpointCheck]
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         return list(pool.map(run, probes))
+
+
+def notifier_for(clients: Clients | None, settings: Settings, policy: Policy) -> Notifier:
+    """The release thread's notifier, chosen once: Slack when it is configured and the
+    policy enables notifications, else the null notifier."""
+    from modelship.slack.notifier import NullNotifier, SlackNotifier
+
+    if clients is None or clients.slack is None or not policy.notifications.enabled:
+        return NullNotifier()
+    channel = policy.notifications.slack_channel or settings.slack_channel
+    return SlackNotifier(clients.slack, channel)

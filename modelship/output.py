@@ -1,4 +1,5 @@
-"""Command output: one JSON document on stdout with ``--json``; humans and progress on stderr."""
+"""Command output: the result on stdout (one JSON document with ``--json``, else a table or a
+summary); progress and errors on stderr."""
 
 from __future__ import annotations
 
@@ -66,5 +67,5 @@ def run_reporting(
     else:
         text = render(result)
         if text:
-            print(text, file=sys.stderr, flush=True)
+            print(text, flush=True)
     return exit_code(result)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from modelship.http import expect_ok
 
 
@@ -20,3 +23,19 @@ class PrefectApi:
     def ping(self) -> None:
         """Raise Unreachable/InfrastructureError unless ``/health`` answers 200."""
         expect_ok(f"{self.api_url}/health", timeout_s=self.timeout_s, what="the Prefect API")
+
+
+@contextmanager
+def pointed_at(api_url: str | None) -> Iterator[None]:
+    """Run Prefect code against ``api_url``, the stack's server (never an ephemeral one).
+
+    Prefect reads its settings once at import, so setting ``PREFECT_API_URL`` later has no
+    effect; ``temporary_settings`` is Prefect's own way to change them in a block.
+    """
+    if not api_url:
+        yield
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        yield

@@ -112,8 +112,19 @@ class Settings(BaseSettings):
     slack_signing_secret: SecretStr | None = Field(
         default=None, description="Slack signing secret, for verifying button clicks."
     )
+    manifest_signing_key: SecretStr | None = Field(
+        default=None,
+        description="HMAC-SHA256 key (at least 32 characters) that signs and verifies every "
+        "staged release.json. It must not live in the bucket; the embedded stack generates "
+        "one (MODELSHIP_MANIFEST_SIGNING_KEY).",
+    )
     slack_channel: str = Field(
         default="#releases", description="Channel for release threads when the policy sets none."
+    )
+    requester: str | None = Field(
+        default=None,
+        description="Who asks for releases from this shell: a Slack user id (for four-eyes) "
+        "or a login; `promote --requested-by` overrides it. Default: the login name.",
     )
     approvals_url: str | None = Field(
         default=None, description="URL of the Slack interactivity endpoint (approvals serve)."
@@ -251,6 +262,7 @@ def settings_from_stack_state(state: dict[str, Any]) -> dict[str, Any]:
         "slack_api_url": state.get("slack_api_url"),
         "slack_token": state.get("slack_token"),
         "slack_signing_secret": state.get("slack_signing_secret"),
+        "manifest_signing_key": state.get("manifest_signing_key"),
         "approvals_url": state.get("approvals_url"),
         "triton_replicas": triton.get("replicas"),
         "triton_canary": triton.get("canary"),

@@ -1,0 +1,53 @@
+"""The ``modelship`` command (DESIGN §6): the composition root, above the flows.
+
+One module per command group registers its commands on the shared app:
+``stack`` (the embedded stack, ``doctor``), ``artifact`` (``check``, ``stage``),
+``fleet`` (``swap``, ``rollback``, ``status``, ``load``, ``canary``), ``release``
+(``promote``, ``history``), ``locks`` (``locks``, ``unlock``) and ``demo``.
+
+Every command that reports something takes ``--json`` and prints exactly one JSON document
+on stdout; without it, the result (a table or a summary) goes to stdout too. Progress and
+logs go to stderr. The exit code is the outcome (0 done, 1 infrastructure, 2 usage,
+3 validation, 4 gates, 5 approval, 6 inconclusive). Heavy libraries are imported inside the
+commands, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from modelship.cli import artifact, demo, fleet, locks, release, stack  # noqa: F401 - register
+from modelship.cli._common import app
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"modelship {version('modelship')}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")]
+          = False) -> None:
+    """Release pipeline that promotes MLflow-registered models to NVIDIA Triton."""
+
+
+def main() -> None:
+    """Console-script entry point."""
+    # No network but loopback here, and progress bars would garble stderr progress lines.
+    for key, value in {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
+                       "GX_ANALYTICS_ENABLED": "false",
+                       "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                       "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+                       "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3"}.items():
+        os.environ.setdefault(key, value)
+    app()
+
+
+__all__ = ["app", "main"]

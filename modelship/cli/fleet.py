@@ -1,0 +1,232 @@
+"""``modelship swap | rollback | status | load | canary``: the fleet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from modelship.cli._common import (
+    DryRunOpt,
+    ForceOpt,
+    JsonOpt,
+    ModelArg,
+    PolicyOpt,
+    VersionOpt,
+    app,
+    finish,
+    progress,
+    run_reporting,
+    table,
+    with_clients,
+)
+
+
+def _render_swap(doc: dict[str, Any]) -> str:
+    lines = list(doc.get("plan") or [])
+    if doc.get("dry_run"):
+        return "\n".join(["dry run: nothing was changed", *lines])
+    if doc["kind"] == "noop":
+        return f"{doc['model']} v{doc['to_version']} already serves on every replica"
+    rows = [(p["name"], f"{p['seconds']:.2f}",
+             ", ".join(f"{r}:{'ok' if v['ok'] else 'FAILED'}" for r, v in p["replicas"].items()))
+            for p in doc["phases"]]
+    skew = "n/a" if doc["skew_ms"] is None else f"{doc['skew_ms']:.0f} ms"
+    return (table(["phase", "seconds", "replicas"], rows)
+            + f"\n{doc['model']}: v{doc['from_version']} -> v{doc['to_version']} on every "
+            f"replica in {doc['total_s']:.1f} s (skew {skew})")
+
+
+@app.command("swap")
+def swap(model: ModelArg,
+         to: Annotated[int, typer.Option("--to", help="The staged version to serve.")],
+         policy: PolicyOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
+         as_json: JsonOpt = False) -> None:
+    """Swap every replica to a staged version with a passing canary on record (atomic; a
+    mixed fleet is converged). Moves the aliases and records the swap."""
+    from flows import fleet
+    from modelship.policy import policy_for
+
+    def action() -> Any:
+        return with_clients(lambda settings, clients: fleet.swap(
+            settings, clients, policy_for(model, settings.policies_dir, policy), model=model,
+            target=to, force=force, dry_run=dry_run, requester=_requester(settings),
+            progress=progress))
+
+    finish(run_reporting(action, as_json=as_json, render=_render_swap, to_json=lambda d: d))
+
+
+@app.command("rollback")
+def rollback(model: ModelArg,
+             to: Annotated[int | None, typer.Option("--to", help="Version to go back to "
+                                                    "(default: the previous one).")] = None,
+             policy: PolicyOpt = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
+             as_json: JsonOpt = False) -> None:
+    """Roll back to what served before (the ledger says which): the alias first, then every
+    replica; the alias is put back if anything fails."""
+    from flows import fleet
+    from modelship.policy import policy_for
+
+    def action() -> Any:
+        return with_clients(lambda settings, clients: fleet.rollback(
+            settings, clients, policy_for(model, settings.policies_dir, policy), model=model,
+            to=to, force=force, dry_run=dry_run, requester=_requester(settings),
+            progress=progress))
+
+    def render(doc: dict[str, Any]) -> str:
+        verb = "would roll back" if doc.get("dry_run") else "rolled back"
+        return (_render_swap(doc["swap"]) + f"\n{verb} {model} "
+                f"v{doc['from_version']} -> v{doc['to_version']}")
+
+    finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d))
+
+
+@app.command("status")
+def status(model: ModelArg, as_json: JsonOpt = False) -> None:
+    """Per replica: the ready versions and the config digest; flags an inconsistent fleet."""
+    from flows import fleet
+
+    def render(doc: dict[str, Any]) -> str:
+        rows = [(r.get("name"), r["url"], ",".join(map(str, r.get("ready_versions", []))) or "-",
+                 (r.get("config_digest") or "-")[:12], r.get("error", ""))
+                for r in doc["replicas"]]
+        state = "consistent" if doc["consistent"] else "INCONSISTENT"
+        serving = f"v{doc['production_version']}" if doc["production_version"] is not None \
+            else "nothing"
+        last = doc.get("last_release") or {}
+        lines = [table(["replica", "url", "ready", "config", "error"], rows),
+                 f"{model}: serving {serving} ({state}); aliases {doc['aliases']}"]
+        if last.get("id"):
+            lines.append(f"last release: {last['kind']} {last['id']} v{last['from_version']} "
+                         f"-> v{last['to_version']}: {last['status']}")
+        if doc.get("registry_error"):
+            lines.append(f"registry: {doc['registry_error']}")
+        if not doc["consistent"]:
+            lines.append(f"next: `modelship rollback {model}` or `modelship swap {model} --to V`"
+                         " converges the replicas")
+        return "\n".join(lines)
+
+    finish(run_reporting(
+        lambda: with_clients(lambda _s, clients: fleet.status(clients, model=model)),
+        as_json=as_json, render=render, to_json=lambda d: d,
+        exit_code=lambda d: 0 if d["consistent"] else 1))
+
+
+@app.command("load")
+def load(model: ModelArg, version: VersionOpt = None,
+         concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients.")] = None,
+         rate: Annotated[float | None, typer.Option(help="Open-loop requests/s.")] = None,
+         duration: Annotated[float | None, typer.Option(
+             help="Run this many seconds (default: until 3 windows are stable).")] = None,
+         protocol: Annotated[str, typer.Option(help="grpc or http.")] = "grpc",
+         max_error_rate: Annotated[float, typer.Option(
+             help="Exit 1 when more than this share of requests failed (0 to 1).")] = 0.0,
+         canary: Annotated[bool, typer.Option("--canary",
+                                              help="Load the canary, not the fleet.")] = False,
+         as_json: JsonOpt = False) -> None:
+    """The canary load generator on its own: latency percentiles, throughput, errors."""
+    from flows import fleet
+    from modelship.loadgen import LoadSpec, run_load_sync
+
+    def action() -> Any:
+        def body(settings: Any, clients: Any) -> Any:
+            if concurrency is not None and rate is not None:
+                from modelship.errors import UsageError
+
+                raise UsageError("pass --concurrency or --rate, not both",
+                                 hint="e.g. `--concurrency 8` or `--rate 200`")
+            servers = [clients.canary] if canary else clients.replicas
+            if not servers or servers[0] is None:
+                from modelship.errors import UsageError
+
+                raise UsageError("no Triton servers are configured",
+                                 hint="run `modelship stack up`")
+            served = version
+            if served is None:
+                served = fleet.status(clients, model=model)["production_version"]
+            if served is None:
+                from modelship.errors import UsageError
+
+                raise UsageError(f"{model} is not served consistently; cannot pick payloads",
+                                 hint="pass --version V (a staged version)")
+            from tasks.payload import load_payload
+
+            payload, source = load_payload(clients.storage, clients.registry,
+                                           repository_prefix=settings.repository_prefix,
+                                           model=model, version=served)
+            progress(f"loading {model} (payload: {source} rows of v{served})")
+            spec = LoadSpec(protocol=protocol,  # type: ignore[arg-type]
+                            concurrency=concurrency if rate is None else None,
+                            rate_rps=rate,
+                            duration_s=duration, timeout_s=settings.http_timeout_s)
+            if spec.concurrency is None and spec.rate_rps is None:
+                spec = LoadSpec(protocol=spec.protocol, concurrency=4, duration_s=duration,
+                                timeout_s=settings.http_timeout_s)
+            urls = [s.endpoint.grpc if protocol == "grpc" else s.endpoint.http for s in servers]
+            report = run_load_sync(urls, model, payload, spec,
+                                   version=str(version) if version is not None else "")
+            return report.to_dict()
+
+        return with_clients(body)
+
+    def render(doc: dict[str, Any]) -> str:
+        lat = doc["latency_ms"]
+        return table(["requests", "errors", "req/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms"],
+                     [(doc["requests"], doc["errors"], f"{doc['throughput_rps']:.0f}",
+                       *(f"{lat[k]:.2f}" if lat[k] is not None else "-"
+                         for k in ("p50", "p90", "p95", "p99")))])
+
+    def code(doc: dict[str, Any]) -> int:
+        # Nothing answered: the run measured nothing (wrong model, version or server).
+        if doc["requests"] == 0:
+            return 1
+        rate = doc["errors"] / doc["requests"]
+        if rate > max_error_rate:
+            reasons = "; ".join(f"{text} x{count}"
+                                for text, count in doc.get("error_texts", {}).items())
+            progress(f"error: {doc['errors']} of {doc['requests']} requests failed "
+                     f"({rate:.2%} > --max-error-rate {max_error_rate:g}): {reasons}")
+            return 1
+        return 0
+
+    finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d,
+                          exit_code=code))
+
+
+VERDICT_EXIT = {"passed": 0, "noop": 0, "failed": 4, "inconclusive": 6, "error": 1}
+
+
+@app.command("canary")
+def canary(model: ModelArg,
+           version: Annotated[int, typer.Option("--version", "-v", help="Candidate version.")],
+           policy: PolicyOpt = None, as_json: JsonOpt = False) -> None:
+    """Canary the candidate against production on the canary Triton; apply the gates."""
+    from flows import fleet
+    from modelship.policy import policy_for
+
+    def action() -> Any:
+        return with_clients(lambda settings, clients: fleet.canary(
+            settings, clients, policy_for(model, settings.policies_dir, policy), model=model,
+            version=version, progress=progress))
+
+    def render(doc: dict[str, Any]) -> str:
+        if doc["verdict"] == "noop":
+            return doc["message"]
+        paths = doc.get("report") or {}
+        markdown = ""
+        if paths.get("markdown"):
+            markdown = Path(paths["markdown"]).read_text()
+        return (markdown + f"\nverdict: {doc['verdict']}; report: {paths.get('markdown')}, "
+                f"plot: {paths.get('png')}")
+
+    finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d,
+                          exit_code=lambda d: VERDICT_EXIT.get(d["verdict"], 1)))
+
+
+
+
+def _requester(current: Any) -> str:
+    import getpass
+
+    return str(current.requester or getpass.getuser())

@@ -1,0 +1,124 @@
+"""``modelship promote`` and ``history``: the release as one Prefect flow run, and the
+ledger it leaves."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from modelship.cli._common import (
+    AliasOpt,
+    BreakingOpt,
+    ForceOpt,
+    JsonOpt,
+    ModelArg,
+    PolicyOpt,
+    VersionOpt,
+    app,
+    finish,
+    run_reporting,
+    settings,
+    table,
+    with_clients,
+)
+
+
+def _stage_rows(record: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [(s["name"], s["outcome"], (s.get("reason") or "")[:100])
+            for s in record.get("stages", [])]
+
+
+def render_record(record: dict[str, Any]) -> str:
+    """A release record for people: the stages, the outcome, where to look next."""
+    lines = [table(["stage", "outcome", "reason"], _stage_rows(record))]
+    head = (f"{record['kind']} {record['model']} {_v(record.get('from_version'))} -> "
+            f"{_v(record.get('to_version'))}: {record['status']} (exit {record.get('exit_code')})")
+    lines.append(head)
+    if record.get("reason"):
+        lines.append(record["reason"])
+    if record.get("plan"):
+        plan = record["plan"]
+        lines.append("plan (dry run, nothing changed):")
+        lines.append(f"  stages: {' -> '.join(plan['stages'])}")
+        for gate in plan["gates"]:
+            limit = ", ".join(f"{k}={gate[k]}" for k in ("min", "max", "max_increase_pct",
+                                                         "max_rate") if gate.get(k) is not None)
+            lines.append(f"  gate {gate['rule']}: {gate['metric']} {limit}"
+                         + (" (dry run)" if gate.get("dry_run") else ""))
+        lines.append(f"  canary: {plan['canary']['expected_s']}")
+        lines.append(f"  replicas touched: {', '.join(plan['replicas'])}")
+        lines.append(f"  rollback target: v{plan['rollback_target']}")
+        approval = plan["approval"]
+        lines.append(f"  approval: {'required by ' + ', '.join(approval['approvers']) if approval['required'] else 'not required'}")  # noqa: E501
+    for note in record.get("notes", []):
+        lines.append(f"note: {note}")
+    lines.append(f"record: releases/{record['model']}/{record['id']}.json; "
+                 f"`modelship history {record['model']}`")
+    return "\n".join(lines)
+
+
+@app.command("promote")
+def promote(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
+            policy: PolicyOpt = None,
+            dry_run: Annotated[bool, typer.Option(
+                "--dry-run", help="Check, then print the plan; change nothing.")] = False,
+            force: ForceOpt = False,
+            require_approval: Annotated[bool | None, typer.Option(
+                "--require-approval/--no-require-approval",
+                help="Override approval.required for this release.")] = None,
+            approvers: Annotated[str | None, typer.Option(
+                help="Comma-separated Slack user ids allowed to approve (overrides the "
+                "policy).")] = None,
+            requested_by: Annotated[str | None, typer.Option(
+                help="Slack user id of the requester (four-eyes); default from settings.")]
+            = None,
+            allow_breaking_changes: BreakingOpt = False, as_json: JsonOpt = False) -> None:
+    """The whole pipeline as one Prefect flow run; prints the release record."""
+
+    def action() -> Any:
+        import getpass
+
+        from flows.check import parse_ref
+        from flows.promote import PromoteParams, promote_flow
+        from modelship.prefect_api import pointed_at
+
+        parse_ref(version, alias)
+        current = settings()
+        params = PromoteParams(
+            model=model, version=version, alias=alias,
+            policy_file=str(policy) if policy else None, dry_run=dry_run, force=force,
+            require_approval=require_approval,
+            approvers=[a.strip() for a in approvers.split(",") if a.strip()]
+            if approvers else None,
+            requested_by=requested_by or current.requester or getpass.getuser(),
+            trigger="cli", allow_breaking_changes=allow_breaking_changes)
+        with pointed_at(current.prefect_api_url):
+            return promote_flow(params)
+
+    finish(run_reporting(action, as_json=as_json, render=render_record, to_json=lambda d: d,
+                         exit_code=lambda d: int(d.get("exit_code") or 0)))
+
+
+@app.command("history")
+def history(model: ModelArg, as_json: JsonOpt = False) -> None:
+    """The release records of a model (the ledger), newest first, rollbacks included."""
+    from flows import fleet
+
+    def render(records: list[dict[str, Any]]) -> str:
+        if not records:
+            return f"no release of {model} is on record"
+        rows = [(r["id"], r["kind"], f"{_v(r.get('from_version'))} -> {_v(r.get('to_version'))}",
+                 r["status"], r.get("exit_code"), r.get("requester") or "",
+                 (r.get("gates") or {}).get("verdict") or "",
+                 (r.get("reason") or "")[:60]) for r in records]
+        return table(["release", "kind", "versions", "status", "exit", "requester", "canary",
+                      "reason"], rows)
+
+    finish(run_reporting(
+        lambda: with_clients(lambda _s, clients: fleet.history(clients, model=model)),
+        as_json=as_json, render=render, to_json=lambda d: {"model": model, "releases": d}))
+
+
+def _v(version: Any) -> str:
+    return "nothing" if version is None else f"v{version}"

@@ -1,0 +1,121 @@
+"""``modelship stack ...`` and ``doctor``: the embedded stack and its endpoints."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from modelship.cli._common import (
+    JsonOpt,
+    app,
+    finish,
+    progress,
+    run_reporting,
+    settings,
+    stack_app,
+    table,
+    with_clients,
+)
+
+
+@stack_app.command("up")
+def stack_up(
+    replicas: Annotated[int, typer.Option(help="Number of production Triton replicas.")] = 2,
+    base_port: Annotated[
+        int | None,
+        typer.Option(help="Use consecutive ports from this one instead of free random ports."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start SeaweedFS, MLflow, Prefect, the Slack emulator and N+1 Tritons (idempotent)."""
+    from modelship.stack import manager
+
+    def action() -> Any:
+        current = settings()
+        state, report = manager.up(current, replicas=replicas, base_port=base_port,
+                                   progress=progress)
+        return current, state, report
+
+    def render(result: Any) -> str:
+        settings, state, report = result
+        if report.already_running:
+            return f"stack already running ({settings.stack_file})"
+        rows = [(name, f"{secs:.1f}") for name, secs in sorted(report.ready_s.items(),
+                                                                key=lambda kv: kv[1])]
+        return (table(["component", "ready after (s)"], rows)
+                + f"\nstack up in {report.total_s:.1f} s; endpoints in {settings.stack_file}"
+                + "\nnext: `modelship stack status` or `modelship doctor`")
+
+    def to_json(result: Any) -> Any:
+        from modelship.stack.manager import _live_records
+        from modelship.stack.state import status_document
+
+        _, state, report = result
+        doc = status_document(state, _live_records(state))
+        doc["startup"] = {"ready_s": report.ready_s, "total_s": report.total_s,
+                          "already_running": report.already_running}
+        return doc
+
+    finish(run_reporting(action, as_json=as_json, render=render, to_json=to_json))
+
+
+@stack_app.command("down")
+def stack_down(as_json: JsonOpt = False) -> None:
+    """Stop every process the stack started, and nothing else."""
+    from modelship.stack import manager
+
+    def render(result: dict[str, Any]) -> str:
+        if not result["stopped"] and not result["already_stopped"]:
+            return "nothing to stop: no stack is running here"
+        return f"stopped: {', '.join(result['stopped']) or 'none'}; all ports closed"
+
+    finish(run_reporting(lambda: manager.down(settings(), progress=progress),
+                          as_json=as_json, render=render, to_json=lambda r: r))
+
+
+@stack_app.command("status")
+def stack_status(as_json: JsonOpt = False) -> None:
+    """Print the stack's endpoints (DESIGN §6 schema) and whether each process runs."""
+    from modelship.stack import manager
+
+    def render(doc: dict[str, Any]) -> str:
+        rows = [(c["name"], c["pid"], "up" if c["alive"] else "DOWN", c["log"])
+                for c in doc["components"]]
+        lines = [table(["component", "pid", "state", "log"], rows),
+                 f"mlflow  {doc['mlflow_uri']}", f"s3      {doc['s3_endpoint']} "
+                 f"bucket={doc['bucket']}", f"prefect {doc['prefect_api_url']}",
+                 f"slack   {doc['slack_api_url']}"]
+        for i, r in enumerate(doc["triton"]["replicas"]):
+            lines.append(f"triton-{i} {r['http']} grpc={r['grpc']}")
+        if doc["triton"]["canary"]:
+            lines.append(f"canary   {doc['triton']['canary']['http']}")
+        return "\n".join(lines)
+
+    def code(doc: dict[str, Any]) -> int:
+        return 0 if doc["running"] else 1
+
+    finish(run_reporting(lambda: manager.status(settings()), as_json=as_json, render=render,
+                          to_json=lambda d: d, exit_code=code))
+
+
+@app.command("doctor")
+def doctor(as_json: JsonOpt = False) -> None:
+    """Ping every endpoint and print one table: each endpoint, OK or the reason."""
+    from modelship.clients import check_endpoints
+
+    def action() -> Any:
+        return with_clients(lambda settings, clients: check_endpoints(clients, settings))
+
+    def render(checks: Any) -> str:
+        return table(["component", "endpoint", "status"],
+                     [(c.component, c.endpoint, c.reason) for c in checks])
+
+    finish(run_reporting(
+        action, as_json=as_json, render=render,
+        to_json=lambda checks: {"ok": all(c.ok for c in checks),
+                                "checks": [c.to_dict() for c in checks]},
+        exit_code=lambda checks: 0 if all(c.ok for c in checks) else 1,
+    ))
+
+
