@@ -1,0 +1,39 @@
+# syntax=docker/dockerfile:1
+# The modelship image: the Prefect worker and flow runs, the approvals service, and the
+# MLflow and Prefect servers of infra/. Built from the project's wheel; the final stage has
+# no compilers and runs as UID 10001.
+#   docker build -t modelship:0.1.0 .
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---- build: the wheel, then a venv with it and its dependencies --------------------
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1
+RUN pip install uv==0.9.*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY modelship ./modelship
+COPY flows ./flows
+COPY tasks ./tasks
+COPY model_registry ./model_registry
+RUN uv build --wheel --out-dir /dist \
+ && uv venv /opt/venv --python /usr/local/bin/python3 \
+ && uv pip install --python /opt/venv/bin/python --compile-bytecode \
+      "$(ls /dist/modelship-*.whl)[k8s]"
+
+# ---- runtime: the venv, the policies, nothing else ---------------------------------
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
+    DO_NOT_TRACK=true MLFLOW_DISABLE_TELEMETRY=true \
+    PREFECT_SERVER_ANALYTICS_ENABLED=false GX_ANALYTICS_ENABLED=false \
+    HOME=/tmp MODELSHIP_POLICIES_DIR=/app/policies
+RUN groupadd --gid 10001 modelship \
+ && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin modelship
+COPY --from=build /opt/venv /opt/venv
+COPY policies /app/policies
+COPY prefect.yaml /app/prefect.yaml
+WORKDIR /app
+USER 10001:10001
+ENTRYPOINT ["modelship"]
+CMD ["--help"]
