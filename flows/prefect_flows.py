@@ -31,13 +31,23 @@ class CheckParams(BaseModel):
     dry_run: bool = Field(default=False, description="Check only; never stage.")
 
 
-class FleetParams(BaseModel):
-    """A fleet swap or rollback."""
+class SwapParams(BaseModel):
+    """A fleet swap: no default version, so a Quick Run never changes production."""
 
     model: str = Field(description="Registered model name.")
-    version: int | None = Field(default=None, description="Target version (rollback: "
-                                "default the previous one).")
-    dry_run: bool = Field(default=False, description="Plan only; change nothing.")
+    version: int = Field(description="The staged version to serve (needs a passing canary "
+                         "on record, or force).")
+    force: bool = Field(default=False, description="Swap without canary evidence (recorded).")
+    dry_run: bool = Field(default=True, description="Plan only; change nothing.")
+
+
+class RollbackParams(BaseModel):
+    """A rollback to what served before."""
+
+    model: str = Field(description="Registered model name.")
+    version: int | None = Field(default=None, description="Target version (default: what "
+                                "served before, as the ledger says).")
+    dry_run: bool = Field(default=True, description="Plan only; change nothing.")
 
 
 @flow(name="modelship-check", log_prints=True)
@@ -57,22 +67,20 @@ def check_flow(params: CheckParams) -> dict[str, Any]:
 
 
 @flow(name="modelship-swap", log_prints=True)
-def swap_flow(params: FleetParams) -> dict[str, Any]:
+def swap_flow(params: SwapParams) -> dict[str, Any]:
     """Swap every replica to a staged version (atomic, batching paused by policy)."""
-    if params.version is None:
-        raise ValueError("swap needs a version")
     settings = load_settings()
     clients = build_clients(settings)
     try:
         return fleet.swap(settings, clients, policy_for(params.model, settings.policies_dir),
-                          model=params.model, target=params.version, dry_run=params.dry_run,
-                          progress=print)
+                          model=params.model, target=params.version, force=params.force,
+                          dry_run=params.dry_run, requester="deployment", progress=print)
     finally:
         clients.close()
 
 
 @flow(name="modelship-rollback", log_prints=True)
-def rollback_flow(params: FleetParams) -> dict[str, Any]:
+def rollback_flow(params: RollbackParams) -> dict[str, Any]:
     """Move the production alias back first, then swap every replica back."""
     settings = load_settings()
     clients = build_clients(settings)
@@ -80,6 +88,6 @@ def rollback_flow(params: FleetParams) -> dict[str, Any]:
         return fleet.rollback(settings, clients,
                               policy_for(params.model, settings.policies_dir),
                               model=params.model, to=params.version, dry_run=params.dry_run,
-                              progress=print)
+                              requester="deployment", progress=print)
     finally:
         clients.close()

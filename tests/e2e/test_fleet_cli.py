@@ -39,8 +39,11 @@ def versions(stack_settings: Settings) -> tuple[int, int]:
 def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
                                             versions: tuple[int, int]) -> None:
     v1, v2 = versions
-    first = _json("swap", MODEL, "--to", str(v1), settings=stack_settings)
+    refused = _json("swap", MODEL, "--to", str(v1), settings=stack_settings, code=3)
+    assert refused["error"] == "EvidenceMissing" and "promote" in refused["hint"]
+    first = _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
     assert first["kind"] == "first_deploy" and not first["aborted"]
+    assert first["evidence"]["basis"] == "forced"
     status = _json("status", MODEL, settings=stack_settings)
     assert status["consistent"] and status["production_version"] == v1
     assert [r["ready_versions"] for r in status["replicas"]] == [[v1], [v1]]
@@ -49,7 +52,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
     assert plan["dry_run"] and plan["kind"] == "swap" and plan["plan"]
     assert _json("status", MODEL, settings=stack_settings)["production_version"] == v1
 
-    swapped = _json("swap", MODEL, "--to", str(v2), settings=stack_settings)
+    swapped = _json("swap", MODEL, "--to", str(v2), "--force", settings=stack_settings)
     assert swapped["kind"] == "swap" and swapped["from_version"] == v1
     assert [p["name"] for p in swapped["phases"]] == ["pause_batching", "switch",
                                                       "resume_batching"]
@@ -66,6 +69,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
                       home=stack_settings.home):
         locked = _json("swap", MODEL, "--to", str(v1), settings=stack_settings, code=1)
     assert locked["error"] == "ReleaseLocked" and "another release" in locked["message"]
+    assert "modelship locks" in locked["hint"]
     assert _json("status", MODEL, settings=stack_settings)["production_version"] == v2
 
     clients = build_clients(stack_settings)
@@ -76,12 +80,16 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
     assert rolled["aliases"]["production"] == v1 and rolled["aliases"]["previous"] == v2
     status = _json("status", MODEL, settings=stack_settings)
     assert status["production_version"] == v1 and status["aliases"]["production"] == v1
+    history = _json("history", MODEL, settings=stack_settings)["releases"]
+    assert [r["kind"] for r in history[:3]] == ["rollback", "swap", "swap"]
+    assert history[1]["forced"] and history[0]["status"] == "released"
+    assert status["last_release"]["id"] == history[0]["id"]
 
 
 def test_swap_to_an_unstaged_version_says_how_to_stage_it(stack_settings: Settings,
                                                          versions: tuple[int, int]) -> None:
     error = _json("swap", MODEL, "--to", "99", settings=stack_settings, code=2)
-    assert "not staged" in error["message"] and "modelship stage" in error["hint"]
+    assert "not staged" in error["message"] and "modelship promote" in error["hint"]
 
 
 def test_load_reports_the_design_schema(stack_settings: Settings,
@@ -91,7 +99,7 @@ def test_load_reports_the_design_schema(stack_settings: Settings,
                    "--canary", settings=stack_settings, code=1)  # not loaded on the canary
     assert report["requests"] > 0 and report["errors"] == report["requests"]
     assert report["error_texts"]
-    _json("swap", MODEL, "--to", str(v1), settings=stack_settings)
+    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
     report = _json("load", MODEL, "--concurrency", "4", "--duration", "2",
                    settings=stack_settings)
     assert set(report) >= {"requests", "errors", "throughput_rps", "latency_ms"}
@@ -105,7 +113,7 @@ def test_canary_cli_judges_against_production_and_writes_the_report(
     from pathlib import Path
 
     v1, v2 = versions
-    _json("swap", MODEL, "--to", str(v1), settings=stack_settings)
+    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
     policy = models.write_policy(Path(tmp_path) / "canary.yaml", {
         "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 12.0,
                    "min_samples": 300},

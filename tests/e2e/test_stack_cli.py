@@ -56,7 +56,7 @@ def test_up_status_idempotent_up_and_down_leave_nothing_behind(tmp_path: Path) -
 
     again = run_cli("stack", "up", "--replicas", "1", home=home)
     assert again.returncode == 0
-    assert "already running" in again.stderr
+    assert "already running" in again.stdout
     assert json.loads((home / "stack.json").read_text())["processes"] == state["processes"]
 
     wrong_count = run_cli("stack", "up", "--replicas", "3", home=home)
@@ -75,7 +75,7 @@ def test_up_status_idempotent_up_and_down_leave_nothing_behind(tmp_path: Path) -
 def test_down_with_nothing_running_says_so(tmp_path: Path) -> None:
     done = run_cli("stack", "down", home=tmp_path / "empty")
     assert done.returncode == 0
-    assert "nothing to stop" in done.stderr
+    assert "nothing to stop" in done.stdout
 
 
 def test_status_without_a_stack_says_what_to_do(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def test_prefect_yaml_deploys_every_deployment(stack_settings: Settings, tmp_pat
                             capture_output=True, text=True, timeout=300)
     assert deploy.returncode == 0, (deploy.stdout + deploy.stderr)[-3000:]
     names = {d["name"] for d in _api(stack_settings, "/deployments/filter", {})}
-    assert {"check", "swap", "rollback"} <= names
+    assert {"promote", "check", "swap", "rollback"} <= names
 
 
 def test_check_flow_runs_on_the_prefect_server(stack_settings: Settings,

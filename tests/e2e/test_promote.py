@@ -1,0 +1,151 @@
+"""`modelship promote | history | rollback | locks | unlock` through the console script, on
+the session's stack: the release as one Prefect flow run, its record, its Slack thread."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelship.locks import release_lock
+from modelship.settings import Settings
+from tests import models
+from tests.conftest import run_cli
+from tests.integration.test_canary import slow_onnx_graph
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "cli-promote"
+POLICY: dict[str, Any] = {
+    "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 12.0, "min_samples": 300},
+    "gates": [
+        {"name": "latency_p99", "metric": "latency_p99_ms", "test": "quantile",
+         "max_increase_pct": 15.0, "min_effect_ms": 1.0, "effect": 185.0},
+        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
+        {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98},
+    ],
+    "bake": {"duration_s": 4.0, "window_s": 2.0, "baseline_s": 2.0,
+             "max_latency_increase_pct": 400.0},
+}
+
+
+def _promote(settings: Settings, policy: Path, *args: str, code: int,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
+    done = run_cli("promote", MODEL, *args, "--policy", str(policy), "--json",
+                   home=settings.home, env=env, timeout=600)
+    assert done.returncode == code, done.stderr[-4000:]
+    doc = json.loads(done.stdout)
+    return doc.get("details", {}).get("record", doc) if "error" in doc else doc
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.write_policy(tmp_path_factory.mktemp("promote") / "policy.yaml", POLICY)
+
+
+def test_promote_releases_rejects_and_rolls_back_by_the_ledger(
+        stack_settings: Settings, policy: Path, tmp_path: Path) -> None:
+    uri = str(stack_settings.mlflow_tracking_uri)
+    base = models.onnx_graph("softmax")
+    v1 = models.register_onnx(uri, MODEL, base)
+    v2 = models.register_onnx(uri, MODEL, base)
+    v3 = models.register_onnx(uri, MODEL, slow_onnx_graph())
+    bad = models.register_directory(uri, MODEL, models.corrupt_onnx_dir(tmp_path))
+
+    plan = _promote(stack_settings, policy, "--version", str(v1), "--dry-run", code=0)
+    assert plan["status"] == "planned" and plan["plan"]["stages"][3] == "canary"
+    assert plan["plan"]["replicas"] == ["triton-0", "triton-1"]
+    assert plan["plan"]["canary"]["samples_per_version"] >= 300
+
+    first = _promote(stack_settings, policy, "--version", str(v1), code=0)
+    assert first["status"] == "released" and first["from_version"] is None
+    assert [s["name"] for s in first["stages"]] == [
+        "resolve", "check", "stage", "canary", "gates", "approve", "swap", "bake", "record"]
+
+    second = _promote(stack_settings, policy, "--version", str(v2), code=0)
+    assert second["status"] == "released" and second["from_version"] == v1
+    assert second["gates"]["verdict"] == "passed" and second["gates"]["baseline"] == v1
+    assert set(second["gates"]["report_keys"]) >= {"markdown", "png", "json"}
+    assert second["bake"]["outcome"] == "passed" and second["bake"]["windows"]
+
+    slow = _promote(stack_settings, policy, "--version", str(v3), code=4)
+    assert slow["status"] == "rejected" and slow["exit_code"] == 4
+    assert [s for s in slow["stages"] if s["outcome"] == "failed"][0]["name"] == "gates"
+    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    assert status["production_version"] == v2 == status["aliases"]["production"]
+
+    corrupt = _promote(stack_settings, policy, "--version", str(bad), code=3)
+    assert corrupt["stages"][-1]["name"] == "check" and corrupt["status"] == "rejected"
+
+    rolled = json.loads(run_cli("rollback", MODEL, "--json", home=stack_settings.home).stdout)
+    assert rolled["from_version"] == v2 and rolled["to_version"] == v1
+    assert rolled["aliases"] == {"production": v1, "previous": v2}
+
+    never = run_cli("rollback", MODEL, "--to", str(v3), "--json", home=stack_settings.home)
+    assert never.returncode == 2 and "never served" in json.loads(never.stdout)["message"]
+
+    history = json.loads(run_cli("history", MODEL, "--json",
+                                 home=stack_settings.home).stdout)["releases"]
+    kinds = [(r["kind"], r["to_version"], r["exit_code"]) for r in history]
+    assert kinds == [("rollback", v1, 0), ("promote", bad, 3), ("promote", v3, 4),
+                     ("promote", v2, 0), ("promote", v1, 0)]
+    assert history[2]["gates"]["verdict"] == "failed"
+
+    # One Prefect flow run per promotion, with a task run per stage.
+    run_id = second["holder"]["flow_run_id"]
+    api = stack_settings.prefect_api_url
+    flow_run = _get(f"{api}/flow_runs/{run_id}")
+    assert flow_run["name"] == f"promote {MODEL} v{v2}"
+    tasks = _post(f"{api}/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+    assert {"resolve", "check", "stage", "canary", "gates", "swap", "bake", "record"} <= {
+        t["name"].split(" ")[0] for t in tasks}
+
+    # One Slack thread per release: a parent updated in place, one reply per stage.
+    messages = _get(f"{stack_settings.slack_api_url}/_emulator/messages")
+    messages = messages.get("messages", messages)
+    parent = second["slack"]["ts"]
+    replies = [m for m in messages if m.get("thread_ts") == parent]
+    assert {"canary ok", "swap ok", "bake ok"} <= {m["text"] for m in replies}
+    roots = [m for m in messages if m.get("ts") == parent]
+    assert roots and "released" in roots[-1]["text"]
+
+
+def test_a_second_release_is_told_who_holds_the_lock(stack_settings: Settings,
+                                                     policy: Path) -> None:
+    uri = str(stack_settings.mlflow_tracking_uri)
+    version = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+    with release_lock(MODEL, prefect_api_url=stack_settings.prefect_api_url,
+                      home=stack_settings.home, release_id="holder-test", kind="promote"):
+        locked = _promote(stack_settings, policy, "--version", str(version), code=1)
+        assert locked["status"] == "failed" and "holder-test" in locked["reason"]
+        shown = json.loads(run_cli("locks", MODEL, "--json",
+                                   home=stack_settings.home).stdout)["locks"]
+        assert shown[0]["holder"]["release_id"] == "holder-test"
+        assert shown[0]["holder_alive"] is True
+        refused = run_cli("unlock", MODEL, "--release", "holder-test", "--json",
+                          home=stack_settings.home)
+        assert refused.returncode == 1 and "alive" in json.loads(refused.stdout)["message"]
+
+
+def test_slack_down_never_changes_the_outcome(stack_settings: Settings, policy: Path) -> None:
+    uri = str(stack_settings.mlflow_tracking_uri)
+    version = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+    dead = {"MODELSHIP_SLACK_API_URL": "http://127.0.0.1:9/"}
+    record = _promote(stack_settings, policy, "--version", str(version), code=0, env=dead)
+    assert record["status"] == "released"
+    assert any("Slack" in note for note in record["notes"])
