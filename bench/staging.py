@@ -116,7 +116,10 @@ def _mbps(size_bytes: int, seconds: float) -> float:
 
 def run(mb: int, workdir: Path, *, rounds: int = 1) -> dict[str, Any]:
     """Time plain boto3 against stage_version on one private SeaweedFS; the figures."""
+    from modelship.signing import generate_key
     from tasks.stage import stage_version
+
+    signing_key = generate_key().encode()
 
     policy = StagingPolicy()
     size = mb * MiB
@@ -148,6 +151,7 @@ def run(mb: int, workdir: Path, *, rounds: int = 1) -> dict[str, Any]:
                 storage, model="bench", version=1 + 10 * i, files=files, config_pbtxt=config,
                 provenance={"bench": "staging", "round": i}, policy=policy,
                 repository_prefix=REPOSITORY_PREFIX, blob_prefix=f"blobs-{i}/sha256",
+                signing_key=signing_key,
             )
             stage_s.append(staged.seconds)
             first = first or staged
@@ -156,11 +160,13 @@ def run(mb: int, workdir: Path, *, rounds: int = 1) -> dict[str, Any]:
             storage, model="bench", version=1, files=files, config_pbtxt=config,
             provenance={"bench": "staging", "round": 0}, policy=policy,
             repository_prefix=REPOSITORY_PREFIX, blob_prefix="blobs-0/sha256",
+            signing_key=signing_key,
         )
         next_version = stage_version(
             storage, model="bench", version=2, files=files, config_pbtxt=config,
             provenance={"bench": "staging", "round": 0}, policy=policy,
             repository_prefix=REPOSITORY_PREFIX, blob_prefix="blobs-0/sha256",
+            signing_key=signing_key,
         )
 
     plain_best, stage_best = min(plain_s), min(stage_s)

@@ -62,6 +62,7 @@ from modelship.errors import SwapAborted
 from modelship.loadgen import LoadReport, LoadSpec, RequestRecord, percentiles_ms, run_load
 from modelship.policy import Policy, SwapPolicy
 from modelship.settings import Settings, load_settings
+from modelship.signing import key_bytes
 from modelship.stack import manager
 from modelship.stack.process import group_members
 from modelship.storage import S3Storage
@@ -417,7 +418,7 @@ class Rig:
                 repository_prefix=self.settings.repository_prefix, policy=policy,
                 probe_feed=self.probe_feed, probe_outputs=self.outputs,
                 progress=self.progress.append, http_timeout_s=self.settings.http_timeout_s,
-                fault=fault)
+                signing_key=key_bytes(self.settings.manifest_signing_key), fault=fault)
         except SwapAborted as exc:
             aborted = dict(exc.details["report"])
             aborted["message"] = exc.message

@@ -41,7 +41,9 @@ from typing import Any, Literal
 
 from modelship.errors import ModelNotFound, StagingError, UsageError
 from modelship.policy import StagingPolicy
+from modelship.signing import sign, signature_problem
 from modelship.storage import S3Storage
+from modelship.triton.infer import GoldenProbe
 from modelship.triton.model_config import ModelConfig, from_pbtxt
 
 SCHEMA_VERSION = 1
@@ -50,6 +52,8 @@ CONFIG_NAME = "config.pbtxt"
 RESERVED_NAMES = frozenset({MANIFEST_NAME, CONFIG_NAME})
 DEFAULT_BLOB_PREFIX = "blobs/sha256"
 SHA256_METADATA = "sha256"  # user metadata key (x-amz-meta-sha256) on every object we write
+PROBE_ROWS = 4  # golden rows recorded with their outputs in the manifest
+PROBE_FIELD = "probe"  # the manifest's golden probe (GoldenProbe.to_dict), signed with it
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
 MAX_PARALLEL_FILES = 4
 
@@ -370,6 +374,23 @@ def versions_to_prune(existing: Iterable[int], keep: int, protect: Iterable[int]
     return sorted(v for v in ordered[keep:] if v not in protected)
 
 
+def golden_probe(feed: Mapping[str, Any], outputs: Mapping[str, Any], tolerance: Any, *,
+                 rows: int = PROBE_ROWS) -> GoldenProbe:
+    """The probe recorded in the manifest: the first golden rows and the candidate's outputs.
+
+    Args:
+        feed: The golden inputs (name to array, batch first).
+        outputs: The candidate's outputs on ``feed`` (ONNX Runtime, as Triton's backend).
+        tolerance: An object with ``atol`` and ``rtol`` (the policy's parity tolerances).
+        rows: How many rows to keep.
+    """
+    import numpy as np
+
+    return GoldenProbe.record({k: np.asarray(v) for k, v in feed.items()},
+                              {k: np.asarray(v) for k, v in outputs.items()}, rows=rows,
+                              atol=float(tolerance.atol), rtol=float(tolerance.rtol))
+
+
 # --------------------------------------------------------------------------------------
 # hashing
 
@@ -540,6 +561,8 @@ def stage_version(
     provenance: Mapping[str, Any],
     policy: StagingPolicy,
     repository_prefix: str,
+    signing_key: bytes,
+    probe: GoldenProbe | None = None,
     blob_prefix: str = DEFAULT_BLOB_PREFIX,
     progress: Progress = _quiet,
 ) -> StagedVersion:
@@ -547,7 +570,8 @@ def stage_version(
 
     Steps: hash the files; upload the blobs the store lacks; copy them server-side into
     ``P/<model>/<version>/``; check every file in place; write the version's config.pbtxt
-    (and the model's, when absent); write ``release.json`` last; verify the result.
+    (and the model's, when absent); write ``release.json`` last, signed with
+    ``signing_key``; verify the result (bytes hashed, signature checked).
 
     Args:
         storage: The S3 client (all I/O goes through it).
@@ -559,12 +583,18 @@ def stage_version(
             validation result id, ...).
         policy: Multipart sizes for uploads and copies.
         repository_prefix: The Triton repository prefix inside the bucket.
+        signing_key: The manifest signing key (:func:`modelship.signing.key_bytes` of the
+            settings' ``manifest_signing_key``); it never goes into the bucket.
+        probe: Golden rows and the candidate's outputs on them, recorded in the manifest:
+            the swap requires every replica to answer them within tolerance, and refuses
+            a version staged without a probe.
         blob_prefix: The blob store prefix; must lie outside ``repository_prefix``.
         progress: Receives one human line per step.
 
     Raises:
         StagingError: the version is already staged with different content, a file did
-            not land intact, or the final verification failed.
+            not land intact, or the final verification failed (an already staged version
+            whose manifest is unsigned or signed with another key included).
         UsageError: bad names or prefixes.
         StorageError: S3 failed a request (bucket, server); CredentialsRejected when it
             refuses the keys.
@@ -579,7 +609,7 @@ def stage_version(
     if plan.already_staged:
         progress(f"{model}/{version}: already staged with this content; verifying")
         manifest = verify_staged(storage, model=model, version=version,
-                                 repository_prefix=repository_prefix)
+                                 repository_prefix=repository_prefix, signing_key=signing_key)
         return StagedVersion(model, version, mkey, plan.digests, 0, 0, 0, [], True, False,
                              time.monotonic() - started, manifest)
 
@@ -621,13 +651,16 @@ def stage_version(
         "config_size": len(config_bytes),
         "blob_prefix": _clean_prefix(blob_prefix),
     }
+    if probe is not None:
+        manifest[PROBE_FIELD] = probe.to_dict()
+    manifest = sign(manifest, signing_key)
     body = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
     progress(f"{model}/{version}: writing {mkey} (publishes the version)")
     storage.put_bytes(mkey, body, metadata={SHA256_METADATA: hashlib.sha256(body).hexdigest()})
     metadata_bytes += len(body)
     try:
         verified = verify_staged(storage, model=model, version=version,
-                                 repository_prefix=repository_prefix)
+                                 repository_prefix=repository_prefix, signing_key=signing_key)
     except Exception:
         storage.delete_key(mkey)  # never leave a manifest that points at bad files
         raise
@@ -730,17 +763,63 @@ def verify_staged(
     version: int,
     repository_prefix: str,
     deep: bool = False,
+    signing_key: bytes | None = None,
 ) -> dict[str, Any]:
     """Check that a staged version is complete and unchanged; returns its manifest.
 
-    Reused by the swap preflight. By default each file is checked by HEAD (size and the
-    sha256 metadata written at staging); ``deep=True`` also downloads and hashes every
-    file, which catches an object rewritten with forged metadata (costs a full read).
+    By default each file is checked by HEAD (size and the sha256 metadata written at
+    staging); ``deep=True`` also streams and hashes every file, which catches an object
+    rewritten with forged metadata (costs a full read). With ``signing_key`` the manifest
+    must carry a valid signature made with that key (see :mod:`modelship.signing`), which
+    catches a manifest rewritten to match tampered files.
 
     Raises:
-        StagingError: the manifest is missing or invalid, or a file is missing or differs
-            from it. Every problem is listed in one message.
+        StagingError: the manifest is missing, invalid, unsigned or forged, or a file is
+            missing or differs from it. Every problem is listed in one message.
     """
+    return read_verified(storage, model=model, version=version,
+                         repository_prefix=repository_prefix, deep=deep,
+                         signing_key=signing_key).manifest
+
+
+@dataclass(frozen=True)
+class VerifiedVersion:
+    """A staged version that passed verification, with what the swap needs from it.
+
+    Attributes:
+        manifest: The parsed (and, when a key was given, signature-checked) manifest.
+        config_pbtxt: The version's ``config.pbtxt`` as read (and hashed) during the check.
+        probe: The golden probe recorded at staging, None when the manifest has none.
+        bytes_hashed: Bytes streamed and hashed (0 unless ``deep``).
+        seconds: Wall time of the verification, in s.
+    """
+
+    manifest: dict[str, Any]
+    config_pbtxt: str
+    probe: GoldenProbe | None
+    bytes_hashed: int
+    seconds: float
+
+
+def read_verified(
+    storage: S3Storage,
+    *,
+    model: str,
+    version: int,
+    repository_prefix: str,
+    deep: bool = True,
+    signing_key: bytes | None = None,
+) -> VerifiedVersion:
+    """Verify a staged version (see :func:`verify_staged`) and keep its config and probe.
+
+    The config is taken from the bytes that were hashed, so it is exactly what verified
+    (never read a second time). The swap preflight and reconcile call this with ``deep``
+    and the signing key.
+
+    Raises:
+        StagingError: as :func:`verify_staged`, plus a malformed probe.
+    """
+    started = time.monotonic()
     _check_model(model)
     _check_version(version)
     vprefix = version_prefix(repository_prefix, model, version)
@@ -753,6 +832,16 @@ def verify_staged(
             hint=f"run `modelship stage {model} --version {version}` first",
             model=model, version=version, manifest_key=mkey,
         )
+    if signing_key is not None:
+        problem = signature_problem(manifest, signing_key)
+        if problem is not None:
+            raise StagingError(
+                f"manifest s3://{storage.bucket}/{mkey} of {model}/{version} is refused: "
+                f"{problem}",
+                hint=_TAMPERED_HINT + "; a version staged before manifests were signed, or "
+                "with another stack's key, must be staged again the same way",
+                model=model, version=version, manifest_key=mkey,
+            )
     if manifest.get("model") != model or manifest.get("version") != version:
         raise StagingError(
             f"manifest {mkey} describes {manifest.get('model')}/{manifest.get('version')}, "
@@ -762,16 +851,23 @@ def verify_staged(
     expected = {n: FileDigest(e["sha256"], e["size"]) for n, e in manifest["files"].items()}
     expected[CONFIG_NAME] = FileDigest(manifest["config_sha256"], manifest["config_size"])
     problems = []
+    config_bytes = b""
+    hashed = 0
     for name, digest in sorted(expected.items()):
         key = f"{vprefix}/{name}"
         found = _remote_digest(storage.head(key))
         problem = _mismatch(name, digest, found)
-        if problem is None and deep:
+        if problem is None and (deep or name == CONFIG_NAME):
             hasher = hashlib.sha256()
             size = 0
+            kept: list[bytes] = []
             for chunk in storage.iter_bytes(key, chunk_bytes=HASH_CHUNK_BYTES):
                 hasher.update(chunk)
                 size += len(chunk)
+                if name == CONFIG_NAME:
+                    kept.append(chunk)
+            hashed += size if deep else 0
+            config_bytes = b"".join(kept) if name == CONFIG_NAME else config_bytes
             problem = _mismatch(name, digest, FileDigest(hasher.hexdigest(), size))
             if problem:
                 problem += " (content)"
@@ -783,7 +879,15 @@ def verify_staged(
             f"{'; '.join(problems)}",
             hint=_TAMPERED_HINT, model=model, version=version, problems=problems,
         )
-    return manifest
+    probe = None
+    if manifest.get(PROBE_FIELD) is not None:
+        try:
+            probe = GoldenProbe.from_dict(manifest[PROBE_FIELD])
+        except (TypeError, ValueError) as exc:
+            raise StagingError(f"manifest {mkey} has a malformed probe ({exc})",
+                               hint=_TAMPERED_HINT, model=model, version=version) from exc
+    return VerifiedVersion(manifest, config_bytes.decode(), probe, hashed,
+                           time.monotonic() - started)
 
 
 def _version_folders(storage: S3Storage, model: str, repository_prefix: str
@@ -843,13 +947,25 @@ def staged_config(storage: S3Storage, *, repository_prefix: str, model: str,
     """The config staged with a version (``P/<model>/<V>/config.pbtxt``).
 
     Raises:
-        ModelNotFound: the version is not staged (the hint says how to stage it).
+        ModelNotFound: nothing at all is staged for the model (an unknown or misspelt
+            name), or this version is not staged (the message lists those that are).
     """
     key = f"{version_prefix(repository_prefix, model, version)}/{CONFIG_NAME}"
     if not storage.exists(key):
+        staged = staged_versions(storage, model=model, repository_prefix=repository_prefix)
+        if not staged:
+            raise ModelNotFound(
+                f"model {model!r} is unknown to the repository: no version of it is staged "
+                f"under s3://{storage.bucket}/{model_prefix(repository_prefix, model)}/",
+                hint="check the model name (the MLflow registered-model name); a new model "
+                f"is checked and staged with `modelship stage {model} --version V`",
+                model=model, version=version,
+            )
         raise ModelNotFound(
-            f"version {version} of {model} is not staged (no {key} in the repository)",
-            hint=f"run `modelship stage {model} --version {version}` first",
-            model=model, version=version,
+            f"version {version} of {model} is not staged (staged: "
+            f"{', '.join(f'v{v}' for v in staged)})",
+            hint=f"run `modelship stage {model} --version {version}` first, or pick a staged "
+            "version",
+            model=model, version=version, staged=staged,
         )
     return from_pbtxt(storage.get_bytes(key).decode())

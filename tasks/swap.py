@@ -21,19 +21,27 @@ this module performs its I/O, through the clients passed in:
 from __future__ import annotations
 
 import hashlib
+import hmac
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from modelship.errors import ModelshipError, StagingError, SwapAborted
+from modelship.errors import (
+    ModelshipError,
+    PreflightError,
+    StagingError,
+    SwapAborted,
+    Unreachable,
+)
 from modelship.policy import SwapPolicy
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
-from modelship.triton.infer import TritonInference
+from modelship.triton.infer import GoldenProbe, TritonInference
 from modelship.triton.model_config import (
     ModelConfig,
     config_digest,
@@ -61,10 +69,18 @@ from modelship.triton.swap_plan import (
     replica_states,
     start,
 )
-from tasks.stage import CONFIG_NAME, SHA256_METADATA, model_prefix, verify_staged, version_prefix
+from tasks.stage import (
+    CONFIG_NAME,
+    SHA256_METADATA,
+    VerifiedVersion,
+    model_prefix,
+    read_verified,
+    version_prefix,
+)
 
-__all__ = ["Fault", "PhaseReport", "Progress", "SwapReport", "fleet_status", "ready_versions",
-           "swap_fleet"]
+__all__ = ["PIN_SIGNATURE_METADATA", "Fault", "Observed", "PhaseReport", "Progress",
+           "SwapReport", "apply_config", "fleet_status", "observe_fleet", "pin_signature",
+           "ready_versions", "swap_fleet"]
 
 Progress = Callable[[str], None]
 Fault = Callable[[str, str], None]
@@ -73,6 +89,9 @@ POLL_INTERVAL_S = 0.05
 # Extra wait for a replica's thread past the phase deadline: its own checks end at the
 # deadline, so only a load stuck in gRPC (bounded by control_timeout_s) outlives this.
 JOIN_GRACE_S = 2.0
+# A replica whose probes cannot connect for this long has failed its phase (it died or was
+# restarted): the abort starts within seconds, not at the phase deadline.
+UNREACHABLE_GRACE_S = 2.0
 
 
 def _quiet(_: str) -> None:
@@ -114,6 +133,9 @@ class SwapReport:
             when fewer than one replica did.
         total_s: Wall time of the whole swap, observation included, in s.
         final_states: Per replica: the version it serves, its last phase and outcome.
+        verify_s: Preflight time spent verifying C (signature, streamed sha256 of every
+            staged file), in s; None when C was not verified (a no-op).
+        verified_bytes: Bytes of C streamed and hashed by the preflight.
     """
 
     model: str
@@ -130,6 +152,8 @@ class SwapReport:
     reason: str | None = None
     plan: list[str] = field(default_factory=list)
     dry_run: bool = False
+    verify_s: float | None = None
+    verified_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -147,6 +171,8 @@ class SwapReport:
             "aborted": self.aborted,
             "final_states": self.final_states,
             "reason": self.reason,
+            "verify_s": None if self.verify_s is None else round(self.verify_s, 3),
+            "verified_bytes": self.verified_bytes,
         }
 
 
@@ -155,7 +181,9 @@ class SwapReport:
 
 
 @dataclass(frozen=True)
-class _Observed:
+class Observed:
+    """One replica as observed: what it serves, and its live config (None if nothing)."""
+
     view: ReplicaView
     live_config: ModelConfig | None
 
@@ -175,18 +203,19 @@ def ready_versions(server: TritonServer, model: str) -> tuple[int, ...]:
     return tuple(sorted(v for v in listed if server.is_model_ready(model, str(v))))
 
 
-def _observe(server: TritonServer, model: str) -> _Observed:
+def _observe(server: TritonServer, model: str) -> Observed:
     try:
         server.ping()
         versions = ready_versions(server, model)
         live = from_live_json(server.model_config(model)) if versions else None
     except ModelshipError as exc:
-        return _Observed(ReplicaView(server.name, False, (), None, problem=exc.message), None)
+        return Observed(ReplicaView(server.name, False, (), None, problem=exc.message), None)
     digest = serving_digest(live) if live is not None else None
-    return _Observed(ReplicaView(server.name, True, versions, digest), live)
+    return Observed(ReplicaView(server.name, True, versions, digest), live)
 
 
-def _observe_fleet(replicas: Sequence[TritonServer], model: str) -> list[_Observed]:
+def observe_fleet(replicas: Sequence[TritonServer], model: str) -> list[Observed]:
+    """Observe every replica in parallel (a replica that fails to answer is not live)."""
     with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
         return list(pool.map(lambda s: _observe(s, model), replicas))
 
@@ -233,23 +262,47 @@ class _Outcome:
 
 @dataclass(frozen=True)
 class _Probe:
-    """One unversioned request, sent over HTTP as real clients send it."""
+    """Unversioned requests, sent over HTTP as real clients send them.
+
+    Attributes:
+        feed: The request of a version-only probe (the abort back to P).
+        outputs: Output names of that request.
+        timeout_s: Bound of one request, in s.
+        golden: C's golden rows and recorded outputs; a probe that must answer as C
+            sends these and must get the recorded outputs back within tolerance.
+        target: C's version.
+    """
 
     feed: dict[str, np.ndarray]
     outputs: list[str]
     timeout_s: float
+    golden: GoldenProbe | None = None
+    target: int | None = None
 
-    def answered_version(self, inference: TritonInference, model: str) -> str:
-        return inference.infer(model, self.feed, outputs=self.outputs).model_version
+    def answer(self, inference: TritonInference, model: str,
+               expected: int | None) -> tuple[str, list[str]]:
+        """The version that answered, and how its outputs differ from those recorded."""
+        if self.golden is not None and expected == self.target:
+            answer = inference.infer(model, self.golden.inputs,
+                                     outputs=self.golden.output_names)
+            return answer.model_version, self.golden.mismatches(answer.outputs)
+        return inference.infer(model, self.feed, outputs=self.outputs).model_version, []
 
 
 def _run_phase_on(server: TritonServer, phase: Phase, *, model: str, swap_start: float,
-                  deadline: float, probe: _Probe, fault: Fault | None) -> _Outcome:
+                  deadline: float, probe: _Probe, fault: Fault | None,
+                  cancel: threading.Event | None = None) -> _Outcome:
     """Load the phase's config on one replica and check it serves the expected version.
 
     The HTTP inference client is made and closed in this thread, so no connection is
     shared between threads (tritonclient.http's clients are not meant to be).
+
+    Fails fast: a replica that refuses connections fails at once (gRPC control) or after
+    :data:`UNREACHABLE_GRACE_S` (probes); once ``cancel`` is set (another replica failed
+    this phase) the replica sends nothing more and stops waiting.
     """
+    stop = cancel or threading.Event()
+    cancelled = "stopped: the phase failed on another replica"
     began = time.monotonic()
     inference = TritonInference(server.endpoint.http, timeout_s=probe.timeout_s)
 
@@ -272,6 +325,8 @@ def _run_phase_on(server: TritonServer, phase: Phase, *, model: str, swap_start:
             return outcome(True)
         if time.monotonic() > deadline:  # a late thread must not change a replica any more
             return outcome(False, f"deadline passed before {phase.name} was sent")
+        if stop.is_set():
+            return outcome(False, f"{cancelled}; {phase.name} was not sent")
         server.load_model(model, config_json=to_json(phase.config))
         if time.monotonic() > deadline and phase.name != ABORT:
             return outcome(False, f"the load took {time.monotonic() - began:.1f} s, past the "
@@ -280,21 +335,37 @@ def _run_phase_on(server: TritonServer, phase: Phase, *, model: str, swap_start:
         while not server.is_model_ready(model, expected):
             if time.monotonic() > deadline:
                 return outcome(False, f"v{expected} not ready before the deadline")
+            if stop.is_set():
+                return outcome(False, cancelled)
             time.sleep(POLL_INTERVAL_S)
         if not phase.probe:
             return outcome(True)
         last = "no probe sent"
+        unreachable_since: float | None = None
         while True:
             try:
-                answered = probe.answered_version(inference, model)
+                answered, mismatches = probe.answer(inference, model, phase.expect_version)
+                unreachable_since = None
+            except Unreachable as exc:
+                answered, mismatches, last = "", [], exc.message
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since >= UNREACHABLE_GRACE_S:
+                    return outcome(False, f"unreachable for {UNREACHABLE_GRACE_S:g} s: {last}")
             except ModelshipError as exc:
-                answered, last = "", exc.message
+                answered, mismatches, last = "", [], exc.message
+            if answered == expected and mismatches:
+                # the right version number with other outputs: other bytes serve; final
+                return outcome(False, f"v{expected} answered the golden probe with outputs "
+                               f"that differ from those recorded at staging: "
+                               f"{'; '.join(mismatches)}")
             if answered == expected:
                 return outcome(True, answered_at=time.monotonic() - swap_start)
             if answered:
                 last = f"a probe was answered by v{answered}, not v{expected}"
             if time.monotonic() > deadline:
                 return outcome(False, f"{last} (deadline passed)")
+            if stop.is_set():
+                return outcome(False, cancelled)
             time.sleep(POLL_INTERVAL_S)
     except ModelshipError as exc:
         return outcome(False, exc.message)
@@ -304,20 +375,52 @@ def _run_phase_on(server: TritonServer, phase: Phase, *, model: str, swap_start:
         inference.close()
 
 
+def apply_config(server: TritonServer, *, model: str, config: ModelConfig, version: int,
+                 golden: GoldenProbe, timeout_s: float, probe_timeout_s: float,
+                 name: str = "reconcile") -> tuple[bool, str | None, float]:
+    """Load ``config`` on one replica, wait for ``version`` and check the golden probe.
+
+    Returns:
+        ``(ok, why not, seconds)``; the same checks as a swap phase (fast failure on an
+        unreachable replica, recorded outputs within tolerance).
+    """
+    phase = Phase(name, config, version, probe=True)
+    probe = _Probe({}, [], probe_timeout_s, golden=golden, target=version)
+    start = time.monotonic()
+    outcome = _run_phase_on(server, phase, model=model, swap_start=start,
+                            deadline=start + timeout_s, probe=probe, fault=None)
+    return outcome.ok, outcome.reason, outcome.seconds
+
+
 def _run_phase(servers: dict[str, TritonServer], names: Sequence[str], phase: Phase, *,
                model: str, swap_start: float, policy: SwapPolicy,
-               probe: _Probe, fault: Fault | None) -> dict[str, _Outcome]:
-    """Run a phase on the named replicas in parallel; a replica past the deadline fails."""
+               probe: _Probe, fault: Fault | None,
+               stop_on_failure: bool = True) -> dict[str, _Outcome]:
+    """Run a phase on the named replicas in parallel; a replica past the deadline fails.
+
+    With ``stop_on_failure`` (forward phases), the first failure stops the others: they
+    send nothing more and stop waiting, so the abort starts as soon as their in-flight
+    load call returns, not at the deadline. The abort phase runs to the end everywhere.
+    """
     deadline = time.monotonic() + policy.deadline_s
+    cancel = threading.Event()
     pool = ThreadPoolExecutor(max_workers=max(1, len(names)),
                               thread_name_prefix=f"swap-{phase.name}")
     futures: dict[str, Future[_Outcome]] = {
         name: pool.submit(_run_phase_on, servers[name], phase, model=model,
                           swap_start=swap_start, deadline=deadline, probe=probe,
-                          fault=fault)
+                          fault=fault, cancel=cancel if stop_on_failure else None)
         for name in names
     }
-    wait(futures.values(), timeout=policy.deadline_s + JOIN_GRACE_S)
+    pending: set[Future[_Outcome]] = set(futures.values())
+    join_by = deadline + JOIN_GRACE_S
+    while pending:
+        done, pending = wait(pending, timeout=max(0.0, join_by - time.monotonic()),
+                             return_when=FIRST_COMPLETED)
+        if not done:
+            break
+        if stop_on_failure and any(not f.result().ok for f in done):
+            cancel.set()
     pool.shutdown(wait=False, cancel_futures=True)  # a stuck gRPC load must not hold the abort
     results: dict[str, _Outcome] = {}
     for name, future in futures.items():
@@ -334,32 +437,72 @@ def _run_phase(servers: dict[str, TritonServer], names: Sequence[str], phase: Ph
 # the swap
 
 
-def _read_candidate(storage: S3Storage, *, model: str, target: int,
-                    repository_prefix: str) -> tuple[ModelConfig, bool, str | None]:
-    """C's staged config and whether its manifest verifies (with why not)."""
-    problems: list[str] = []
+@dataclass(frozen=True)
+class _Candidate:
+    config: ModelConfig
+    verified: VerifiedVersion | None
+    error: StagingError | None
+
+
+def _read_candidate(storage: S3Storage, *, model: str, target: int, repository_prefix: str,
+                    signing_key: bytes) -> _Candidate:
+    """C's staged config, verified: signed manifest, every byte streamed and hashed.
+
+    When C does not verify, its config is still read (unverified) so that the plan can
+    tell a no-op, which changes nothing, from a swap, which is then refused.
+    """
     try:
-        verify_staged(storage, model=model, version=target, repository_prefix=repository_prefix)
+        verified = read_verified(storage, model=model, version=target,
+                                 repository_prefix=repository_prefix, deep=True,
+                                 signing_key=signing_key)
     except StagingError as exc:
-        problems.append(exc.message)
-    config = ModelConfig(name=model)
-    key = f"{version_prefix(repository_prefix, model, target)}/{CONFIG_NAME}"
-    try:
-        config = from_pbtxt(storage.get_bytes(key).decode())
-    except ModelshipError as exc:
-        if not problems:
-            problems.append(f"its config {key} could not be read: {exc.message}")
-    return config, not problems, "; ".join(problems) or None
+        config = ModelConfig(name=model)
+        key = f"{version_prefix(repository_prefix, model, target)}/{CONFIG_NAME}"
+        try:
+            config = from_pbtxt(storage.get_bytes(key).decode())
+        except ModelshipError:
+            pass
+        return _Candidate(config, None, exc)
+    if verified.probe is None:
+        error = StagingError(
+            f"{model}/{target} was staged without a golden probe (the outputs recorded at "
+            "staging that every replica must reproduce), so what serves could not be checked",
+            hint=f"stage it again with this modelship (delete s3://{storage.bucket}/"
+            f"{version_prefix(repository_prefix, model, target)}/ if it is not serving, "
+            f"then `modelship stage {model} --version {target}`)",
+            model=model, version=target,
+        )
+        return _Candidate(from_pbtxt(verified.config_pbtxt), None, error)
+    return _Candidate(from_pbtxt(verified.config_pbtxt), verified, None)
+
+
+PIN_SIGNATURE_METADATA = "modelship-pin-signature"
+
+
+def pin_signature(body: bytes, signing_key: bytes) -> str:
+    """HMAC-SHA256 (hex) of a production pin's bytes, kept in its S3 metadata."""
+    return hmac.new(signing_key, b"modelship-pin:" + body, hashlib.sha256).hexdigest()
 
 
 def _write_model_config(storage: S3Storage, *, model: str, config: ModelConfig,
-                        repository_prefix: str) -> bool:
-    """Make ``P/<model>/config.pbtxt`` the config that serves; False when it already was."""
+                        repository_prefix: str, signing_key: bytes) -> bool:
+    """Pin production: ``P/<model>/config.pbtxt`` becomes the config that serves, signed.
+
+    Its ``version_policy`` names the production version; reconcile reads it back, and
+    refuses it unless the signature (S3 metadata) verifies with the same key.
+
+    Returns:
+        False when the same pin, validly signed, was already there.
+    """
     key = f"{model_prefix(repository_prefix, model)}/{CONFIG_NAME}"
     body = to_pbtxt(config).encode()
-    if storage.exists(key) and storage.get_bytes(key) == body:
+    signature = pin_signature(body, signing_key)
+    head = storage.head(key)
+    if head is not None and head["metadata"].get(PIN_SIGNATURE_METADATA) == signature \
+            and storage.get_bytes(key) == body:
         return False
-    storage.put_bytes(key, body, metadata={SHA256_METADATA: hashlib.sha256(body).hexdigest()})
+    storage.put_bytes(key, body, metadata={SHA256_METADATA: hashlib.sha256(body).hexdigest(),
+                                           PIN_SIGNATURE_METADATA: signature})
     return True
 
 
@@ -377,10 +520,12 @@ def swap_fleet(
     policy: SwapPolicy,
     probe_feed: dict[str, np.ndarray],
     probe_outputs: list[str],
+    signing_key: bytes,
     progress: Progress = _quiet,
     http_timeout_s: float = 10.0,
     fault: Fault | None = None,
     dry_run: bool = False,
+    converge: bool = False,
 ) -> SwapReport:
     """Serve ``model`` version ``target`` on every replica, or on none of them.
 
@@ -394,50 +539,84 @@ def swap_fleet(
         storage: The S3 client of the repository Triton serves.
         repository_prefix: The repository prefix inside the bucket.
         policy: ``pause_batching``, the per-phase ``deadline_s`` and ``probe_timeout_s``.
-        probe_feed: One small valid request (input name to array, batch first).
+        probe_feed: One small valid request (input name to array, batch first), for the
+            version-only probe of the abort back to P. Probes that must answer as C send
+            C's golden rows from its signed manifest and check the recorded outputs.
         probe_outputs: Output names the probe asks for.
+        signing_key: The manifest signing key (:func:`modelship.signing.key_bytes`); C's
+            manifest must be signed with it.
         progress: Receives one human line per step.
         http_timeout_s: Upper bound of one probe request, in s (the policy's
             ``probe_timeout_s`` applies when lower).
         fault: Test hook, called as ``fault(replica, phase)`` before each replica's phase;
             raising fails that replica's phase (fault injection for the abort path).
+        converge: Repair a mixed fleet (a crashed coordinator left replicas on different
+            versions or configs, or some are unreachable) instead of refusing it: every
+            reachable replica gets C's full production config and must answer the golden
+            probe (plan kind ``converge``; unreachable replicas are listed as skipped).
 
     Returns:
         The report; ``kind == "noop"`` when every replica already served C.
 
     Raises:
-        PreflightError: a surprise in the fleet or the candidate; nothing was changed.
+        StagingError: C's manifest is missing, unsigned or forged, a staged byte differs
+            from it, or it records no golden probe (exit 3); nothing was changed.
+        PreflightError: a surprise in the fleet; nothing was changed.
         SwapAborted: a phase failed or timed out; every replica ran the abort phase. The
             message lists each replica's state; ``details["report"]`` is the report.
     """
     swap_start = time.monotonic()
     progress(f"{model}: observing {len(replicas)} replica(s) and candidate v{target}")
-    observed = _observe_fleet(replicas, model)
-    candidate, verified, problem = _read_candidate(
-        storage, model=model, target=target, repository_prefix=repository_prefix)
+    observed = observe_fleet(replicas, model)
+    progress(f"{model}: verifying v{target} (manifest signature, sha256 of every staged byte)")
+    read = _read_candidate(storage, model=model, target=target,
+                           repository_prefix=repository_prefix, signing_key=signing_key)
+    candidate = read.config
     production = next((o.live_config for o in observed if o.live_config is not None), None)
-    plan = plan_swap(model, [o.view for o in observed], target=target,
-                     candidate_config=candidate, production_config=production,
-                     pause_batching=policy.pause_batching, candidate_verified=verified,
-                     pause_at_switch=policy.pause_mode == "at_switch",
-                     candidate_problem=problem)
+    try:
+        plan = plan_swap(model, [o.view for o in observed], target=target,
+                         candidate_config=candidate, production_config=production,
+                         pause_batching=policy.pause_batching,
+                         candidate_verified=read.error is None,
+                         pause_at_switch=policy.pause_mode == "at_switch",
+                         candidate_problem=read.error.message if read.error else None,
+                         converge=converge)
+    except PreflightError as exc:
+        if read.error is None:
+            raise
+        # C did not verify: that is a rejection by validation (exit 3), whatever else
+        others = [p for p in exc.details.get("problems", []) if "did not verify" not in p]
+        also = f" (also: {'; '.join(others)})" if others else ""
+        raise StagingError(
+            f"swap of {model} to v{target} refused before changing anything: "
+            f"{read.error.message}{also}",
+            hint=read.error.hint, model=model, target=target,
+            problems=exc.details.get("problems", []),
+        ) from read.error
     for line in plan.describe():
         progress(line)
     report = SwapReport(model, plan.kind, plan.from_version, plan.to_version,
                         plan.pause_batching, plan=plan.describe(), dry_run=dry_run)
+    if read.verified is not None:
+        report.verify_s = read.verified.seconds
+        report.verified_bytes = read.verified.bytes_hashed
     if dry_run:
         report.final_states = _states_dict(replica_states(start(plan)))
         report.total_s = time.monotonic() - swap_start
         return report
     if plan.kind == "noop":
-        _write_model_config(storage, model=model, config=with_versions(candidate, [target]),
-                            repository_prefix=repository_prefix)
+        if read.verified is not None:
+            _write_model_config(storage, model=model,
+                                config=with_versions(candidate, [target]),
+                                repository_prefix=repository_prefix, signing_key=signing_key)
         report.final_states = _states_dict(replica_states(start(plan)))
         report.total_s = time.monotonic() - swap_start
         return report
 
     servers = {s.name: s for s in replicas}
-    probe = _Probe(probe_feed, probe_outputs, min(policy.probe_timeout_s, http_timeout_s))
+    assert read.verified is not None  # plan_swap refused an unverified candidate
+    probe = _Probe(probe_feed, probe_outputs, min(policy.probe_timeout_s, http_timeout_s),
+                   golden=read.verified.probe, target=target)
     run = _execute(plan, servers, report, model=model, swap_start=swap_start, policy=policy,
                    probe=probe, fault=fault, progress=progress)
 
@@ -453,18 +632,21 @@ def swap_fleet(
         lines = "; ".join(s.describe() for s in states.values())
         progress(f"{model}: swap aborted ({action.reason}); {lines}")
         stranded = [s.name for s in states.values() if not s.ok]
+        back_to = f"v{plan.from_version}" if plan.kind != "converge" else f"v{target}"
+        what = f"converge of {model} to v{target}" if plan.kind == "converge" else \
+            f"swap of {model} v{plan.from_version} -> v{target}"
         raise SwapAborted(
-            f"swap of {model} v{plan.from_version} -> v{target} aborted: {action.reason}. "
-            f"Replica states: {lines}",
-            hint=(f"replicas {', '.join(stranded)} may not serve v{plan.from_version}: check "
-                  f"them with `modelship status {model} --json`" if stranded else
-                  f"every replica serves v{plan.from_version} again; fix the cause and retry"),
+            f"{what} aborted: {action.reason}. Replica states: {lines}",
+            hint=(f"replicas {', '.join(stranded)} may not serve {back_to}: check them with "
+                  f"`modelship status {model} --json`; `modelship reconcile {model}` brings "
+                  "every reachable replica to the recorded production" if stranded else
+                  f"every replica serves {back_to} again; fix the cause and retry"),
             model=model, from_version=plan.from_version, to_version=target,
             report=report.to_dict(),
         )
     assert isinstance(action, Done)
     _write_model_config(storage, model=model, config=with_versions(candidate, [target]),
-                        repository_prefix=repository_prefix)
+                        repository_prefix=repository_prefix, signing_key=signing_key)
     report.total_s = time.monotonic() - swap_start
     skew = f"{report.skew_ms:.0f} ms" if report.skew_ms is not None else "n/a"
     progress(f"{model}: every replica serves v{target} ({report.total_s:.1f} s, skew {skew})")
@@ -485,7 +667,7 @@ def _execute(plan: SwapPlan, servers: dict[str, TritonServer], report: SwapRepor
         began = time.monotonic()
         outcomes = _run_phase(servers, action.replicas, phase, model=model,
                               swap_start=swap_start, policy=policy, probe=probe,
-                              fault=fault)
+                              fault=fault, stop_on_failure=isinstance(action, RunPhase))
         report.phases.append(PhaseReport(
             phase.name, began - swap_start, time.monotonic() - began,
             {name: {"ok": o.ok, "reason": o.reason, "seconds": round(o.seconds, 3)}

@@ -66,6 +66,7 @@ class LocalTriton:
     """
 
     process: subprocess.Popen[bytes]
+    record: ProcessRecord
     http_url: str
     grpc_url: str
     metrics_url: str
@@ -87,6 +88,7 @@ def local_tritonserver(
     load_models: Sequence[str] = (),
     deadline_s: float = 60.0,
     extra_args: Sequence[str] = (),
+    s3_credentials: tuple[str, str] | None = None,
 ) -> Iterator[LocalTriton]:
     """Start a ``tritonserver`` on ``repository``, yield it once ready, always stop it.
 
@@ -104,6 +106,8 @@ def local_tritonserver(
             ready too.
         deadline_s: Seconds for the whole startup: server ready, loads, models ready.
         extra_args: More ``tritonserver`` flags, appended last.
+        s3_credentials: ``(access key, secret key)`` for an ``s3://`` repository, passed
+            in the server's environment (never on its command line).
 
     Yields:
         The ready server. On leaving the block (normally or by an exception) its whole
@@ -131,12 +135,15 @@ def local_tritonserver(
     proc, record = start_process(
         "tritonserver",
         command,
-        env=server_env(runtime, os.environ),
+        env=server_env(runtime, os.environ,
+                       s3_access_key=s3_credentials[0] if s3_credentials else None,
+                       s3_secret_key=s3_credentials[1] if s3_credentials else None),
         log_path=workdir / "tritonserver.log",
         ports=(http_port, grpc_port, metrics_port),
     )
     server = LocalTriton(
         process=proc,
+        record=record,
         http_url=f"http://{LOOPBACK}:{http_port}",
         grpc_url=f"{LOOPBACK}:{grpc_port}",
         metrics_url=f"http://{LOOPBACK}:{metrics_port}/metrics",
@@ -225,7 +232,7 @@ def _what_happened(exc: StackError) -> str:
 
 def _stop(proc: subprocess.Popen[bytes], record: ProcessRecord) -> None:
     """Stop the server's process group, even when the server itself already exited."""
-    if not stop_process(record, grace_s=STOP_GRACE_S):
+    if not stop_process(record, grace_s=STOP_GRACE_S, clean_shm=True):
         # The leader is gone (or a zombie) but its children (Python backend stubs) may
         # live on in its group. Kill the group unless the PID now names another process.
         ticks = process_start_ticks(proc.pid)

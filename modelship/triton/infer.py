@@ -104,3 +104,104 @@ class TritonInference:
             chunk = {name: array[start:start + step] for name, array in arrays.items()}
             parts.append(self.infer(model, chunk, outputs=outputs, version=version).outputs)
         return {name: np.concatenate([p[name] for p in parts]) for name in outputs}
+
+
+# --------------------------------------------------------------------------------------
+# the golden probe: a few rows and the outputs recorded for them at staging time
+
+
+def _encode_array(array: np.ndarray) -> dict[str, Any]:
+    if array.dtype.kind in "OSU":
+        data: Any = [x.decode() if isinstance(x, bytes) else str(x) for x in array.ravel()]
+        return {"dtype": "bytes", "shape": list(array.shape), "data": data}
+    return {"dtype": array.dtype.str, "shape": list(array.shape), "data": array.ravel().tolist()}
+
+
+def _decode_array(entry: Any) -> np.ndarray:
+    if not isinstance(entry, dict) or not isinstance(entry.get("shape"), list) \
+            or not isinstance(entry.get("data"), list):
+        raise ValueError("an array entry must be {dtype, shape: [...], data: [...]}")
+    shape = tuple(int(d) for d in entry["shape"])
+    if entry.get("dtype") == "bytes":
+        return np.array([str(x).encode() for x in entry["data"]], dtype=object).reshape(shape)
+    return np.array(entry["data"], dtype=np.dtype(str(entry.get("dtype")))).reshape(shape)
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+@dataclass(frozen=True)
+class GoldenProbe:
+    """Golden input rows and the candidate's outputs on them, recorded at staging time.
+
+    The swap and reconcile send ``inputs`` to a replica and require ``outputs`` back within
+    tolerance (``|a - b| <= atol + rtol * |b|`` for floats, equality otherwise), so a
+    replica that serves other bytes under the right version number is caught.
+
+    Attributes:
+        inputs: Input name to array (batch first).
+        outputs: Output name to the array recorded for those inputs.
+        atol: Absolute tolerance for float outputs.
+        rtol: Relative tolerance for float outputs.
+    """
+
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    atol: float
+    rtol: float
+
+    @classmethod
+    def record(cls, feed: dict[str, np.ndarray], outputs: dict[str, np.ndarray], *,
+               rows: int = 4, atol: float = 1e-4, rtol: float = 1e-3) -> GoldenProbe:
+        """The first ``rows`` rows of a golden feed and of the outputs computed on it."""
+        n = max(1, rows)
+        return cls({k: np.asarray(v)[:n] for k, v in feed.items()},
+                   {k: np.asarray(v)[:n] for k, v in outputs.items()}, float(atol), float(rtol))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON for the manifest (signed with it)."""
+        return {"inputs": {k: _encode_array(v) for k, v in sorted(self.inputs.items())},
+                "outputs": {k: _encode_array(v) for k, v in sorted(self.outputs.items())},
+                "atol": self.atol, "rtol": self.rtol}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> GoldenProbe:
+        """Parse the manifest's ``probe``; ValueError when it is malformed."""
+        if not isinstance(data, dict) or not data.get("inputs") or not data.get("outputs"):
+            raise ValueError("a probe must have non-empty 'inputs' and 'outputs'")
+        return cls({str(k): _decode_array(v) for k, v in dict(data["inputs"]).items()},
+                   {str(k): _decode_array(v) for k, v in dict(data["outputs"]).items()},
+                   float(data.get("atol", 1e-4)), float(data.get("rtol", 1e-3)))
+
+    @property
+    def output_names(self) -> list[str]:
+        return sorted(self.outputs)
+
+    def mismatches(self, answered: dict[str, np.ndarray]) -> list[str]:
+        """How ``answered`` differs from the recorded outputs; empty when it matches."""
+        problems = []
+        for name, expected in sorted(self.outputs.items()):
+            got = answered.get(name)
+            if got is None:
+                problems.append(f"{name} is missing")
+                continue
+            got = np.asarray(got)
+            if got.shape != expected.shape and _squeezed(got.shape) == _squeezed(expected.shape):
+                got = got.reshape(expected.shape)  # Triton's [N, 1] for the graph's [N]
+            if got.shape != expected.shape:
+                problems.append(f"{name} has shape {list(got.shape)}, recorded "
+                                f"{list(expected.shape)}")
+                continue
+            if expected.dtype.kind == "f" or got.dtype.kind == "f":
+                close = np.isclose(got.astype(np.float64), expected.astype(np.float64),
+                                   atol=self.atol, rtol=self.rtol)
+            else:
+                close = np.asarray(got.astype(object) == expected.astype(object), dtype=bool)
+            if not close.all():
+                where = tuple(int(i) for i in np.argwhere(~close)[0])
+                problems.append(f"{name}{list(where)} is {np.asarray(got[where]).tolist()!r}, "
+                                f"recorded {np.asarray(expected[where]).tolist()!r} "
+                                f"({int((~close).sum())} of "
+                                f"{close.size} values differ)")
+        return problems

@@ -19,6 +19,12 @@ they are table-tested without servers; :mod:`tasks.swap` only performs the I/O t
   abort phase restores P's production config (``[P]``). P may equal C: a fleet that serves
   the target with another config (say, stuck with batching paused after a crash) is
   reconfigured by the same phases instead of being reported as a no-op.
+- ``converge`` (only with ``converge=True``): the fleet is mixed (a crashed coordinator
+  left some replicas on V and some on P, or with other configs). One probed ``converge``
+  phase loads C's full production config (``specific [C]``) on every *reachable*
+  replica; unreachable ones are listed as skipped (reconcile brings them over when they
+  come back). A mixed fleet has no single version to go back to, so its abort phase
+  re-sends the same config everywhere and reports who still failed.
 
 The run::
 
@@ -48,6 +54,7 @@ from modelship.triton.model_config import (
 
 __all__ = [
     "ABORT",
+    "CONVERGE",
     "DEPLOY",
     "PAUSE",
     "RESUME",
@@ -73,11 +80,11 @@ __all__ = [
     "start",
 ]
 
-PlanKind = Literal["noop", "first_deploy", "swap"]
+PlanKind = Literal["noop", "first_deploy", "swap", "converge"]
 RunStatus = Literal["running", "aborting", "done", "aborted"]
 
-PAUSE, SWITCH, RESUME, DEPLOY, ABORT = (
-    "pause_batching", "switch", "resume_batching", "deploy", "abort")
+PAUSE, SWITCH, RESUME, DEPLOY, CONVERGE, ABORT = (
+    "pause_batching", "switch", "resume_batching", "deploy", "converge", "abort")
 
 
 # --------------------------------------------------------------------------------------
@@ -153,6 +160,8 @@ class SwapPlan:
         pause_batching: Dynamic batching is off around the switch.
         phases: The forward phases, in order (empty for ``noop``).
         abort: The phase that undoes them on every replica (None for ``noop``).
+        skipped: Replicas left out because they are unreachable (``converge`` only).
+        mixed: What each replica served before, when the fleet was mixed (``converge``).
     """
 
     model: str
@@ -163,12 +172,27 @@ class SwapPlan:
     pause_batching: bool
     phases: tuple[Phase, ...] = ()
     abort: Phase | None = None
+    skipped: tuple[str, ...] = ()
+    mixed: tuple[str, ...] = ()
 
     def describe(self) -> list[str]:
         """Human lines: what will happen, phase by phase."""
         head = f"{self.model}: {self.kind}"
+        skipped = [f"  skipped (unreachable; reconcile brings them to production when they "
+                   f"are back): {', '.join(self.skipped)}"] if self.skipped else []
         if self.kind == "noop":
-            return [f"{head}: every replica already serves v{self.to_version}; nothing to do"]
+            which = "every reachable replica" if self.skipped else "every replica"
+            return [f"{head}: {which} already serves v{self.to_version}; nothing to do",
+                    *skipped]
+        if self.kind == "converge":
+            lines = [f"{head}: the fleet is mixed ({'; '.join(self.mixed)}); every reachable "
+                     f"replica ({', '.join(self.replicas)}) converges to v{self.to_version}",
+                     *skipped]
+            lines += [f"  {p.describe()}" for p in self.phases]
+            if self.abort is not None:
+                lines.append(f"  on any failure, {self.abort.describe()} (a mixed fleet has "
+                             "no single version to go back to)")
+            return lines
         source = f"v{self.from_version}" if self.from_version is not None else "nothing"
         lines = [f"{head} {source} -> v{self.to_version} on {', '.join(self.replicas)}"]
         lines += [f"  {p.describe()}" for p in self.phases]
@@ -186,6 +210,8 @@ class SwapPlan:
             "pause_batching": self.pause_batching,
             "phases": [p.to_dict() for p in self.phases],
             "abort": self.abort.to_dict() if self.abort is not None else None,
+            "skipped": list(self.skipped),
+            "mixed": list(self.mixed),
         }
 
 
@@ -197,6 +223,20 @@ def _served(view: ReplicaView) -> str:
     if not view.ready_versions:
         return "nothing"
     return ", ".join(f"v{v}" for v in view.ready_versions)
+
+
+def _hard_surprises(model: str, replicas: Sequence[ReplicaView]) -> list[str]:
+    """Problems no plan can work around, converge or not."""
+    if not replicas:
+        return [f"no Triton replicas are configured to serve {model}"]
+    names = [r.name for r in replicas]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        return [f"replica names are not unique: {dupes}"]
+    if not any(r.live for r in replicas):
+        return [f"no replica of {model} is live: "
+                + "; ".join(f"{r.name}: {r.problem or 'not live'}" for r in replicas)]
+    return []
 
 
 def _fleet_surprises(model: str, replicas: Sequence[ReplicaView]) -> list[str]:
@@ -238,6 +278,7 @@ def plan_swap(
     candidate_verified: bool,
     candidate_problem: str | None = None,
     pause_at_switch: bool = False,
+    converge: bool = False,
 ) -> SwapPlan:
     """Decide the swap from what the fleet serves, or refuse before anything changes.
 
@@ -255,6 +296,9 @@ def plan_swap(
             without batching straight from P (one reload fewer; P's instances drain their
             in-flight batches as in a plain reload), and batching resumes once every replica
             answers as C.
+        converge: A mixed fleet (replicas not live, on several versions or configs) is
+            not refused but converged: every reachable replica gets C's production config
+            (a ``converge`` plan). A consistent fleet is planned as without it.
 
     Raises:
         PreflightError: a replica is not live, serves several versions, the replicas
@@ -263,6 +307,14 @@ def plan_swap(
             (``details["problems"]``).
     """
     problems = _fleet_surprises(model, replicas)
+    hard = _hard_surprises(model, replicas) if converge else []
+    problems += [p for p in hard if p not in problems]
+    if converge and problems and not hard:
+        return _plan_converge(model, replicas, target=target,
+                              candidate_config=candidate_config,
+                              pause_batching=pause_batching,
+                              candidate_verified=candidate_verified,
+                              candidate_problem=candidate_problem)
     if isinstance(target, bool) or target < 1:
         problems.append(f"target version {target!r} is not a Triton version (an integer >= 1)")
     if candidate_config.name and candidate_config.name != model:
@@ -317,13 +369,53 @@ def plan_swap(
     return SwapPlan(model, "swap", names, from_version, target, pause_batching, phases, abort)
 
 
+def _plan_converge(model: str, replicas: Sequence[ReplicaView], *, target: int,
+                   candidate_config: ModelConfig, pause_batching: bool,
+                   candidate_verified: bool, candidate_problem: str | None) -> SwapPlan:
+    """The plan for a mixed fleet: every reachable replica to C's production config."""
+    problems = []
+    if isinstance(target, bool) or target < 1:
+        problems.append(f"target version {target!r} is not a Triton version (an integer >= 1)")
+    if candidate_config.name and candidate_config.name != model:
+        problems.append(f"the candidate's config names model {candidate_config.name!r}, "
+                        f"not {model!r}")
+    reachable = [r for r in replicas if r.live]
+    names = tuple(r.name for r in reachable)
+    skipped = tuple(r.name for r in replicas if not r.live)
+    mixed = tuple(f"{r.name} serves {_served(r)}" + (f" ({_short(r.serving_digest)})"
+                                                     if r.ready_versions else "")
+                  if r.live else f"{r.name} unreachable" for r in replicas)
+    candidate_digest = serving_digest(candidate_config)
+    if not problems and all(r.ready_versions == (target,) and
+                            r.serving_digest == candidate_digest for r in reachable):
+        return SwapPlan(model, "noop", names, target, target, pause_batching,
+                        skipped=skipped, mixed=mixed)
+    if not candidate_verified:
+        why = f": {candidate_problem}" if candidate_problem else ""
+        problems.append(f"candidate {model}/{target} did not verify against its manifest{why}")
+    if problems:
+        raise PreflightError(
+            f"converge of {model} to v{target} refused before changing anything: "
+            + "; ".join(problems),
+            hint=_refusal_hint(model, target, problems, candidate_verified),
+            model=model, target=target, problems=problems,
+        )
+    production_c = with_versions(candidate_config, [target])
+    return SwapPlan(model, "converge", names, None, target, pause_batching,
+                    (Phase(CONVERGE, production_c, target, probe=True),),
+                    Phase(ABORT, production_c, target, probe=True),
+                    skipped=skipped, mixed=mixed)
+
+
 def _refusal_hint(model: str, target: int, problems: list[str], verified: bool) -> str:
     fleet = [p for p in problems if "did not verify" not in p]
     steps = []
     if fleet:
         steps.append("bring every replica back to one version with one config (start any "
                      "stopped replica; `modelship status "
-                     f"{model} --json` shows what each serves), then retry")
+                     f"{model} --json` shows what each serves), then retry; or converge the "
+                     f"fleet on one version: `modelship swap {model} --to V --converge` or "
+                     f"`modelship rollback {model}` bring every reachable replica to V")
     if not verified:
         steps.append(f"stage the candidate again (`modelship stage {model} --version {target}`)")
     return "; ".join(steps) or "fix the problems listed, then retry"
@@ -540,6 +632,8 @@ def replica_states(run: SwapRun) -> dict[str, ReplicaState]:
     if run.plan.abort is not None:
         phases[ABORT] = run.plan.abort
     before = run.plan.from_version if run.plan.kind != "noop" else run.plan.to_version
+    if run.plan.kind == "converge":
+        before = None  # mixed: no one version describes them
     states: dict[str, ReplicaState] = {}
     for name in run.plan.replicas:
         mine = [r for r in run.records if r.replica == name]

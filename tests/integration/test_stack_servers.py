@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import urllib.error
 import urllib.request
 
 import pytest
@@ -103,3 +104,51 @@ def test_slack_emulator_records_a_post_message(stack_settings: Settings) -> None
     with urllib.request.urlopen(f"{base}/_emulator/messages", timeout=5) as response:
         messages = json.loads(response.read())["messages"]
     assert any(m["text"] == "stack smoke test" and m["ts"] == posted["ts"] for m in messages)
+
+
+def _filer_request(url: str, method: str, data: bytes | None = None) -> int:
+    request = urllib.request.Request(url, data=data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_the_filer_refuses_reads_and_writes_without_a_token(stack_settings: Settings) -> None:
+    """Issue 10: the filer port was an unauthenticated write path into the bucket."""
+    state = json.loads(stack_settings.stack_file.read_text())
+    filer = state["seaweedfs"]["filer"]
+    clients = build_clients(stack_settings)
+    assert clients.storage is not None
+    key = "tests/filer-door.txt"
+    clients.storage.put_bytes(key, b"written through S3 with the keys")
+    target = f"{filer}/buckets/{stack_settings.bucket}/{key}"
+
+    assert _filer_request(target, "PUT", b"forged") == 401
+    assert _filer_request(target, "POST", b"forged") == 401
+    assert _filer_request(target, "DELETE") == 401
+    assert _filer_request(target, "GET") == 401
+    # S3 with the keys still reads and writes, and the object is untouched.
+    assert clients.storage.get_bytes(key) == b"written through S3 with the keys"
+    clients.storage.put_bytes(key, b"rewritten through S3")
+    assert clients.storage.get_bytes(key) == b"rewritten through S3"
+
+
+def test_the_stack_keeps_its_secrets_private(stack_settings: Settings) -> None:
+    home = stack_settings.home
+    assert stack_settings.manifest_signing_key is not None
+    key = stack_settings.manifest_signing_key.get_secret_value()
+    assert len(key) >= 32
+    assert (home / "manifest-signing.key").read_text().strip() == key
+    for path in (home, home / "data", home / "logs", home / "seaweedfs-conf"):
+        assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
+    for path in (home / "manifest-signing.key", home / "seaweedfs-conf" / "security.toml",
+                 stack_settings.stack_file):
+        assert path.stat().st_mode & 0o077 == 0, f"{path} is readable by others"
+    # The key never goes into the bucket.
+    clients = build_clients(stack_settings)
+    assert clients.storage is not None
+    for object_key in clients.storage.list_keys(""):
+        if object_key.endswith(("release.json", ".pbtxt", ".key", ".toml")):
+            assert key.encode() not in clients.storage.get_bytes(object_key), object_key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
@@ -13,6 +14,7 @@ from modelship.clients import build_clients
 from modelship.errors import CredentialsRejected, StagingError
 from modelship.policy import StagingPolicy
 from modelship.settings import Settings
+from modelship.signing import generate_key, sign
 from modelship.storage import S3Storage
 from tasks.stage import (
     StagedVersion,
@@ -28,6 +30,7 @@ MiB = 1024 * 1024
 # Small parts, so the 6 MiB weights exercise multipart upload and multipart copy.
 POLICY = StagingPolicy(multipart_threshold_bytes=5 * MiB, multipart_chunk_bytes=5 * MiB)
 CONFIG = 'name: "{model}"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+KEY = generate_key().encode()
 
 
 @pytest.fixture
@@ -61,6 +64,7 @@ def stage(storage: S3Storage, settings: Settings, model: str, blobs: str, versio
         config_pbtxt=CONFIG.format(model=model),
         provenance={"mlflow_uri": f"models:/{model}/{version}", "run_id": "r1", "opset": 17},
         policy=POLICY, repository_prefix=settings.repository_prefix, blob_prefix=blobs,
+        signing_key=KEY,
     )
 
 
@@ -75,6 +79,7 @@ def test_stage_publishes_the_triton_layout_and_verifies(
         storage, model=model, version=1, files=files, config_pbtxt=CONFIG.format(model=model),
         provenance={"mlflow_uri": f"models:/{model}/1", "run_id": "r1", "opset": 17},
         policy=POLICY, repository_prefix=prefix, blob_prefix=blobs, progress=lines.append,
+        signing_key=KEY,
     )
     total = sum(p.stat().st_size for p in files.values())
     assert staged.bytes_uploaded == total
@@ -259,3 +264,48 @@ def test_wrong_credentials_are_refused_with_an_error_naming_them(
     with pytest.raises(CredentialsRejected, match="refused the credentials"):
         verify_staged(forged, model=model, version=1,
                       repository_prefix=stack_settings.repository_prefix)
+
+
+def test_an_unsigned_or_forged_manifest_is_refused(
+    storage: S3Storage, stack_settings: Settings, names: tuple[str, str], tmp_path: Path
+) -> None:
+    """Issue 10: whoever can write the bucket can rewrite both a file and its manifest."""
+    model, blobs = names
+    prefix = stack_settings.repository_prefix
+    files = fake_model(tmp_path / "v1")
+    stage(storage, stack_settings, model, blobs, 1, files)
+    mkey = f"{prefix}/{model}/1/release.json"
+    signed = json.loads(storage.get_bytes(mkey))
+    assert signed["signature"]["alg"] == "hmac-sha256"
+    verify_staged(storage, model=model, version=1, repository_prefix=prefix, signing_key=KEY,
+                  deep=True)
+
+    # A tampered graph of the same size, with its metadata and the manifest rewritten.
+    original = files["model.onnx"].read_bytes()
+    tampered = bytes([original[0] ^ 0xFF]) + original[1:]
+    digest = hashlib.sha256(tampered).hexdigest()
+    storage.put_bytes(f"{prefix}/{model}/1/model.onnx", tampered, metadata={"sha256": digest})
+    forged = json.loads(json.dumps(signed))
+    forged["files"]["model.onnx"]["sha256"] = digest
+    cases = {
+        "it is not signed": {k: v for k, v in forged.items() if k != "signature"},
+        "does not match its content": forged,
+        "signed with another key": sign(forged, generate_key().encode()),
+    }
+    for reason, manifest in cases.items():
+        storage.put_bytes(mkey, json.dumps(manifest).encode())
+        # without the key only the (consistent) digests are checked: the forgery passes
+        verify_staged(storage, model=model, version=1, repository_prefix=prefix, deep=True)
+        with pytest.raises(StagingError, match=reason) as info:
+            verify_staged(storage, model=model, version=1, repository_prefix=prefix,
+                          signing_key=KEY)
+        assert info.value.exit_code == 3
+
+    # The genuine manifest over the tampered bytes (metadata forged to the genuine digest):
+    # only the streamed hash catches it.
+    storage.put_bytes(mkey, json.dumps(signed).encode())
+    storage.put_bytes(f"{prefix}/{model}/1/model.onnx", tampered,
+                      metadata={"sha256": signed["files"]["model.onnx"]["sha256"]})
+    with pytest.raises(StagingError, match=r"model.onnx has sha256 .* \(content\)"):
+        verify_staged(storage, model=model, version=1, repository_prefix=prefix,
+                      signing_key=KEY, deep=True)

@@ -7,6 +7,7 @@ request and no answer from the old version by a replica after it answered as the
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,9 +20,10 @@ import pytest
 
 from flows.check import run_check
 from modelship.clients import Clients, build_clients
-from modelship.errors import PreflightError, SwapAborted
+from modelship.errors import PreflightError, StagingError, SwapAborted
 from modelship.policy import Policy, SwapPolicy
 from modelship.settings import Settings
+from modelship.signing import key_bytes
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
 from modelship.triton.infer import TritonInference
@@ -66,7 +68,7 @@ def fleet(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) ->
 
 def swap(fleet: Fleet, target: int, *, pause_batching: bool = True,
          fault: Callable[[str, str], None] | None = None, deadline_s: float = 60,
-         pause_mode: str = "separate") -> SwapReport:
+         pause_mode: str = "separate", converge: bool = False) -> SwapReport:
     lines: list[str] = []
     try:
         return swap_fleet(fleet.replicas, model=MODEL, target=target, storage=fleet.storage,
@@ -75,7 +77,9 @@ def swap(fleet: Fleet, target: int, *, pause_batching: bool = True,
                                             probe_timeout_s=min(5.0, deadline_s / 2),
                                             pause_mode=pause_mode),  # type: ignore[arg-type]
                           probe_feed=FEED, probe_outputs=OUTPUTS, progress=lines.append,
-                          http_timeout_s=fleet.settings.http_timeout_s, fault=fault)
+                          signing_key=key_bytes(fleet.settings.manifest_signing_key),
+                          http_timeout_s=fleet.settings.http_timeout_s, fault=fault,
+                          converge=converge)
     finally:
         print("\n".join(lines))
 
@@ -231,8 +235,17 @@ def test_a_mixed_fleet_is_refused_before_anything_changes(fleet: Fleet) -> None:
         assert f"{odd.name} serves v{v2}" in info.value.message
         assert f"{fleet.replicas[0].name} serves v{v1}" in info.value.message
         assert odd.is_model_ready(MODEL, str(v2))  # refused: nothing was touched
+        assert "--converge" in str(info.value.hint)
+        # Issues 8 and 10: the same mixed fleet, converged on v1 (a rollback's target).
+        with LoadLog(fleet.replicas) as load:
+            report = swap(fleet, v1, converge=True)
+        assert report.kind == "converge" and not report.aborted
+        assert any("the fleet is mixed" in line for line in report.plan)
+        assert [p.name for p in report.phases] == ["converge"]
+        assert load.errors() == []
     finally:
-        odd.load_model(MODEL, config_json=to_json(with_versions(config, [v1])))
+        if odd.is_model_ready(MODEL, str(v2)):
+            odd.load_model(MODEL, config_json=to_json(with_versions(config, [v1])))
     assert_serves(fleet, v1)
 
 
@@ -243,11 +256,25 @@ def test_a_candidate_whose_files_changed_is_refused(fleet: Fleet, tmp_path: Path
     report = run_check(fleet.settings, fleet.clients, Policy(), model=MODEL, version=v3,
                        workdir=tmp_path, stage=True)
     assert report.verdict == "passed"
-    fleet.storage.delete_key(f"{fleet.settings.repository_prefix}/{MODEL}/{v3}/model.onnx")
-    with pytest.raises(PreflightError) as info:
+    folder = f"{fleet.settings.repository_prefix}/{MODEL}/{v3}"
+    # Issue 10, fault 1: same size, the original sha256 in the metadata; only the bytes
+    # differ. The preflight streams and hashes them: refused, exit 3, nothing touched.
+    original = fleet.storage.get_bytes(f"{folder}/model.onnx")
+    head = fleet.storage.head(f"{folder}/model.onnx")
+    assert head is not None
+    tampered = original[:-1] + bytes([original[-1] ^ 0x01])
+    fleet.storage.put_bytes(f"{folder}/model.onnx", tampered, metadata=head["metadata"])
+    with pytest.raises(StagingError) as info:
         swap(fleet, v3)
-    assert "did not verify" in info.value.message and "model.onnx" in info.value.message
-    assert f"modelship stage {MODEL} --version {v3}" in str(info.value.hint)
+    assert info.value.exit_code == 3
+    assert "model.onnx has sha256" in info.value.message and "(content)" in info.value.message
+    assert_serves(fleet, v1)
+
+    fleet.storage.delete_key(f"{folder}/model.onnx")
+    with pytest.raises(StagingError) as info:
+        swap(fleet, v3)
+    assert "model.onnx is missing" in info.value.message
+    assert info.value.exit_code == 3
     assert_serves(fleet, v1)
     # v3's folder is broken: remove it so later (re)loads do not download it
     fleet.storage.delete_prefix(f"{fleet.settings.repository_prefix}/{MODEL}/{v3}/")
@@ -323,3 +350,61 @@ def test_pause_at_switch_under_load_fails_no_request_and_never_goes_back(fleet: 
     assert load.errors() == []
     assert load.stale(v1, v2) == []
     assert_serves(fleet, v2)
+
+
+def test_an_unsigned_or_forged_manifest_is_refused_with_exit_3(fleet: Fleet) -> None:
+    v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
+    swap(fleet, v1)
+    mkey = f"{fleet.settings.repository_prefix}/{MODEL}/{v2}/release.json"
+    genuine = fleet.storage.get_bytes(mkey)
+    manifest = json.loads(genuine)
+    try:
+        unsigned = {k: v for k, v in manifest.items() if k != "signature"}
+        fleet.storage.put_bytes(mkey, json.dumps(unsigned).encode())
+        with pytest.raises(StagingError, match="it is not signed") as info:
+            swap(fleet, v2)
+        assert info.value.exit_code == 3
+        forged = {**manifest, "created_at": "2020-01-01T00:00:00Z"}
+        fleet.storage.put_bytes(mkey, json.dumps(forged).encode())
+        with pytest.raises(StagingError, match="does not match its content"):
+            swap(fleet, v2)
+        assert_serves(fleet, v1)
+    finally:
+        fleet.storage.put_bytes(mkey, genuine)
+
+
+def test_other_bytes_under_the_right_version_fail_the_golden_probe_and_abort(
+        fleet: Fleet) -> None:
+    """Bytes changed after the preflight (P's graph under C's number) never stay serving."""
+    v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
+    swap(fleet, v1)
+    prefix = fleet.settings.repository_prefix
+    names = sorted(json.loads(fleet.storage.get_bytes(
+        f"{prefix}/{MODEL}/{v2}/release.json"))["files"])
+    originals = {n: (fleet.storage.get_bytes(f"{prefix}/{MODEL}/{v2}/{n}"),
+                     (fleet.storage.head(f"{prefix}/{MODEL}/{v2}/{n}") or {})["metadata"])
+                 for n in names}
+    lock = threading.Lock()
+    done: list[bool] = []
+
+    def fault(replica: str, phase: str) -> None:
+        with lock:  # every replica waits until C's files hold P's bytes
+            if phase == "switch" and not done:
+                for name in names:
+                    fleet.storage.put_bytes(
+                        f"{prefix}/{MODEL}/{v2}/{name}",
+                        fleet.storage.get_bytes(f"{prefix}/{MODEL}/{v1}/{name}"))
+                done.append(True)
+
+    try:
+        with pytest.raises(SwapAborted) as info:
+            swap(fleet, v2, fault=fault)
+    finally:
+        for name, (body, metadata) in originals.items():
+            fleet.storage.put_bytes(f"{prefix}/{MODEL}/{v2}/{name}", body, metadata=metadata)
+    report = info.value.details["report"]
+    switch = next(p for p in report["phases"] if p["name"] == "switch")
+    reasons = [r["reason"] or "" for r in switch["replicas"].values()]
+    assert any("differ from those recorded at staging" in r for r in reasons), reasons
+    assert {s["version"] for s in report["final_states"].values()} == {v1}
+    assert_serves(fleet, v1)

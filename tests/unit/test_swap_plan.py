@@ -357,3 +357,93 @@ def test_coordinator_bugs_are_refused(case: str, steps: list[Step], phase: str,
         run = step(run)
     with pytest.raises(ValueError):
         record(run, replica, phase, True)
+
+
+# --------------------------------------------------------------------------------------
+# converge: repairing a mixed fleet (issues 8 and 10)
+
+
+def converge_plan(replicas: list[ReplicaView], *, target: int = 2,
+                  verified: bool = True) -> SwapPlan:
+    return plan_swap(MODEL, replicas, target=target, candidate_config=C_CONFIG,
+                     production_config=P_CONFIG, pause_batching=True,
+                     candidate_verified=verified, converge=True)
+
+
+C_DIGEST = serving_digest(with_versions(C_CONFIG, [2]))
+CONVERGE: list[tuple[Any, ...]] = [
+    ("a crashed coordinator left r1 on C, the others on P",
+     [view("r0", 1), view("r1", 2, digest=C_DIGEST), view("r2", 1)],
+     "converge", ("r0", "r1", "r2"), (), "r1 serves v2"),
+    ("one replica restarted empty",
+     [view("r0", 2, digest=C_DIGEST), view("r1"), view("r2", 2, digest=C_DIGEST)],
+     "converge", ("r0", "r1", "r2"), (), "r1 serves nothing"),
+    ("one replica serves both versions",
+     [view("r0", 1, 2), view("r1", 1), view("r2", 1)],
+     "converge", ("r0", "r1", "r2"), (), "r0 serves v1, v2"),
+    ("same version, different configs",
+     [view("r0", 2, digest=C_DIGEST), view("r1", 2, digest=OTHER_DIGEST),
+      view("r2", 2, digest=C_DIGEST)],
+     "converge", ("r0", "r1", "r2"), (), "r1 serves v2"),
+    ("an unreachable replica is skipped, the reachable ones converge",
+     [view("r0", 1), view("r1", live=False, problem="connection refused"), view("r2", 2)],
+     "converge", ("r0", "r2"), ("r1",), "r1 unreachable"),
+    ("the reachable replicas already serve C: nothing to do, the dead one is skipped",
+     [view("r0", 2, digest=C_DIGEST), view("r1", live=False), view("r2", 2, digest=C_DIGEST)],
+     "noop", ("r0", "r2"), ("r1",), "every reachable replica already serves v2"),
+]
+
+
+@pytest.mark.parametrize(("case", "replicas", "kind", "touched", "skipped", "said"),
+                         CONVERGE, ids=[c[0] for c in CONVERGE])
+def test_converge_brings_every_reachable_replica_to_the_target(
+        case: str, replicas: list[ReplicaView], kind: str, touched: tuple[str, ...],
+        skipped: tuple[str, ...], said: str) -> None:
+    p = converge_plan(replicas)
+    assert p.kind == kind, case
+    assert p.replicas == touched and p.skipped == skipped
+    assert any(said in line for line in p.describe()), p.describe()
+    if kind == "converge":
+        assert "the fleet is mixed" in p.describe()[0]
+        assert shape(p) == [("converge", [2], True, 2, True), ("abort", [2], True, 2, True)]
+        assert p.phases[0].config == with_versions(C_CONFIG, [2])  # full config, not a patch
+        assert p.to_dict()["kind"] == "converge" and p.to_dict()["skipped"] == list(skipped)
+        # without converge the same fleet is refused, and the hint says how to converge it
+        with pytest.raises(PreflightError) as info:
+            plan(replicas)
+        assert "--converge" in str(info.value.hint)
+        assert f"modelship rollback {MODEL}" in str(info.value.hint)
+
+
+@pytest.mark.parametrize(("case", "replicas", "kwargs", "fragment"), [
+    ("no replica is live", [view("r0", live=False), view("r1", live=False)], {},
+     "no replica of fraud is live"),
+    ("the candidate did not verify", [view("r0", 1), view("r1", 2)], {"verified": False},
+     "did not verify"),
+    ("duplicate names", [view("r0", 1), view("r0", 2)], {}, "not unique"),
+])
+def test_converge_still_refuses_what_it_cannot_repair(
+        case: str, replicas: list[ReplicaView], kwargs: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(PreflightError) as info:
+        converge_plan(replicas, **kwargs)
+    assert fragment in info.value.message, case
+
+
+def test_converge_on_a_consistent_fleet_is_the_ordinary_plan() -> None:
+    assert converge_plan(fleet(1)) == plan(fleet(1))
+    assert converge_plan(fleet()).kind == "first_deploy"
+
+
+def test_a_converge_run_that_fails_reports_every_replica() -> None:
+    p = converge_plan([view("r0", 1), view("r1", 2, digest=C_DIGEST), view("r2", 1)])
+    run = record(start(p), "r0", "converge", True)
+    run = record(run, "r1", "converge", False, "v2 not ready")
+    action = next_action(run)
+    assert isinstance(action, AbortPhase) and action.replicas == ("r0", "r1", "r2")
+    assert action.phase.config == with_versions(C_CONFIG, [2])
+    for name in ("r0", "r1", "r2"):
+        run = record(run, name, "abort", name != "r1", "still failing")
+    final = next_action(run)
+    assert isinstance(final, Aborted)
+    assert final.states["r0"].version == 2 and final.states["r1"].ok is False
+    assert "ABORT FAILED" in final.states["r1"].describe()
