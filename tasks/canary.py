@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from modelship.clients import Clients
-from modelship.errors import InfrastructureError, ModelshipError, UsageError
+from modelship.errors import GatesInconclusive, InfrastructureError, ModelshipError, UsageError
 from modelship.loadgen import LoadReport, LoadSpec, RequestRecord, Target, run_load, run_paired
 from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.policy import AgreementPolicy, CanaryPolicy, GateRule, Policy
@@ -410,6 +410,13 @@ def _measure(url: str, model: str, candidate: int, baseline: int | None,
                            "requests": report.requests, "errors": report.errors,
                            "stable": report.stable})
         counts = _ok_by_arm(out.records, paired)
+        if report.requests > 0 and not any(r.ok for r in measured):
+            # Nothing answered in a whole round: more rounds only burn the budget; the
+            # caller diagnoses why (dead server, broken inputs) before judging anything.
+            out.rounds[-1]["answered"] = 0
+            progress(f"canary round {len(out.rounds)}: none of {report.requests} requests "
+                     "was answered; stopping the load")
+            break
         out.required = max(plan(out.records), 1)
         progress(f"canary round {len(out.rounds)}: {report.duration_s:.1f} s, answered "
                  + ", ".join(f"{arm} {n}" for arm, n in sorted(counts.items()))
@@ -490,6 +497,53 @@ def required_samples(rules: Sequence[GateRule], records: Sequence[RequestRecord]
                             baseline_error_rate=error_rate, min_samples=floor))
 
 
+def broken_canary(records: Sequence[RequestRecord], paired: bool) -> str | None:
+    """Why the load says the canary itself is broken, or None (pure).
+
+    Every measured request failed, on both arms when paired (on the one arm otherwise):
+    whatever the candidate is, nothing was judged. The first error names the cause.
+    """
+    if not records:
+        return "no request was sent during the measurement"
+    if any(r.ok for r in records):
+        return None
+    arms = {r.tag or CANDIDATE for r in records}
+    if paired and arms != {BASELINE, CANDIDATE}:
+        return None
+    first = next((r.error for r in records if r.error), "unknown error")
+    return (f"all {len(records)} measured requests failed on "
+            f"{'both arms' if paired else 'the candidate'} (first error: {first})")
+
+
+def _check_alive(server: TritonServer, where: str) -> None:
+    """Raise when the canary Triton stopped answering: never blame the candidate."""
+    try:
+        server.ping()
+    except ModelshipError as exc:
+        raise InfrastructureError(
+            f"the {where} stopped answering during the canary: {exc.message}",
+            hint="the candidate was not judged; restart the canary Triton (`modelship stack "
+                 "up`, or check its pod) and run the canary again",
+            endpoint=server.endpoint.grpc, reason="canary server down",
+        ) from exc
+
+
+def _shared_errors(report: Any) -> str | None:
+    """The message of a rule that found both arms failing alike (see tasks.gates)."""
+    for result in getattr(report, "results", ()):
+        if result.details.get("infrastructure") and not result.dry_run:
+            return str(result.message)
+    return None
+
+
+def _note_cleanup(exc: BaseException, cleanup: str) -> None:
+    """Attach the cleanup outcome to an error on its way out; say so when it failed."""
+    if isinstance(exc, ModelshipError):
+        exc.details["cleanup"] = cleanup
+        if cleanup not in ("unloaded", "not loaded"):
+            exc.message = f"{exc.message.rstrip('.')}; cleanup: {cleanup}"
+
+
 def _report_dir(settings: Settings, model: str, candidate: int) -> Path:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
@@ -516,14 +570,25 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         report_dir: Where the report goes; default ``home/reports/canary-MODEL-vC-STAMP``.
 
     Returns:
-        The result; its ``verdict`` is the gates' verdict. A failed gate is not raised here:
-        the caller decides (``GateFailed``/``GatesInconclusive`` in the flow).
+        The result; its ``verdict`` is the gates' verdict (``passed``, ``failed``,
+        ``inconclusive``, or ``error`` when a rule's test broke). A failed gate is not
+        raised here: the caller decides (``GateFailed``/``GatesInconclusive`` in the flow).
+
+    An infrastructure failure is never a gate failure: it is raised, never returned as a
+    verdict. The candidate is unloaded on every path (also when the load call itself
+    raised, since a timed-out load may still complete on the server), and a failed
+    cleanup is added to the error's message and ``details["cleanup"]``.
 
     Raises:
         UsageError: No canary Triton or S3 repository is configured, or baseline == candidate.
         ModelNotFound: The candidate or the baseline is not staged.
         StagingError: A staged version fails its manifest.
-        InfrastructureError: The canary could not load or serve the versions.
+        InfrastructureError: The canary could not load or serve the versions: the load call
+            raised or timed out, the canary Triton stopped answering, or every measured
+            request failed on both arms (exit 1).
+        GatesInconclusive: Both arms fail alike above the error budget while the server
+            answers (a shared cause: inputs, the load path); the candidate cannot be told
+            apart from the baseline (exit 6).
     """
     from modelship.triton.model_config import to_json, with_versions
     from tasks.gates import evaluate
@@ -566,6 +631,9 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
              + f"v{candidate} (candidate) on the {where}")
     cleanup = "not loaded"
     try:
+        # Set before the call: a load that times out on our side may still complete on the
+        # server, so it must be unloaded too.
+        cleanup = "load requested"
         server.load_model(model, config_json=to_json(config))
         cleanup = "loaded"
         _wait_ready(server, model, versions, settings.control_timeout_s)
@@ -588,10 +656,29 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         measured = _measure(url, model, candidate, baseline, payload, spec, plan=plan,
                             required=first_plan, deadline=deadline, progress=progress)
         after = _scrape(server, settings.http_timeout_s, notes)
-    finally:
+        _check_alive(server, where)
+        broken = broken_canary(measured.records, paired)
+        if broken:
+            raise InfrastructureError(
+                f"the canary of {model} v{candidate} measured nothing: {broken}",
+                hint="the candidate was not judged; check the canary Triton's log and the "
+                     "golden inputs, then run the canary again",
+                model=model, candidate=candidate, baseline=baseline, reason="no answers")
+    except BaseException as exc:
         if cleanup != "not loaded":
             progress(f"unloading {model} from the {where}")
             cleanup = _unload(server, model, progress)
+        _note_cleanup(exc, cleanup)
+        if isinstance(exc, ModelshipError) or not isinstance(exc, OSError | TimeoutError):
+            raise
+        raise InfrastructureError(
+            f"the canary of {model} v{candidate} broke: {type(exc).__name__}: {exc}",
+            hint="the candidate was not judged; check the canary Triton and run again",
+            model=model, candidate=candidate, cleanup=cleanup) from exc
+    progress(f"unloading {model} from the {where}")
+    cleanup = _unload(server, model, progress)
+    if cleanup != "unloaded":
+        notes.append(f"cleanup: {cleanup}; unload {model} from the {where} by hand")
 
     arms = {CANDIDATE: candidate, **({BASELINE: baseline} if baseline is not None else {})}
     server_side = _server_side(before, after, model, arms, notes)
@@ -618,6 +705,15 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         extra={"server_metrics": server_side, "payload_source": source, "notes": notes},
     )
     gate_report = evaluate(snapshot, judged, min_samples=required)
+    shared = _shared_errors(gate_report)
+    if shared:
+        raise GatesInconclusive(
+            f"the canary of {model} v{candidate} cannot tell the candidate from the "
+            f"baseline: {shared}",
+            hint="both versions fail alike, so the cause is shared (inputs, the canary "
+                 "server, the load path); fix it and run the canary again",
+            model=model, candidate=candidate, baseline=baseline, reason="shared errors",
+            cleanup=cleanup)
     load = {
         "protocol": canary.protocol,
         "mode": canary.mode,

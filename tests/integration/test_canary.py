@@ -8,8 +8,12 @@ model trained on other data (other answers). Every canary must leave nothing loa
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +22,15 @@ import pytest
 
 from flows.check import run_check
 from modelship.clients import Clients, build_clients
+from modelship.errors import GateFailed, InfrastructureError, ModelshipError
 from modelship.loadgen import RequestRecord
 from modelship.policy import AgreementPolicy, Policy
-from modelship.settings import Settings
+from modelship.settings import Settings, TritonEndpoint
+from modelship.stack.local_triton import LocalTriton, local_tritonserver
+from modelship.triton.client import TritonServer
 from tasks.canary import (
     CanaryResult,
+    broken_canary,
     compute_agreement,
     next_round_s,
     rows_agree,
@@ -41,8 +49,8 @@ CANARY_POLICY: dict[str, Any] = {
     "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 15.0, "min_samples": 300},
     "gates": [
         # A shared 2-core machine: identical versions differ by a few % at p99.
-        {"name": "latency_p99", "metric": "latency_p99_ms", "test": "mann_whitney",
-         "max_increase_pct": 15.0, "min_effect_ms": 1.0},
+        {"name": "latency_p99", "metric": "latency_p99_ms", "test": "quantile",
+         "max_increase_pct": 15.0, "min_effect_ms": 1.0, "effect": 185.0},
         {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
         {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98},
     ],
@@ -203,7 +211,7 @@ def test_first_release_judges_only_absolute_gates(stack_settings: Settings, clie
     result = _canary(stack_settings, clients, tmp_path, candidate=versions.same, baseline=None,
                      policy=policy)
     assert result.verdict == "passed", result.to_dict()["gates"]
-    assert result.skipped_rules == ["latency_p99", "agreement"]
+    assert result.skipped_rules == ["latency_p99", "agreement"]  # quantile needs a baseline
     assert [r.rule for r in result.gate_report.results] == ["error_rate"]
     assert result.snapshot.baseline is None and result.snapshot.agreement is None
     assert "first release" in Path(result.report_paths["markdown"]).read_text(encoding="utf-8")
@@ -225,6 +233,117 @@ def test_canary_is_unloaded_when_the_run_fails(stack_settings: Settings, clients
                    candidate=versions.same, baseline=versions.baseline, progress=progress,
                    report_dir=tmp_path)
     _assert_nothing_loaded(clients)
+
+
+# --------------------------------------------------------------------------- broken canaries
+
+RUNTIME_VENV = Path(__file__).resolve().parents[2] / ".venv-triton"
+
+
+@contextmanager
+def _own_canary(stack_settings: Settings, workdir: Path) -> Iterator[tuple[LocalTriton,
+                                                                         TritonServer]]:
+    """A tritonserver of our own on the stack's S3 repository: ours to kill."""
+    secret = stack_settings.aws_secret_access_key
+    assert stack_settings.aws_access_key_id and secret is not None
+    with local_tritonserver(RUNTIME_VENV, stack_settings.repository_url, workdir,
+                            deadline_s=90.0,
+                            s3_credentials=(stack_settings.aws_access_key_id,
+                                            secret.get_secret_value())) as own:
+        endpoint = TritonEndpoint(http=own.http_url, grpc=own.grpc_url,
+                                  metrics=own.metrics_url, name="own-canary")
+        server = TritonServer(endpoint, timeout_s=stack_settings.http_timeout_s,
+                              control_timeout_s=stack_settings.control_timeout_s)
+        try:
+            yield own, server
+        finally:
+            server.close()
+
+
+def test_a_canary_triton_killed_mid_canary_is_an_infrastructure_error(
+        stack_settings: Settings, clients: Clients, versions: Versions,
+        tmp_path: Path) -> None:
+    """Kill our own canary Triton while the load runs: exit 1, never a gate failure (4)."""
+    with _own_canary(stack_settings, tmp_path / "own") as (own, server):
+        mine = replace(clients, canary=server)
+        killer: list[threading.Timer] = []
+
+        def progress(line: str) -> None:
+            if line.startswith("measuring until") and not killer:
+                killer.append(threading.Timer(1.0, os.killpg, (own.process.pid,
+                                                               signal.SIGKILL)))
+                killer[0].start()
+
+        with pytest.raises(ModelshipError) as info:
+            run_canary(stack_settings, mine, Policy.model_validate(CANARY_POLICY), model=MODEL,
+                       candidate=versions.same, baseline=versions.baseline,
+                       progress=progress, report_dir=tmp_path / "report")
+        killer[0].join()
+    error = info.value
+    assert isinstance(error, InfrastructureError) and not isinstance(error, GateFailed)
+    assert error.exit_code == 1
+    assert "stopped answering" in error.message or "measured nothing" in error.message
+    assert error.hint and "not judged" in error.hint
+    # The cleanup could not reach a dead server, and the error says so.
+    assert error.details["cleanup"].startswith("unload failed")
+    assert "cleanup: unload failed" in error.message
+
+
+class _ImpatientServer(TritonServer):
+    """The real server, with a load call whose client deadline (50 ms) expires first."""
+
+    def load_model(self, name: str, *, config_json: str | None = None,
+                   files: dict[str, bytes] | None = None) -> None:
+        try:
+            self.grpc.load_model(name, config=config_json, files=files, client_timeout=0.05)
+        except Exception as exc:
+            raise self._unreachable(exc, f"load model {name}") from exc
+
+
+def test_a_load_call_that_times_out_is_unloaded_and_reported(
+        stack_settings: Settings, clients: Clients, versions: Versions,
+        tmp_path: Path) -> None:
+    with _own_canary(stack_settings, tmp_path / "own") as (own, _):
+        endpoint = TritonEndpoint(http=own.http_url, grpc=own.grpc_url,
+                                  metrics=own.metrics_url, name="own-canary")
+        server = _ImpatientServer(endpoint, timeout_s=stack_settings.http_timeout_s,
+                                  control_timeout_s=stack_settings.control_timeout_s)
+        try:
+            with pytest.raises(InfrastructureError) as info:
+                run_canary(stack_settings, replace(clients, canary=server),
+                           Policy.model_validate(CANARY_POLICY), model=MODEL,
+                           candidate=versions.same, baseline=versions.baseline,
+                           report_dir=tmp_path / "report")
+            assert info.value.exit_code == 1
+            assert "did not answer while trying to load model" in info.value.message
+            # The server finished the load on its own; the canary unloaded it anyway.
+            assert info.value.details["cleanup"] == "unloaded"
+            left = [m for m in server.repository_index()
+                    if m.get("name") == MODEL and m.get("state") in ("READY", "LOADING")]
+            assert left == []
+        finally:
+            server.close()
+
+
+@pytest.mark.parametrize(
+    ("oks", "tags", "paired", "broken"),
+    [
+        ([False, False], ["baseline", "candidate"], True, True),
+        ([False, True], ["baseline", "candidate"], True, False),
+        ([False, False], ["candidate", "candidate"], True, False),  # baseline not measured
+        ([False], [None], False, True),
+        ([], [], True, True),
+    ],
+)
+def test_broken_canary_needs_every_arm_failing(oks: list[bool], tags: list[str | None],
+                                               paired: bool, broken: bool) -> None:
+    records = [RequestRecord(start_s=0.0, latency_ms=1.0, ok=ok, error=None if ok else "boom",
+                             server=0, model_version="1", row=0, tag=tag, outputs=None)
+               for ok, tag in zip(oks, tags, strict=True)]
+    reason = broken_canary(records, paired)
+    assert (reason is not None) is broken
+    if reason and records:
+        assert "boom" in reason
 
 
 # --------------------------------------------------------------------------- agreement (pure)
