@@ -105,15 +105,34 @@ def latency_table(snapshot: CanarySnapshot) -> str:
 
 
 def server_table(snapshot: CanarySnapshot) -> str:
-    """Triton's own view per version: mean queue and compute µs per request, batch size."""
+    """Triton's own view per version next to the client's, and the client overhead.
+
+    Queue + compute is what the server spent per request (the ``server_latency`` rule
+    compares it between the arms); Triton's end-to-end request time against the client's
+    mean latency gives the client overhead (network, serialisation, the load generator),
+    in ms and as a share of the client latency. Overhead dilutes a relative slowdown seen
+    from the client: a +15% server-side regression is less than +15% client-side.
+    """
     server = snapshot.extra.get("server_metrics") or {}
-    lines = ["| arm | version | queue µs | compute µs | infer µs | mean batch | "
+    lines = ["| arm | version | queue µs | compute µs | queue + compute µs | infer µs | "
+             "server request µs | client mean µs | client overhead | mean batch | "
              "server requests | server failures |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, arm in _arms(snapshot):
         seen: Mapping[str, Any] = server.get(name) or {}
+        lat = np.asarray(arm.latency_ms, dtype=float)
+        lat = lat[np.isfinite(lat)]
+        client_us = float(lat.mean()) * 1000.0 if lat.size else None
+        both = (arm.queue_us_mean + arm.compute_us_mean
+                if arm.queue_us_mean is not None and arm.compute_us_mean is not None else None)
+        request_us = seen.get("request_us_mean")
+        overhead = "–"
+        if client_us is not None and request_us is not None and client_us > 0:
+            extra = client_us - float(request_us)
+            overhead = f"{extra:.4g} µs ({extra / client_us:.0%})"
         cells = [name, f"v{arm.version}", _num(arm.queue_us_mean), _num(arm.compute_us_mean),
-                 _num(seen.get("compute_infer_us_mean")), _num(seen.get("batch_size_mean")),
+                 _num(both), _num(seen.get("compute_infer_us_mean")), _num(request_us),
+                 _num(client_us), overhead, _num(seen.get("batch_size_mean")),
                  _num(seen.get("requests"), 9) if seen else "–",
                  _num(seen.get("failures"), 9) if seen else "–"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -179,7 +198,9 @@ def render_markdown(result: CanaryReportSource, *, plot_name: str | None = PLOT_
     lines += ["## Server side (Triton, per request)", "",
               "Triton's counters, scraped after the warm-up and after the last round, so "
               "they cover every measured round (client figures cover the measurement "
-              "windows only).", "", server_table(snapshot).rstrip(), ""]
+              "windows only). Client overhead = client mean latency − Triton's request "
+              "time: the part of the client latency the model version does not cause.", "",
+              server_table(snapshot).rstrip(), ""]
     notes = snapshot.extra.get("notes") or []
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]

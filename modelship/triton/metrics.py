@@ -12,17 +12,22 @@ and works on the difference. Two facts from RECIPES shape it:
 - A wrong-shape request is not counted as a failure, so these counters complement the
   client-side error count and never replace it.
 
-Only the text exposition format is parsed, with a small parser (no dependency): Triton's
-output is plain ``name{labels} value`` lines, with ``Nan`` in empty summaries.
+The text exposition is parsed by ``prometheus_client.parser`` (the reference parser).
+One quirk of it matters here: a family declared ``# TYPE x counter`` yields samples named
+``x_total`` even when the exposition wrote ``x`` (Triton writes ``nv_inference_count``,
+not ``..._total``). :func:`parse_text` therefore gives counter samples their family name
+back, without ``_total``, so the names match Triton's documentation and the constants
+below. ``Nan`` in empty summaries parses as NaN.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from modelship.errors import InfrastructureError
 from modelship.http import get
@@ -62,13 +67,6 @@ Triton's recent window, not cumulative, so they are reported as seen and never d
 
 VersionKey = tuple[str, str]
 """``(model, version)`` as Triton labels them (the version is a string)."""
-
-_LINE = re.compile(
-    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)"
-    r"(?:\{(?P<labels>.*)\})?"
-    r"\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$"
-)
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 
 
 @dataclass(frozen=True)
@@ -132,6 +130,7 @@ class VersionDelta:
             "queue_us_mean": mean_queue_us(self),
             "compute_us_mean": mean_compute_us(self),
             "compute_infer_us_mean": mean_per_request_us(self, COMPUTE_INFER_US),
+            "request_us_mean": mean_per_request_us(self, REQUEST_US),
             "batch_size_mean": mean_batch_size(self),
             "resets": list(self.resets),
             "new": self.new,
@@ -142,29 +141,53 @@ class VersionDelta:
 # --------------------------------------------------------------------------- parsing
 
 
-def _unescape(value: str) -> str:
-    return value.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-
-
 def parse_text(text: str) -> Iterator[Sample]:
-    """The samples of a Prometheus text exposition; comments and malformed lines skipped.
+    """The samples of a Prometheus text exposition, through ``prometheus_client.parser``.
 
-    Values follow the format (``NaN``, ``+Inf``, ``-Inf``); Triton writes ``Nan``, which
-    ``float`` accepts too.
+    Counter samples keep their exposition name without ``_total`` (see the module doc).
+    A malformed line makes the reference parser reject the whole text; then the text is
+    parsed line by line (each line with the ``# TYPE`` seen before it) and only the
+    malformed lines are skipped, so one bad series cannot hide every other one.
     """
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
+        yield from _parse_lines(text)
+        return
+    for family in families:
+        yield from _samples(family)
+
+
+def _samples(family: Any) -> Iterator[Sample]:
+    counter = family.type == "counter"
+    for sample in family.samples:
+        name = sample.name
+        if counter and name == f"{family.name}_total":
+            name = family.name
+        elif counter and name == f"{family.name}_created":
+            continue  # client-library timestamps, not counts
+        yield Sample(name, dict(sample.labels), float(sample.value))
+
+
+def _parse_lines(text: str) -> Iterator[Sample]:
+    types: dict[str, str] = {}
     for raw in text.splitlines():
         line = raw.strip()
+        if line.startswith("# TYPE "):
+            parts = line.split()
+            if len(parts) >= 4:
+                types[parts[2]] = parts[3]
+            continue
         if not line or line.startswith("#"):
             continue
-        match = _LINE.match(line)
-        if match is None:
-            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        header = f"# TYPE {name} {types[name]}\n" if name in types else ""
         try:
-            value = float(match["value"])
+            families = list(text_string_to_metric_families(header + line + "\n"))
         except ValueError:
             continue
-        labels = {k: _unescape(v) for k, v in _LABEL.findall(match["labels"] or "")}
-        yield Sample(match["name"], labels, value)
+        for family in families:
+            yield from _samples(family)
 
 
 def parse_metrics(text: str) -> Scrape:

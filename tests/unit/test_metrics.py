@@ -10,6 +10,7 @@ import pytest
 from modelship.triton.metrics import (
     COMPUTE_INFER_US,
     FAILURE,
+    INFERENCE_COUNT,
     QUEUE_US,
     SUCCESS,
     VersionDelta,
@@ -228,3 +229,40 @@ def test_delta_of_identical_scrapes_is_zero() -> None:
     assert change is not None
     assert change.counters == {SUCCESS: 0.0, QUEUE_US: 0.0}
     assert mean_queue_us(change) is None  # zero requests is no data
+
+
+TYPED = """# HELP nv_inference_request_success Number of successful inference requests
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="m",version="3"} 42
+# HELP nv_inference_queue_duration_us Cumulative inference queuing duration
+# TYPE nv_inference_queue_duration_us counter
+nv_inference_queue_duration_us{model="m",version="3"} 840
+# TYPE nv_inference_request_duration_us counter
+nv_inference_request_duration_us{model="m",version="3"} 4200
+# TYPE nv_inference_pending_request_count gauge
+nv_inference_pending_request_count{model="m",version="3"} 0
+"""
+
+
+def test_counters_keep_tritons_names_through_the_reference_parser() -> None:
+    """prometheus_client names a counter's samples ``x_total``; Triton's are ``x``."""
+    names = {s.name for s in parse_text(TYPED)}
+    assert "nv_inference_request_success" in names
+    assert not any(n.endswith("_total") for n in names)
+    scraped = parse_metrics(TYPED)[("m", "3")]
+    assert scraped.counters[SUCCESS] == 42 and scraped.counters[QUEUE_US] == 840
+
+
+def test_one_malformed_line_does_not_hide_the_others() -> None:
+    text = TYPED + 'nv_inference_count{model="m",version="3"} not-a-number\n'
+    scraped = parse_metrics(text)[("m", "3")]
+    assert scraped.counters[SUCCESS] == 42  # still a counter, still without _total
+    assert INFERENCE_COUNT not in scraped.counters
+
+
+def test_request_duration_mean_is_reported_for_the_client_overhead() -> None:
+    before = parse_metrics(TYPED)
+    after = parse_metrics(TYPED.replace("} 42", "} 52").replace("} 4200", "} 5200"))
+    change = delta(before, after)[("m", "3")]
+    assert change is not None
+    assert change.to_dict()["request_us_mean"] == pytest.approx(100.0)

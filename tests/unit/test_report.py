@@ -174,3 +174,16 @@ def test_plot_without_answers_still_writes_an_image(tmp_path: Path) -> None:
 def test_artifact_key_and_no_artifact_outside_a_prefect_run() -> None:
     assert artifact_key("canary-Fraud_Model-v7") == "canary-fraud-model-v7"
     assert publish_markdown_artifact("# x", key="canary-x") is False
+
+
+def test_server_table_sets_triton_time_next_to_client_latency_and_the_overhead() -> None:
+    arm = ArmMeasurements(version=3, latency_ms=np.full(100, 2.0), requests=100, errors=0,
+                          queue_us_mean=100.0, compute_us_mean=1400.0)
+    snapshot = CanarySnapshot(model="m", candidate=arm, extra={"server_metrics": {
+        "candidate": {"request_us_mean": 1600.0, "requests": 100.0, "failures": 0.0}}})
+    row = next(line for line in server_table(snapshot).splitlines()
+               if line.startswith("| candidate"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # queue, compute, queue + compute, infer, server request, client mean, overhead
+    assert cells[2:9] == ["100", "1.4e+03", "1.5e+03", "–", "1.6e+03", "2e+03",
+                          "400 µs (20%)"]
