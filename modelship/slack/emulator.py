@@ -785,6 +785,10 @@ class EmulatorHandler(BaseHTTPRequestHandler):
 # --------------------------------------------------------------------------- CLI
 
 
+#: The environment variable the bot token comes from, so it never shows on the command line.
+TOKEN_ENV = "MODELSHIP_SLACK_EMULATOR_TOKEN"
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m modelship.slack.emulator",
@@ -792,7 +796,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
-    parser.add_argument("--token", default=None, help="bot token to require; default: any")
+    parser.add_argument("--token", default=None,
+                        help=f"bot token to require (visible to other users on the command "
+                        f"line: prefer the {TOKEN_ENV} environment variable); default: any")
     parser.add_argument(
         "--state-file", type=Path, default=None, help="JSON file keeping state across restarts"
     )
@@ -803,7 +809,8 @@ def main(argv: list[str] | None = None) -> int:
     """Serve until SIGTERM or SIGINT; returns the process exit code."""
     args = _parse_args(argv)
     try:
-        state = EmulatorState(token=args.token, state_file=args.state_file)
+        token = args.token or os.environ.get(TOKEN_ENV) or None
+        state = EmulatorState(token=token, state_file=args.state_file)
         server = EmulatorServer((args.host, args.port), state)
     except StateFileError as exc:
         print(f"slack emulator: {exc}. Delete the file or pass another --state-file.",

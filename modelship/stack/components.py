@@ -45,6 +45,25 @@ def seaweed_command(
     ]
 
 
+def seaweed_security_toml(*, write_key: str, read_key: str, filer_write_key: str,
+                          filer_read_key: str) -> str:
+    """SeaweedFS ``security.toml`` that closes the filer's and volumes' unauthenticated paths.
+
+    Without it, the filer HTTP port reads, writes and deletes bucket objects with no keys
+    (RECIPES, "Closing the filer's back door"). With JWT signing keys the filer answers 401
+    without a token, and a volume write needs a token the master only hands out for new
+    file ids. The S3 gateway, which enforces the access keys, keeps working.
+    """
+    sections = {
+        "jwt.signing": write_key,
+        "jwt.signing.read": read_key,
+        "jwt.filer_signing": filer_write_key,
+        "jwt.filer_signing.read": filer_read_key,
+    }
+    return "".join(f'[{name}]\nkey = "{key}"\nexpires_after_seconds = 10\n\n'
+                   for name, key in sections.items())
+
+
 def seaweed_env(base: Mapping[str, str], *, access_key: str, secret_key: str) -> dict[str, str]:
     """SeaweedFS enforces exactly these credentials on its S3 API."""
     return {**base, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
@@ -98,12 +117,18 @@ def prefect_env(base: Mapping[str, str], *, prefect_home: Path, db_path: Path) -
     }
 
 
-def slack_emulator_command(*, port: int, token: str, state_file: Path) -> list[str]:
+def slack_emulator_command(*, port: int, state_file: Path) -> list[str]:
+    """The emulator's command line; its token goes in the environment (:func:`slack_env`)."""
     return [
         sys.executable, "-m", "modelship.slack.emulator",
         "--host", LOOPBACK, "--port", str(port),
-        "--token", token, "--state-file", str(state_file),
+        "--state-file", str(state_file),
     ]
+
+
+def slack_env(base: Mapping[str, str], *, token: str) -> dict[str, str]:
+    """The token is passed in the environment: never in argv (``ps``) or the log."""
+    return {**base, "MODELSHIP_SLACK_EMULATOR_TOKEN": token}
 
 
 def endpoint_urls(http_port: int, grpc_port: int, metrics_port: int) -> dict[str, str]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modelship.errors import StackError
+from modelship.errors import ModelshipError, StackError, UsageError
 from modelship.settings import Settings
 from modelship.stack import components as c
 from modelship.stack.process import (
@@ -44,9 +44,48 @@ from modelship.stack.state import (
 )
 
 Progress = Callable[[str], None]
+#: Runs after the stack (or a restarted part of it) is ready, before ``up`` returns: the
+#: CLI passes one that reconciles the replicas to the recorded production
+#: (:func:`tasks.reconcile.reconcile`), so a restarted replica serves production before
+#: the stack counts as up. Receives the state; returns a JSON report.
+ReadyHook = Callable[[dict[str, Any]], dict[str, Any]]
 
 READY_DEADLINE_S = 120.0
 REPOSITORY_MARKER = ".modelship-repository"
+#: The manifest signing key, kept in the stack's home (0600), never in the bucket. It
+#: survives `stack down` so that versions staged before stay verifiable.
+SIGNING_KEY_FILE = "manifest-signing.key"
+SEAWEED_CONF_DIR = "seaweedfs-conf"
+
+
+def _private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) and make it readable by its owner only (0700)."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def _private_file(path: Path, text: str) -> None:
+    """Write ``text`` to a file only its owner can read (0600), created so from the start."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    path.chmod(0o600)
+
+
+def manifest_signing_key(home: Path) -> str:
+    """The stack's manifest signing key: read from ``home``, or generated once."""
+    from modelship.signing import generate_key
+
+    path = home / SIGNING_KEY_FILE
+    if path.is_file():
+        key = path.read_text().strip()
+        if key:
+            path.chmod(0o600)
+            return key
+    key = generate_key()
+    _private_file(path, key + "\n")
+    return key
 
 
 def _quiet(_: str) -> None:
@@ -66,6 +105,8 @@ class StartupReport:
     ready_s: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0
     already_running: bool = False
+    restarted: list[str] = field(default_factory=list)
+    reconciled: dict[str, Any] | None = None
 
 
 def _project_bin() -> Path:
@@ -119,10 +160,21 @@ def up(
     replicas: int = 2,
     base_port: int | None = None,
     progress: Progress = _quiet,
+    on_ready: ReadyHook | None = None,
 ) -> tuple[dict[str, Any], StartupReport]:
-    """Start the stack, or confirm it is already running (idempotent)."""
+    """Start the stack, or confirm it is already running (idempotent).
+
+    On a half-up stack (some processes died), only the dead ones are started again, on
+    their recorded ports and with the recorded credentials; then ``on_ready`` runs (the
+    reconcile), so a restarted replica serves production before ``up`` returns.
+
+    Raises:
+        UsageError: ``replicas`` is below 1 (exit 2).
+        StackError: a server failed to start, or a half-up stack cannot be repaired.
+    """
     if replicas < 1:
-        raise StackError("--replicas must be at least 1", hint="pass --replicas 1 or more")
+        raise UsageError(f"--replicas must be at least 1, got {replicas}",
+                         hint="pass --replicas 1 or more (the canary comes on top)")
     state_path = settings.stack_file
     existing = read_state(state_path)
     if existing is not None:
@@ -137,20 +189,28 @@ def up(
             progress("stack already running; nothing to do")
             return existing, StartupReport(already_running=True)
         if any(alive.values()):
-            dead = ", ".join(name for name, ok in alive.items() if not ok)
-            raise StackError(
-                f"the stack in {settings.home} is half up: {dead} not running",
-                hint="run `modelship stack down` to stop the rest, then `modelship stack up`",
-            )
+            dead = [name for name, ok in alive.items() if not ok]
+            if "commands" not in existing:  # written by an older modelship
+                raise StackError(
+                    f"the stack in {settings.home} is half up: {', '.join(dead)} not running",
+                    hint="run `modelship stack down` to stop the rest, then "
+                    "`modelship stack up`",
+                )
+            report = _restart(settings, existing, dead, progress)
+            report.reconciled = _run_hook(on_ready, existing, progress)
+            return existing, report
         progress(f"removing stale state {state_path} (no process of it is running)")
         state_path.unlink()
 
     started = time.monotonic()
-    home = settings.home.resolve()
-    logs, data = home / "logs", home / "data"
-    logs.mkdir(parents=True, exist_ok=True)
-    data.mkdir(parents=True, exist_ok=True)
+    home = _private_dir(settings.home.resolve())
+    logs, data = _private_dir(home / "logs"), _private_dir(home / "data")
     (data / "seaweedfs").mkdir(exist_ok=True)
+    seaweed_conf = _private_dir(home / SEAWEED_CONF_DIR)
+    _private_file(seaweed_conf / "security.toml", c.seaweed_security_toml(
+        write_key=secrets.token_hex(24), read_key=secrets.token_hex(24),
+        filer_write_key=secrets.token_hex(24), filer_read_key=secrets.token_hex(24)))
+    signing_key = manifest_signing_key(home)
 
     n_triton = replicas + 1
     ports = _allocate_ports(len(c.SEAWEED_PORT_NAMES) + 3 + 3 * n_triton, base_port)
@@ -206,26 +266,30 @@ def up(
         "slack_api_url": f"http://{LOOPBACK}:{slack_port}/api/",
         "slack_token": slack_token,
         "slack_signing_secret": secrets.token_hex(16),
+        "manifest_signing_key": signing_key,
+        "seaweedfs": {"filer": f"http://{LOOPBACK}:{seaweed_ports['filer']}"},
         "approvals_url": None,
         "triton": {
             "replicas": [endpoints[n] for n in triton_names[:-1]],
             "canary": endpoints["canary"],
         },
         "processes": [],
+        "commands": {},
     }
     report = StartupReport()
     lock = threading.Lock()
     children: list[tuple[Any, ProcessRecord]] = []
 
-    def launch(name: str, argv: list[str], env: dict[str, str], ports_: list[int]) -> tuple[
-        Any, ProcessRecord
-    ]:
+    def launch(name: str, argv: list[str], env: dict[str, str], ports_: list[int],
+               cwd: Path = home) -> tuple[Any, ProcessRecord]:
         proc, record = start_process(
-            name, argv, env=env, log_path=logs / f"{name}.log", cwd=home, ports=ports_
+            name, argv, env=env, log_path=logs / f"{name}.log", cwd=cwd, ports=ports_
         )
         with lock:
             children.append((proc, record))
             state["processes"].append(record.to_dict())
+            # what `up` needs to restart it alone (no secret: those go in the environment)
+            state["commands"][name] = {"argv": list(argv), "cwd": str(cwd)}
             write_state(state_path, state)  # so `down` can clean up even if `up` dies now
         return proc, record
 
@@ -243,6 +307,7 @@ def up(
                               ports=seaweed_ports),
             c.seaweed_env(base_env, access_key=access_key, secret_key=secret_key),
             list(seaweed_ports.values()),
+            cwd=seaweed_conf,  # weed reads ./security.toml: the filer's JWT keys
         )
         prefect_proc = launch(
             "prefect",
@@ -261,9 +326,8 @@ def up(
         )
         slack_proc = launch(
             "slack",
-            c.slack_emulator_command(port=slack_port, token=slack_token,
-                                     state_file=data / "slack.json"),
-            dict(base_env),
+            c.slack_emulator_command(port=slack_port, state_file=data / "slack.json"),
+            c.slack_env(base_env, token=slack_token),
             [slack_port],
         )
 
@@ -310,7 +374,108 @@ def up(
     for proc, _ in children:
         # Detach: the servers outlive this command; `stack down` stops them by PID.
         proc.returncode = 0
+    report.reconciled = _run_hook(on_ready, state, progress)
     return state, report
+
+
+def _is_triton(name: str) -> bool:
+    return name.startswith("triton-") or name == "canary"
+
+
+def _run_hook(hook: ReadyHook | None, state: dict[str, Any],
+              progress: Progress) -> dict[str, Any] | None:
+    """Run the ready hook; its failure is reported, never a reason to tear the stack down."""
+    if hook is None:
+        return None
+    try:
+        return hook(state)
+    except ModelshipError as exc:
+        progress(f"reconcile after startup failed: {exc}")
+        return {"ok": False, "error": exc.message, "hint": exc.hint}
+
+
+def _component_env(name: str, state: dict[str, Any], settings: Settings) -> dict[str, str]:
+    """The environment a component was started with, rebuilt from the state (pure-ish)."""
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
+    home = Path(state["home"])
+    data = home / "data"
+    keys = {"access_key": state["access_key"], "secret_key": state["secret_key"]}
+    if name == "seaweedfs":
+        return c.seaweed_env(base_env, **keys)
+    if name == "prefect":
+        return c.prefect_env(base_env, prefect_home=data / "prefect",
+                             db_path=data / "prefect.db")
+    if name == "mlflow":
+        return c.mlflow_env(base_env, s3_endpoint=state["s3_endpoint"],
+                            region=state["region"], **keys)
+    if name == "slack":
+        return c.slack_env(base_env, token=state["slack_token"])
+    from modelship.stack.triton_runtime import find_triton_runtime, server_env
+
+    runtime = find_triton_runtime(settings.triton_runtime.resolve())
+    return server_env(runtime, base_env, s3_access_key=state["access_key"],
+                      s3_secret_key=state["secret_key"], s3_region=state["region"])
+
+
+def _component_check(name: str, state: dict[str, Any], record: ProcessRecord
+                     ) -> Callable[[], bool]:
+    """The readiness check of a component, from the state."""
+    if name == "seaweedfs":
+        return lambda: _s3_bucket_ready(state["s3_endpoint"], state["bucket"],
+                                        state["access_key"], state["secret_key"],
+                                        state["region"], state["repository_prefix"])
+    if name == "prefect":
+        return lambda: http_ok(f"{state['prefect_api_url']}/health")
+    if name == "mlflow":
+        return lambda: http_ok(f"{state['mlflow_uri']}/health")
+    if name == "slack":
+        base = str(state["slack_api_url"]).removesuffix("/api/")
+        return lambda: http_ok(f"{base}/_emulator/health")
+    triton = state["triton"]
+    endpoint = next(e for e in [*triton["replicas"], triton["canary"]] if e["name"] == name)
+    grpc_port = int(endpoint["grpc"].rsplit(":", 1)[1])
+    return _triton_ready_check(endpoint["http"], grpc_port)
+
+
+def _restart(settings: Settings, state: dict[str, Any], dead: list[str],
+             progress: Progress) -> StartupReport:
+    """Start the dead components again, in start order, on their recorded ports."""
+    started = time.monotonic()
+    report = StartupReport(restarted=list(dead))
+    records = {r.name: r for r in process_records(state)}
+    for name in [r.name for r in process_records(state) if r.name in dead]:
+        old = records[name]
+        # its orphaned children (Triton's backend stubs) and their shm regions, if any
+        stop_process(old, clean_shm=_is_triton(name))
+        busy = [p for p in old.ports if port_open(p)]
+        if busy:
+            raise StackError(
+                f"cannot restart {name}: its port(s) {', '.join(map(str, busy))} are taken "
+                "by another process",
+                hint="free them, or run `modelship stack down` then `modelship stack up`",
+                component=name, ports=busy,
+            )
+        command = state["commands"][name]
+        progress(f"restarting {name} (it was not running)")
+        proc, record = start_process(name, command["argv"], env=_component_env(name, state,
+                                                                                settings),
+                                     log_path=Path(old.log), cwd=Path(command["cwd"]),
+                                     ports=old.ports)
+        state["processes"] = [record.to_dict() if p["name"] == name else p
+                              for p in state["processes"]]
+        write_state(settings.stack_file, state)
+        try:
+            waited = wait_ready(record, proc, _component_check(name, state, record),
+                                deadline_s=READY_DEADLINE_S)
+        except BaseException:
+            stop_process(record)
+            reap(proc)
+            raise
+        proc.returncode = 0  # detach, as `up` does
+        report.ready_s[name] = round(time.monotonic() - started, 2)
+        progress(f"{name} ready again ({waited:.1f} s)")
+    report.total_s = round(time.monotonic() - started, 2)
+    return report
 
 
 def _triton_ready_check(http_url: str, grpc_port: int) -> Callable[[], bool]:
@@ -345,7 +510,7 @@ def down(settings: Settings, *, progress: Progress = _quiet) -> dict[str, Any]:
     records = process_records(state)
     # Stop in reverse start order: Triton and MLflow before the S3 server they read from.
     for record in reversed(records):
-        if stop_process(record):
+        if stop_process(record, clean_shm=_is_triton(record.name)):
             stopped.append(record.name)
             progress(f"stopped {record.name} (pid {record.pid})")
         else:

@@ -194,12 +194,58 @@ def wait_ready(
         time.sleep(interval_s)
 
 
-def stop_process(record: ProcessRecord, *, grace_s: float = 10.0) -> bool:
+SHM_PREFIX = "/dev/shm/triton_"
+
+
+def shm_regions(pids: Sequence[int]) -> set[str]:
+    """The Triton shared-memory regions (``/dev/shm/triton_*``) these processes map."""
+    regions = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split()
+            if fields and fields[-1].startswith(SHM_PREFIX):
+                regions.add(fields[-1])
+    return regions
+
+
+def remove_files(paths: set[str]) -> list[str]:
+    """Unlink ``paths``; returns those that were removed (missing ones are skipped)."""
+    removed = []
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def stop_process(record: ProcessRecord, *, grace_s: float = 10.0,
+                 clean_shm: bool = False) -> bool:
     """Stop the recorded process group (SIGTERM, then SIGKILL). False if it was not running.
 
     A leader that died on its own (say, a SIGKILLed Triton) can leave its children behind
     (the Python backend stubs); they still carry its process group id, and are stopped too.
+
+    With ``clean_shm`` (Triton), the ``/dev/shm/triton_*`` regions mapped by the group are
+    collected before it is stopped and removed afterwards: a killed Triton leaves them.
     """
+    regions: set[str] = set()
+    if clean_shm:
+        ticks = process_start_ticks(record.pid)
+        if ticks is None or ticks == record.start_ticks:  # never a stranger's PID
+            regions = shm_regions([record.pid, *group_members(record.pid)])
+    try:
+        return _stop_group(record, grace_s=grace_s)
+    finally:
+        remove_files(regions)
+
+
+def _stop_group(record: ProcessRecord, *, grace_s: float) -> bool:
     if not is_alive(record):
         ticks = process_start_ticks(record.pid)
         # The leader is gone (or is our own zombie), not a stranger that reused its PID.
