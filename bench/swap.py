@@ -89,6 +89,7 @@ GOALS = {
     "skew_ms_max": 250.0,
     "pause_over_plain_t100_max": 1.5,
     "max_during_over_pre_p99_max": 2.0,
+    "kill_c_max_s": 10.0,  # a SIGKILLed replica: survivors back on P within this (issue 10)
 }
 
 
@@ -231,6 +232,8 @@ def analyse(records: Sequence[RequestRecord], *, servers: Sequence[str], swap_st
                         default=None)
         last_old = max((r.end_s for r in mine if r.ok and r.model_version == str(old)),
                        default=None)
+        last_new = max((r.end_s for r in mine if r.ok and r.model_version == str(new)),
+                       default=None)
         stale = 0 if first_new is None else sum(
             1 for r in mine if r.ok and r.model_version == str(old) and r.start_s > first_new)
         stale_total += stale
@@ -243,6 +246,7 @@ def analyse(records: Sequence[RequestRecord], *, servers: Sequence[str], swap_st
             "stale": stale,
             "switch_s": None if switch is None else round(switch, 3),
             "last_old_answer_s": None if last_old is None else round(last_old - swap_start_s, 3),
+            "last_new_answer_s": None if last_new is None else round(last_new - swap_start_s, 3),
         }
     everyone = len(switches) == len(servers)
     pre = [r.latency_ms for r in records
@@ -343,6 +347,8 @@ def summarize_protocol(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "max_during_over_pre_p99_max": max(
             (r["load"]["max_during_over_pre_p99"] for r in rounds
              if r["load"]["max_during_over_pre_p99"] is not None), default=None),
+        "verify": [{"verify_s": r["verify_s"], "verified_bytes": r["verified_bytes"]}
+                   for r in rounds if r.get("verify_s") is not None],
     })
     return summary
 
@@ -368,7 +374,21 @@ def judge(protocols: dict[str, dict[str, Any]], faults: dict[str, dict[str, Any]
     lat = [p.get("max_during_over_pre_p99_max") for p in protocols.values()]
     lat_max = None if any(v is None for v in lat) or not lat else max(v for v in lat if v)
     aborts = [f.get("survivors_on_p") for f in faults.values()]
+    kill = faults.get("replica killed", {})
+    served_c = kill.get("survivors_served_c_s")
+    verify = [r for p in protocols.values() for r in p.get("verify", [])]
+    verify_s = statistics.median(v["verify_s"] for v in verify) if verify else None
+    verify_bytes = verify[0]["verified_bytes"] if verify else None
     return [
+        row("kill: time survivors served C before the abort", f"<= {GOALS['kill_c_max_s']} s",
+            served_c, None if served_c is None else served_c <= GOALS["kill_c_max_s"]),
+        row("kill: abort total (observation to every survivor on P)",
+            f"<= {GOALS['kill_c_max_s']} s", kill.get("abort_total_s"),
+            None if kill.get("abort_total_s") is None
+            else kill["abort_total_s"] <= GOALS["kill_c_max_s"]),
+        row("preflight: signature + streamed sha256 of C (median s, bytes)", "reported",
+            None if verify_s is None else f"{verify_s:.3f} s for {verify_bytes} bytes",
+            None if verify_s is None else True),
         row("failed requests (swaps)", "0", failed, failed == 0 if protocols else None),
         row("stale answers (swaps)", "0", stale, stale == 0 if protocols else None),
         row("skew across replicas, worst round", "<= 250 ms", skew,
@@ -494,6 +514,8 @@ def swap_under_load(rig: Rig, *, old: int, new: int, pause_batching: bool,
         "reason": report.get("reason"),
         "phases": phase_breakdown(report, rig.calls, began),
         "final_states": report.get("final_states"),
+        "verify_s": report.get("verify_s"),
+        "verified_bytes": report.get("verified_bytes"),
     }
 
 
@@ -510,8 +532,14 @@ def _abort_figures(result: dict[str, Any], victim: str, *, old: int,
         and status["consistent"]
     abort_phase = next((p for p in result["phases"] if p["phase"] == "abort"), None)
     per = result["load"]["per_replica"]
+    served_c = [v["last_new_answer_s"] - v["switch_s"] for n, v in per.items()
+                if n != victim and v.get("switch_s") is not None
+                and v.get("last_new_answer_s") is not None]
     return {
         "victim": victim,
+        # how long a survivor answered as C before the abort put it back on P (s); 0 when
+        # none did
+        "survivors_served_c_s": round(max(served_c), 3) if served_c else 0.0,
         "aborted": result["aborted"],
         "reason": result["reason"],
         "survivors_on_p": on_p,

@@ -182,7 +182,7 @@ def status(clients: Clients, *, model: str) -> dict[str, Any]:
     aliases, and the last release in the ledger."""
     from tasks.swap import fleet_status
 
-    fleet = fleet_status(clients.replicas, model)
+    fleet = fleet_status(clients.replicas, model, storage=clients.storage)
     aliases: dict[str, int] = {}
     alias_error = None
     if clients.registry is not None:

@@ -191,15 +191,14 @@ class Observed:
 def ready_versions(server: TritonServer, model: str) -> tuple[int, ...]:
     """The versions of ``model`` that ``server`` reports READY, ascending.
 
-    The repository index names the candidates; each is confirmed with a readiness call,
-    because the index of a model being reloaded can lag.
+    Asked of the replica itself (model metadata, then per-version readiness), never of its
+    repository index: the index lists the S3 repository, so it fails while S3 is down
+    although the replica still serves from memory.
     """
-    listed = {
-        int(entry["version"])
-        for entry in server.repository_index()
-        if entry.get("name") == model and entry.get("state") == "READY"
-        and str(entry.get("version", "")).isdigit()
-    }
+    metadata = server.model_metadata(model)
+    if metadata is None:
+        return ()
+    listed = {int(v) for v in metadata.get("versions", []) if str(v).isdigit()}
     return tuple(sorted(v for v in listed if server.is_model_ready(model, str(v))))
 
 
@@ -220,11 +219,21 @@ def observe_fleet(replicas: Sequence[TritonServer], model: str) -> list[Observed
         return list(pool.map(lambda s: _observe(s, model), replicas))
 
 
-def fleet_status(replicas: Sequence[TritonServer], model: str) -> dict[str, Any]:
+def fleet_status(replicas: Sequence[TritonServer], model: str,
+                 storage: S3Storage | None = None) -> dict[str, Any]:
     """What every replica serves, for ``modelship status MODEL --json``.
 
-    ``consistent`` is true when every replica is reachable and serves exactly one and the
-    same version with the same config digest (version policy included).
+    Each replica is asked directly (model metadata and per-version readiness), so the
+    answer holds while S3 is down; with ``storage`` the repository is pinged too and an
+    outage is said (``repository`` and ``notes``).
+
+    Returns:
+        ``{"model", "replicas": [{"url", "name", "ready_versions", "config_digest"[,
+        "error"]}], "consistent", "served", "summary", "notes", "readiness_source"[,
+        "repository": {"reachable", "error"}]}``. ``consistent`` is true when every
+        replica is reachable and serves exactly one and the same version with the same
+        config digest; ``served`` is false when no reachable replica serves the model (an
+        unknown model, or one never deployed); ``summary`` is one human line.
     """
 
     def one(server: TritonServer) -> dict[str, Any]:
@@ -239,12 +248,49 @@ def fleet_status(replicas: Sequence[TritonServer], model: str) -> dict[str, Any]
             row["error"] = exc.message
         return row
 
-    with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, len(replicas) + 1)) as pool:
+        ping = pool.submit(storage.ping) if storage is not None else None
         rows = list(pool.map(one, replicas))
+        repository: dict[str, Any] | None = None
+        if ping is not None:
+            try:
+                ping.result()
+                repository = {"reachable": True, "error": None}
+            except ModelshipError as exc:
+                repository = {"reachable": False, "error": exc.message}
     consistent = bool(rows) and all("error" not in r and len(r["ready_versions"]) == 1
                                     for r in rows) \
         and len({(tuple(r["ready_versions"]), r["config_digest"]) for r in rows}) == 1
-    return {"model": model, "replicas": rows, "consistent": consistent}
+    reachable = [r for r in rows if "error" not in r]
+    served = any(r["ready_versions"] for r in reachable)
+    notes: list[str] = []
+    if repository is not None and not repository["reachable"]:
+        notes.append("S3 (the model repository) is unreachable: the replicas answered from "
+                     "memory and still serve; swaps, reconcile and replica restarts need S3 "
+                     "back")
+    if not rows:
+        summary = f"no Triton replicas are configured for {model}"
+    elif consistent:
+        summary = f"{model} v{rows[0]['ready_versions'][0]} on every replica ({len(rows)})"
+    elif not served and len(reachable) == len(rows):
+        summary = (f"no replica serves {model}: an unknown model name, or one never deployed "
+                   f"(`modelship swap {model} --to V` deploys a staged version)")
+    else:
+        parts = "; ".join(
+            f"{r['name']} " + ("unreachable" if "error" in r else
+                               "serves " + (", ".join(f"v{v}" for v in r["ready_versions"])
+                                            or "nothing"))
+            for r in rows)
+        summary = (f"{model} is INCONSISTENT ({parts}): `modelship reconcile {model}` brings "
+                   f"every reachable replica to the recorded production, or `modelship swap "
+                   f"{model} --to V --converge` to V")
+    document: dict[str, Any] = {"model": model, "replicas": rows, "consistent": consistent,
+                                "served": served, "summary": summary, "notes": notes,
+                                "readiness_source": "replicas (model metadata and "
+                                "per-version readiness, no repository index)"}
+    if repository is not None:
+        document["repository"] = repository
+    return document
 
 
 # --------------------------------------------------------------------------------------

@@ -109,6 +109,21 @@ class TritonServer:
             raise self._unreachable(exc, "read the repository index") from exc
         return list(index.get("models", []))
 
+    def model_metadata(self, name: str) -> dict[str, Any] | None:
+        """The model's metadata (``versions`` lists those loaded), from the server's memory.
+
+        Needs no repository access, so it answers while S3 is down. None when the server
+        does not serve the model (unknown, or not loaded).
+        """
+        try:
+            return dict(self.grpc.get_model_metadata(name, as_json=True,
+                                                     client_timeout=self.timeout_s))
+        except Exception as exc:
+            text = str(exc)
+            if "NOT_FOUND" in text or "unknown model" in text.lower():
+                return None
+            raise self._unreachable(exc, f"read the metadata of {name}") from exc
+
     def model_config(self, name: str) -> dict[str, Any]:
         """The live config of ``name`` as JSON, with server-added ``runtime`` stripped."""
         try:

@@ -201,3 +201,11 @@ def test_corrupt_state_file_says_what_to_do(tmp_path: Path) -> None:
     done = run_cli("stack", "status", home=home)
     assert done.returncode in (1, 2)
     assert "stack.json" in done.stderr and "stack up" in done.stderr
+
+
+def test_zero_replicas_is_a_usage_error_and_starts_nothing(tmp_path: Path) -> None:
+    home = tmp_path / ".modelship"
+    up = run_cli("stack", "up", "--replicas", "0", home=home)
+    assert up.returncode == 2, up.stderr[-2000:]
+    assert "--replicas must be at least 1" in up.stderr
+    assert not (home / "stack.json").exists()

@@ -1,0 +1,187 @@
+"""A stack of our own that heals itself (issue 10, fault 4 and the hygiene items).
+
+It is not the session stack: this module starts a one-replica stack in its own home, kills
+parts of it, and stops it at the end, so no other test is harmed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flows.check import run_check
+from modelship.clients import Clients, build_clients
+from modelship.errors import UsageError
+from modelship.policy import Policy, SwapPolicy
+from modelship.settings import Settings, load_settings
+from modelship.signing import key_bytes
+from modelship.stack import manager
+from modelship.stack.process import ProcessRecord, group_members, shm_regions, stop_process
+from modelship.stack.state import process_records, read_state
+from modelship.triton.infer import TritonInference
+from tasks.reconcile import reconcile, reconcile_stack
+from tasks.swap import fleet_status, swap_fleet
+from tests import models
+from tests.conftest import RUNTIME_VENV
+
+pytestmark = pytest.mark.integration
+
+MODEL = "healer"
+FEED = {"input": np.random.default_rng(3).standard_normal((1, models.N_FEATURES))
+        .astype(np.float32)}
+
+
+@dataclass
+class OwnStack:
+    settings: Settings
+    clients: Clients
+    version: int
+
+
+def record(settings: Settings, name: str) -> ProcessRecord:
+    state = read_state(settings.stack_file)
+    assert state is not None
+    return next(r for r in process_records(state) if r.name == name)
+
+
+def hook(state: dict[str, object]) -> dict[str, object]:
+    return reconcile_stack(state, progress=print)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnStack]:
+    home = tmp_path_factory.mktemp("heal") / ".modelship"
+    base = Settings(home=home, triton_runtime=RUNTIME_VENV)
+    try:
+        manager.up(base, replicas=1, on_ready=hook)
+        settings = load_settings(home=home, triton_runtime=RUNTIME_VENV)
+        clients = build_clients(settings)
+        assert clients.storage is not None
+        version = models.register_sklearn(str(settings.mlflow_tracking_uri), MODEL, seed=5)
+        report = run_check(settings, clients, Policy(), model=MODEL, version=version,
+                           workdir=tmp_path_factory.mktemp("check"), stage=True)
+        assert report.verdict == "passed"
+        swap_fleet(clients.replicas, model=MODEL, target=version, storage=clients.storage,
+                   repository_prefix=settings.repository_prefix, policy=SwapPolicy(),
+                   probe_feed=FEED, probe_outputs=["label"],
+                   signing_key=key_bytes(settings.manifest_signing_key))
+        yield OwnStack(settings, clients, version)
+        clients.close()
+    finally:
+        manager.down(base)
+
+
+def answers(stack: OwnStack) -> str:
+    inference = TritonInference(stack.clients.replicas[0].endpoint.http, timeout_s=10)
+    try:
+        return inference.infer(MODEL, FEED, outputs=["label"]).model_version
+    finally:
+        inference.close()
+
+
+def test_a_killed_replica_is_restarted_alone_and_serves_production_before_up_returns(
+        own_stack: OwnStack) -> None:
+    settings = own_stack.settings
+    victim = record(settings, "triton-0")
+    others = {r.name: r.pid for r in process_records(read_state(settings.stack_file) or {})
+              if r.name != "triton-0"}
+    regions = shm_regions([victim.pid, *group_members(victim.pid)])
+    assert regions, "a serving Triton maps its backend's shm regions"
+    os.kill(victim.pid, signal.SIGKILL)
+    time.sleep(0.5)
+
+    state, report = manager.up(settings, replicas=1, on_ready=hook)
+    assert report.restarted == ["triton-0"]
+    assert report.reconciled is not None and report.reconciled["ok"], report.reconciled
+    (healed,) = report.reconciled["models"]
+    assert healed["model"] == MODEL and healed["changed"] == ["triton-0"]
+    # it serves production the moment `up` returns: no manual swap
+    assert answers(own_stack) == str(own_stack.version)
+    # nothing else was restarted
+    assert {r.name: r.pid for r in process_records(state) if r.name != "triton-0"} == others
+    # the killed server's orphaned shm regions are gone
+    assert not [p for p in regions if Path(p).exists()]
+
+    # again: all up, nothing to do, nothing changed
+    _, again = manager.up(settings, replicas=1, on_ready=hook)
+    assert again.already_running
+
+
+def test_reconcile_fixes_a_replica_left_on_another_config(own_stack: OwnStack) -> None:
+    settings, clients = own_stack.settings, own_stack.clients
+    assert clients.storage is not None
+    replica = clients.replicas[0]
+    replica.unload_model(MODEL)
+    deadline = time.monotonic() + 20
+    while replica.is_model_ready(MODEL) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kwargs = {"storage": clients.storage, "repository_prefix": settings.repository_prefix,
+              "signing_key": key_bytes(settings.manifest_signing_key), "model": MODEL}
+    planned = reconcile(clients.replicas, dry_run=True, **kwargs)  # type: ignore[arg-type]
+    assert planned["changed"] == 0 and "would load triton-0" in planned["models"][0]["status"]
+    done = reconcile(clients.replicas, **kwargs)  # type: ignore[arg-type]
+    assert done["ok"] and done["changed"] == 1
+    assert answers(own_stack) == str(own_stack.version)
+    assert reconcile(clients.replicas, **kwargs)["changed"] == 0  # type: ignore[arg-type]
+
+
+def test_an_unsigned_pin_is_never_loaded(own_stack: OwnStack) -> None:
+    settings, clients = own_stack.settings, own_stack.clients
+    assert clients.storage is not None
+    key = f"{settings.repository_prefix}/{MODEL}/config.pbtxt"
+    body = clients.storage.get_bytes(key)
+    head = clients.storage.head(key)
+    assert head is not None
+    try:
+        clients.storage.put_bytes(key, body)  # same bytes, signature metadata dropped
+        result = reconcile(clients.replicas, storage=clients.storage,
+                           repository_prefix=settings.repository_prefix,
+                           signing_key=key_bytes(settings.manifest_signing_key), model=MODEL)
+        assert not result["ok"] and "unsigned" in result["models"][0]["error"]
+        assert result["models"][0]["exit_code"] == 3
+    finally:
+        clients.storage.put_bytes(key, body, metadata=head["metadata"])
+
+
+def test_status_answers_from_the_replicas_while_s3_is_down(own_stack: OwnStack) -> None:
+    settings, clients = own_stack.settings, own_stack.clients
+    assert clients.storage is not None
+    stop_process(record(settings, "seaweedfs"))
+    try:
+        status = fleet_status(clients.replicas, MODEL, storage=clients.storage)
+        assert status["replicas"][0]["ready_versions"] == [own_stack.version]
+        assert status["consistent"] and status["served"]
+        assert status["repository"]["reachable"] is False
+        assert any("S3" in n and "still serve" in n for n in status["notes"])
+        unknown = fleet_status(clients.replicas, "no-such-model")
+        assert not unknown["served"] and "no replica serves no-such-model" in unknown["summary"]
+    finally:
+        _, report = manager.up(settings, replicas=1, on_ready=hook)
+    assert report.restarted == ["seaweedfs"]
+    clients.storage.ping()
+
+
+def test_secrets_stay_out_of_argv_and_logs(own_stack: OwnStack) -> None:
+    settings = own_stack.settings
+    assert settings.slack_token is not None
+    token = settings.slack_token.get_secret_value()
+    slack = record(settings, "slack")
+    assert token.encode() not in Path(f"/proc/{slack.pid}/cmdline").read_bytes()
+    for log in (settings.home / "logs").iterdir():
+        assert token not in log.read_text(errors="replace"), log
+    state = json.loads(settings.stack_file.read_text())
+    assert state["commands"]["slack"]["argv"] and token not in json.dumps(state["commands"])
+
+
+def test_replicas_zero_is_a_usage_error(own_stack: OwnStack) -> None:
+    with pytest.raises(UsageError) as info:
+        manager.up(own_stack.settings, replicas=0)
+    assert info.value.exit_code == 2
