@@ -68,14 +68,13 @@ def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model
     assert clients.storage is not None
     config = staged_config(clients.storage, repository_prefix=settings.repository_prefix,
                            model=model, version=target)
-    kwargs: dict[str, Any] = {"converge": True} if converge else {}
     report = swap_fleet(
         clients.replicas, model=model, target=target, storage=clients.storage,
         repository_prefix=settings.repository_prefix, policy=policy.swap,
         probe_feed=example_request(config), probe_outputs=[o.name for o in config.output],
         signing_key=key_bytes(settings.manifest_signing_key),
         progress=progress, http_timeout_s=settings.http_timeout_s, dry_run=dry_run,
-        **kwargs)
+        converge=converge)
     return report.to_dict()
 
 

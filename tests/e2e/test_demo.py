@@ -12,24 +12,22 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.e2e
 
 
-def test_demo_releases_v1_then_takes_v2_through_canary_and_swap(
-        stack_settings: Settings) -> None:
-    done = run_cli("demo", "--json", home=stack_settings.home, timeout=600)
+def test_demo_releases_v1_then_v2_through_the_promote_flow(stack_settings: Settings) -> None:
+    done = run_cli("demo", "--json", home=stack_settings.home, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(done.stdout)  # exactly one JSON document, nothing else on stdout
-    steps = [s["step"] for s in doc["steps"]]
-    v1 = doc.get("previous") or doc["released"]
-    assert steps[:2] == [f"check+stage v{v1}", f"release v{v1}"]
-    assert all(s.get("verdict", "passed") in {"passed", "failed", "inconclusive"}
-               for s in doc["steps"])
-    canary = doc["canary"]
-    assert {r["rule"] for r in canary["gates"]["results"]} == {"latency_p99", "error_rate",
-                                                              "agreement"}
+    first, second = doc["releases"]
+    assert first["status"] == "released" and first["from_version"] is None
+    assert second["from_version"] == first["to_version"]
+    assert second["stages"][3]["name"] == "canary"
+    assert second["gates"]["verdict"] in {"passed", "failed", "inconclusive"}
     status = json.loads(run_cli("status", "demo-fraud", "--json",
                                 home=stack_settings.home).stdout)
     assert status["consistent"]
-    if canary["verdict"] == "passed":
-        assert steps[-1].startswith("swap")
-        assert status["production_version"] == doc["released"] == status["aliases"]["production"]
+    if second["status"] == "released":
+        assert status["production_version"] == second["to_version"] == \
+            status["aliases"]["production"]
     else:  # the gates stopped v2: production still serves v1
-        assert status["production_version"] == v1
+        assert status["production_version"] == first["to_version"]
+    assert doc["look"]["slack_messages"].endswith("/_emulator/messages")
+    assert "history demo-fraud" in doc["look"]["history"]
