@@ -76,7 +76,7 @@ def run_demo(current: Any) -> dict[str, Any]:
         raise UsageError("the demo needs the embedded stack", hint="run `modelship stack up`")
     started = time.monotonic()
     requester = current.requester or getpass.getuser()
-    releases = []
+    releases: list[dict[str, Any]] = []
     for label, strength in (("v1 (the current model)", 0.001), ("v2 (the candidate)", 1.0)):
         progress(f"training and registering {label}")
         version = train_and_register(current.mlflow_tracking_uri, name=DEMO_MODEL,
