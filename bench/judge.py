@@ -1,35 +1,41 @@
-"""Canary judges compared by simulation: power and false rollbacks against sample size.
+"""The canary judge by simulation: false rollbacks, power and early stopping, with intervals.
 
-Run: ``.venv/bin/python -m bench.judge [--reps N] [--sizes 250 500 ...] [--workers 2]``.
+Run: ``.venv/bin/python -m bench.judge [--reps N] [--workers 2] [--seq-reps N]``.
 
-Every canary is simulated (no servers), with deterministic seeds: ``SeedSequence([case,
-n, rep])``, so each judge sees exactly the same canaries. Latencies in ms are a lognormal
-body (median 2 ms, log-sd 0.3) plus, on 5% of requests, an exponential tail of mean 4 ms
-(queueing, GC): p50 ≈ 2.0 ms, p95 ≈ 3.8 ms, p99 ≈ 8.6 ms. Three cases, per version
-``n`` requests each:
+Every canary is simulated (no servers) with deterministic seeds ``SeedSequence([case,
+rep])``, and judged by :func:`tasks.gates.judge` with ``default_gates()`` (plus a dry-run
+p95 quantile rule, reported per rule only) at the sample size the canary would plan for
+that baseline (:func:`tasks.gates.plan_samples` on a baseline sample of the same family,
+capped at 12,000). Every rate comes with its 95% Wilson interval.
 
-- ``latency``: the candidate's latencies are the baseline's distribution × 1.15 (every
-  percentile, p95 included, +15%); no errors on either side. Power = P(failed).
-- ``errors``: the candidate fails 0.5% of its requests, the baseline none (kayenta#377).
-  Power = P(failed).
-- ``aa``: the same distribution on both sides, both failing 0.05% of requests (half the
-  default budget of 0.1%), agreement 100%. False rollback = P(failed).
+Latency families, per request in ms:
 
-Three judges:
+- ``standard``: lognormal body (median 2 ms, log-sd 0.3) plus, on 5% of requests, an
+  exponential tail of mean 4 ms: p50 ≈ 2.0, p95 ≈ 3.8, p99 ≈ 8.6 ms.
+- ``heavy``: the same body, the 5% tail Pareto (shape 2.5, scale 2 ms): p99 ≈ 7 ms and a
+  fat tail beyond.
+- ``bimodal``: 85% fast mode (median 2 ms) and 15% slow mode (median 8 ms, log-sd 0.2),
+  as a cache miss or a second code path gives.
 
-- ``ours``: :func:`tasks.gates.judge` + :func:`~tasks.gates.combine` (what ``evaluate``
-  does) with ``default_gates()`` and ``min_samples=1``, so
-  the statistics decide at every n (in a release the canary runs to ``plan_samples``
-  first). ``ours@α=0.01`` is the same tests with α = 0.01, derived from the recorded
-  p-values (each rule's decision is ``p < α``).
-- ``mann_whitney``: Kayenta-like, no tolerance and no floor: one-sided Mann-Whitney at α =
-  0.05 on the latencies and on the 0/1 error indicators; a metric fails when ``p < α``
-  and the lower end of the Hodges-Lehmann interval is above 0 (Kayenta's ``High``).
-- ``fixed``: Flagger-like, the candidate alone: p99 ≤ 1.10 × the baseline's true p99 (the
-  SLO a user would read off today's dashboard) and error rate ≤ 1%.
+Cases (what the candidate does; the baseline is the family as is):
 
-Goal: ≥ 95% power on both regressions and ≤ 1% false rollbacks on A/A, with the fewest
-samples. Figures go to ``bench/results/judge.json``.
+- ``aa_*``: the same distribution, both failing 0.05% of requests. False rollback =
+  P(combined verdict failed). Goal ≤ 1%.
+- ``all_x1.15``: every request ×1.15 (p50 and p99 +15% against a 10% tolerance).
+- ``tail_p99``: only the tail longer (standard: tail mean ×2.2, p99 ≈ +55%), p50 the same.
+- ``tail_p95``: a tail-only regression that moves the p95 ≈ +30% (tail share 5% → 10%).
+- ``body_slower_tail_better``: body ×1.12, tail mean 4 → 2.5 ms: the p99 is better. The
+  p99 rule must not fail it (the old judge did 41% of the time); the p50 rule may (12% is
+  beyond its 10% tolerance).
+- ``errors_80pct_budget`` / ``errors_100pct_budget``: the candidate at 0.08% / 0.1% errors
+  against a perfect baseline, budget 0.1%. Goal: fails ≤ 5% (≤ α).
+- ``errors_0.5pct``: 0.5% errors against a perfect baseline (kayenta#377). Goal ≥ 95%.
+- ``heavy_tail_x1.5`` and ``bimodal_slow_x1.5``: the heavy tail ×1.5, the slow mode ×1.5.
+
+Sequential (``tasks.sequential``, looks every 100 requests per arm, capped at the fixed
+horizon): A/A false detections over all looks, the median requests to a decision, and the
+median time to detect ×1.5 latency and 2% errors as a share of the fixed horizon (goal ≤
+25%). Figures go to ``bench/results/judge.json``.
 """
 
 from __future__ import annotations
@@ -37,204 +43,216 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from bench.results import print_table, write_results
 from modelship.measurements import ArmMeasurements, CanarySnapshot
-from modelship.policy import default_gates
-from tasks.gates import (
-    Verdict,
-    combine,
-    hodges_lehmann,
-    judge,
-    plan_samples,
-    required_samples,
-)
+from modelship.policy import GateRule, default_gates
+from tasks.gates import Verdict, combine, judge, plan_samples
+from tasks.sequential import SequentialCanary
 
-CASES = ("latency", "errors", "aa")
-SIZES = (250, 500, 1000, 1500, 2000, 4000)
-JUDGES = ("ours", "ours@α=0.01", "mann_whitney", "fixed")
-LATENCY_SHIFT = 1.15
-CANDIDATE_ERROR_RATE = 0.005
 AA_ERROR_RATE = 0.0005
-FIXED_P99_FACTOR = 1.10
-FIXED_MAX_ERROR_RATE = 0.01
+MAX_N = 12_000
 GOAL_POWER = 0.95
 GOAL_FALSE = 0.01
-GATES = default_gates()
+GOAL_BUDGET = 0.05
+GOAL_SEQ_SHARE = 0.25
+GATES = [*default_gates(),
+         GateRule(name="latency_p95", metric="latency_p95_ms", test="quantile",
+                  max_increase_pct=10.0, alpha=0.01, dry_run=True)]
+
+Draw = Callable[[np.random.Generator, int], np.ndarray]
 
 
-def latencies(rng: np.random.Generator, n: int, scale: float = 1.0) -> np.ndarray:
-    """Per-request latency in ms: lognormal body plus a 5% exponential tail."""
-    body = 2.0 * np.exp(0.3 * rng.standard_normal(n))
-    tail = (rng.random(n) < 0.05) * rng.exponential(4.0, n)
-    return scale * (body + tail)
-
-
-def true_p99() -> float:
-    """The baseline distribution's p99, from one large fixed-seed sample."""
-    return float(np.percentile(latencies(np.random.default_rng(12345), 2_000_000), 99))
-
-
-@dataclass(frozen=True)
-class Canary:
-    """One simulated canary: the snapshot plus the raw arrays the other judges need."""
-
-    snapshot: CanarySnapshot
-    cand_errors: np.ndarray
-    base_errors: np.ndarray
-
-
-def simulate(case: str, n: int, rep: int) -> Canary:
-    """One canary of ``case`` with ``n`` requests per version, seeded by (case, n, rep)."""
-    rng = np.random.default_rng(np.random.SeedSequence([CASES.index(case), n, rep]))
-    scale = LATENCY_SHIFT if case == "latency" else 1.0
-    cand_rate = {"latency": 0.0, "errors": CANDIDATE_ERROR_RATE, "aa": AA_ERROR_RATE}[case]
-    base_rate = AA_ERROR_RATE if case == "aa" else 0.0
-    cand_err = rng.random(n) < cand_rate
-    base_err = rng.random(n) < base_rate
-    cand_lat = latencies(rng, int(n - cand_err.sum()), scale)
-    base_lat = latencies(rng, int(n - base_err.sum()))
-    agree = 1.0 if case == "aa" else float(rng.binomial(n, 0.995)) / n
-    window = 30.0
-    cand = ArmMeasurements(7, cand_lat, n, int(cand_err.sum()), cand_lat.size / window)
-    base = ArmMeasurements(6, base_lat, n, int(base_err.sum()), base_lat.size / window)
-    snap = CanarySnapshot("fraud", cand, base, agreement=agree, agreement_samples=n,
-                          window_s=window)
-    return Canary(snap, cand_err.astype(float), base_err.astype(float))
-
-
-def judge_ours(canary: Canary) -> dict[str, bool]:
-    """Our default gates, and the same tests at α = 0.01 from the recorded p-values."""
-    # evaluate() minus its plan_samples(), which does not change the verdict.
-    results = [judge(canary.snapshot, rule, min_samples=1) for rule in GATES]
-    failed_strict = False
-    for r in results:
-        if r.dry_run:
-            continue
-        if r.test == "mann_whitney":
-            failed_strict |= r.p_value is not None and r.p_value < 0.01
-        elif r.test == "exact_rate":
-            p_abs = r.details.get("p_absolute")
-            p_cmp = r.details.get("p_vs_baseline")
-            over = r.value is not None and r.threshold_value is not None \
-                and r.value > r.threshold_value
-            failed_strict |= (p_abs is not None and p_abs < 0.01) or \
-                (p_cmp is not None and p_cmp < 0.01 and over)
+def family(name: str, *, scale: float = 1.0, body: float = 1.0, tail: float = 1.0,
+           tail_share: float = 0.05) -> Draw:
+    """A latency sampler (ms) of one family, with the candidate's changes applied."""
+    def draw(rng: np.random.Generator, n: int) -> np.ndarray:
+        if name == "bimodal":
+            fast = 2.0 * np.exp(0.3 * rng.standard_normal(n))
+            slow = tail * 8.0 * np.exp(0.2 * rng.standard_normal(n))
+            return scale * np.where(rng.random(n) < 0.15, slow, body * fast)
+        lat = body * 2.0 * np.exp(0.3 * rng.standard_normal(n))
+        hit = rng.random(n) < tail_share
+        if name == "heavy":
+            extra = tail * 2.0 * (rng.pareto(2.5, n) + 1.0)
         else:
-            failed_strict |= r.verdict is Verdict.FAILED
-    return {"ours": combine(results) is Verdict.FAILED, "ours@α=0.01": failed_strict}
+            extra = rng.exponential(4.0 * tail, n)
+        return scale * (lat + hit * extra)
+    return draw
 
 
-def _kayenta_high(cand: np.ndarray, base: np.ndarray, alpha: float = 0.05) -> bool:
-    """Kayenta's Mann-Whitney classifier without tolerance: significant and CI above 0."""
-    p = float(stats.mannwhitneyu(cand, base, alternative="greater").pvalue)
-    if math.isnan(p) or p >= alpha:
-        return False
-    _, low, _ = hodges_lehmann(cand, base, alpha=alpha)
-    return low > 0
+CASES: dict[str, dict[str, Any]] = {
+    "aa_standard": {"fam": "standard", "cand": {}, "err": (AA_ERROR_RATE, AA_ERROR_RATE)},
+    "aa_heavy": {"fam": "heavy", "cand": {}, "err": (AA_ERROR_RATE, AA_ERROR_RATE)},
+    "aa_bimodal": {"fam": "bimodal", "cand": {}, "err": (AA_ERROR_RATE, AA_ERROR_RATE)},
+    "all_x1.15": {"fam": "standard", "cand": {"scale": 1.15}, "err": (0.0, 0.0)},
+    "tail_p99": {"fam": "standard", "cand": {"tail": 1.7}, "err": (0.0, 0.0)},
+    "tail_p95": {"fam": "standard", "cand": {"tail_share": 0.10}, "err": (0.0, 0.0)},
+    "body_slower_tail_better": {"fam": "standard", "cand": {"body": 1.12, "tail": 0.625},
+                                "err": (0.0, 0.0)},
+    "errors_80pct_budget": {"fam": "standard", "cand": {}, "err": (0.0008, 0.0)},
+    "errors_100pct_budget": {"fam": "standard", "cand": {}, "err": (0.001, 0.0)},
+    "errors_0.5pct": {"fam": "standard", "cand": {}, "err": (0.005, 0.0)},
+    "heavy_tail_x1.5": {"fam": "heavy", "cand": {"tail": 1.5}, "err": (0.0, 0.0)},
+    "bimodal_slow_x1.5": {"fam": "bimodal", "cand": {"tail": 1.5}, "err": (0.0, 0.0)},
+}
+GOALS = {"aa": ("false rollback", GOAL_FALSE, "≤"), "errors_80": ("fails", GOAL_BUDGET, "≤"),
+         "errors_100": ("fails", GOAL_BUDGET, "≤"), "body": ("p99 rule fails", GOAL_BUDGET, "≤")}
 
 
-def judge_mann_whitney(canary: Canary) -> bool:
-    snap = canary.snapshot
-    assert snap.baseline is not None
-    return _kayenta_high(snap.candidate.latency_ms, snap.baseline.latency_ms) or \
-        _kayenta_high(canary.cand_errors, canary.base_errors)
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a rate k/n."""
+    if n == 0:
+        return math.nan, math.nan
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def judge_fixed(canary: Canary, p99_limit_ms: float) -> bool:
-    cand = canary.snapshot.candidate
-    p99 = float(np.percentile(cand.latency_ms, 99))
-    return p99 > p99_limit_ms or cand.errors / cand.requests > FIXED_MAX_ERROR_RATE
+def planned_n(fam: str) -> int:
+    sample = family(fam)(np.random.default_rng(7), 20_000)
+    return min(plan_samples([g for g in GATES if not g.dry_run], baseline_latency_ms=sample,
+                            baseline_error_rate=0.0, min_samples=2000), MAX_N)
 
 
-def run_cell(args: tuple[str, int, int, float]) -> dict[str, Any]:
-    """All judges on ``reps`` canaries of one (case, n): failure counts per judge."""
-    case, n, reps, p99_limit = args
-    failed = dict.fromkeys(JUDGES, 0)
+def simulate(case: str, rep: int, n: int) -> CanarySnapshot:
+    spec = CASES[case]
+    rng = np.random.default_rng(np.random.SeedSequence([list(CASES).index(case), rep]))
+    c_rate, b_rate = spec["err"]
+    c_err, b_err = int(rng.binomial(n, c_rate)), int(rng.binomial(n, b_rate))
+    cand = family(spec["fam"], **spec["cand"])(rng, n - c_err)
+    base = family(spec["fam"])(rng, n - b_err)
+    # Server-side time: the client latency minus ~0.3 ms of client overhead, per arm.
+    c_us = max(float(cand.mean()) - 0.3, 0.05) * 1000 * rng.normal(1.0, 0.01)
+    b_us = max(float(base.mean()) - 0.3, 0.05) * 1000 * rng.normal(1.0, 0.01)
+    return CanarySnapshot(
+        "fraud", ArmMeasurements(7, cand, n, c_err, n / 30.0, 20.0, c_us - 20.0),
+        ArmMeasurements(6, base, n, b_err, n / 30.0, 20.0, b_us - 20.0),
+        agreement=1.0, agreement_samples=n, window_s=30.0)
+
+
+def run_case(args: tuple[str, int, int]) -> dict[str, Any]:
+    """``reps`` canaries of one case: failures of the combined verdict and of each rule."""
+    case, reps, n = args
+    failed = 0
+    by_rule = {g.name: 0 for g in GATES}
     for rep in range(reps):
-        canary = simulate(case, n, rep)
-        for name, verdict in judge_ours(canary).items():
-            failed[name] += verdict
-        failed["mann_whitney"] += judge_mann_whitney(canary)
-        failed["fixed"] += judge_fixed(canary, p99_limit)
-    return {"case": case, "n": n, "reps": reps, "failed": failed}
+        snapshot = simulate(case, rep, n)
+        results = [judge(snapshot, rule, min_samples=1) for rule in GATES]
+        failed += combine(results) is Verdict.FAILED
+        for r in results:
+            by_rule[r.rule] += r.verdict is Verdict.FAILED
+    return {"case": case, "n": n, "reps": reps, "failed": failed, "by_rule": by_rule}
 
 
-def summarise(cells: list[dict[str, Any]], sizes: tuple[int, ...]) -> dict[str, Any]:
-    """Per judge and n: power on each regression, A/A false rollbacks, and the smallest n."""
-    rate = {(c["case"], c["n"], j): c["failed"][j] / c["reps"] for c in cells for j in JUDGES}
-    judges: dict[str, Any] = {}
-    for j in JUDGES:
-        rows = []
-        for n in sizes:
-            rows.append({"n": n, "power_latency": rate["latency", n, j],
-                         "power_errors": rate["errors", n, j],
-                         "false_rollback_aa": rate["aa", n, j]})
-        meets = [r["n"] for r in rows if r["power_latency"] >= GOAL_POWER
-                 and r["power_errors"] >= GOAL_POWER and r["false_rollback_aa"] <= GOAL_FALSE]
-        judges[j] = {"by_n": rows, "smallest_n_meeting_goal": min(meets) if meets else None}
-    return judges
+SEQ_CASES = {"aa": ("standard", {}, AA_ERROR_RATE), "latency_x1.5": ("standard",
+                                                                      {"scale": 1.5}, 0.0),
+             "errors_2pct": ("standard", {}, 0.02)}
+
+
+def run_sequential(args: tuple[str, int, int, int]) -> dict[str, Any]:
+    """``reps`` sequential canaries: status and requests per arm at the decision."""
+    case, reps, horizon, batch = args
+    fam, cand_kw, c_rate = SEQ_CASES[case]
+    b_rate = AA_ERROR_RATE if case == "aa" else 0.0
+    statuses: list[str] = []
+    stops: list[int] = []
+    for rep in range(reps):
+        rng = np.random.default_rng(np.random.SeedSequence([100 + list(SEQ_CASES).index(case),
+                                                            rep]))
+        watch = SequentialCanary(reference_ms=family(fam)(rng, 400))
+        n, status = 0, "continue"
+        while n < horizon and status == "continue":
+            ce, be = int(rng.binomial(batch, c_rate)), int(rng.binomial(batch, b_rate))
+            status = watch.update(family(fam)(rng, batch - be),
+                                  family(fam, **cand_kw)(rng, batch - ce),
+                                  candidate_errors=ce, baseline_errors=be).status
+            n += batch
+        statuses.append(status)
+        stops.append(n)
+    return {"case": case, "reps": reps, "horizon": horizon, "statuses": statuses,
+            "stops": stops}
+
+
+def median_ci(values: list[int]) -> tuple[float, float, float]:
+    """Median with its distribution-free 95% interval (binomial order statistics)."""
+    xs = np.sort(np.asarray(values, dtype=float))
+    n = xs.size
+    lo = max(int(math.floor(n / 2 - 0.98 * math.sqrt(n))), 0)
+    hi = min(int(math.ceil(n / 2 + 0.98 * math.sqrt(n))), n - 1)
+    return float(np.median(xs)), float(xs[lo]), float(xs[hi])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=200)
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--reps", type=int, default=400)
+    parser.add_argument("--seq-reps", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    sizes = tuple(args.sizes)
     started = time.perf_counter()
-    p99 = true_p99()
-    limit = FIXED_P99_FACTOR * p99
-    # Largest cells first so the two workers finish together.
-    jobs = sorted(((case, n, args.reps, limit) for case in CASES for n in sizes),
-                  key=lambda job: -job[1])
+    plans = {fam: planned_n(fam) for fam in ("standard", "heavy", "bimodal")}
+    jobs = [(case, args.reps, plans[spec["fam"]]) for case, spec in CASES.items()]
+    horizon = plans["standard"]
+    seq_jobs = [(case, args.seq_reps, horizon, 100) for case in SEQ_CASES]
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        cells = list(pool.map(run_cell, jobs))
-    judges = summarise(cells, sizes)
-
-    # What the canary would plan for the default gates, sized from a baseline sample, and
-    # for the goal of this benchmark (+15% against a 10% tolerance = effect 5, power 0.95).
-    sample = latencies(np.random.default_rng(7), 4000)
-    gates = default_gates()
-    plan_default = plan_samples(gates, baseline_latency_ms=sample, min_samples=1)
-    lat_rule = gates[0].model_copy(update={"effect": 5.0, "power": GOAL_POWER})
-    err_rule = gates[1].model_copy(update={"effect": CANDIDATE_ERROR_RATE - 0.001,
-                                           "power": GOAL_POWER})
-    plan_goal = {"latency_p99": required_samples(lat_rule, baseline_latency_ms=sample),
-                 "error_rate": required_samples(err_rule)}
+        cells = list(pool.map(run_case, jobs))
+        seq_cells = list(pool.map(run_sequential, seq_jobs))
     elapsed = time.perf_counter() - started
 
-    figures = {
-        "setup": {"reps": args.reps, "sizes": list(sizes), "latency_shift": LATENCY_SHIFT,
-                  "candidate_error_rate": CANDIDATE_ERROR_RATE,
-                  "aa_error_rate": AA_ERROR_RATE, "baseline_true_p99_ms": p99,
-                  "fixed_p99_limit_ms": limit, "fixed_max_error_rate": FIXED_MAX_ERROR_RATE,
-                  "goal": {"power": GOAL_POWER, "false_rollback": GOAL_FALSE},
-                  "seconds": round(elapsed, 1)},
-        "plan": {"default_gates": plan_default, "goal_effects_power_0.95": plan_goal},
-        "judges": judges,
-    }
-    path = write_results("judge", figures)
+    cases: dict[str, Any] = {}
     rows = []
-    for j in JUDGES:
-        for r in judges[j]["by_n"]:
-            rows.append([j, r["n"], f"{r['power_latency']:.0%}", f"{r['power_errors']:.0%}",
-                         f"{r['false_rollback_aa']:.1%}"])
-    print_table(f"Judges, {args.reps} canaries per cell ({elapsed:.0f} s)",
-                ["judge", "n/version", "power +15% latency", "power 0.5% errors",
-                 "A/A false rollback"], rows)
-    print_table("Smallest n with ≥95% power on both and ≤1% A/A false rollbacks",
-                ["judge", "n/version"],
-                [[j, judges[j]["smallest_n_meeting_goal"] or "not reached"] for j in JUDGES])
-    print(f"\nplan_samples(default gates) = {plan_default}; for this goal: {plan_goal}")
-    print(f"wrote {path}")
+    for cell in cells:
+        k, reps = cell["failed"], cell["reps"]
+        lo, hi = wilson(k, reps)
+        rules = {name: {"rate": f / reps, "ci95": list(wilson(f, reps))}
+                 for name, f in cell["by_rule"].items()}
+        cases[cell["case"]] = {"n_per_arm": cell["n"], "reps": reps, "failed_rate": k / reps,
+                               "ci95": [lo, hi], "by_rule": rules}
+        worst = max(cell["by_rule"].items(), key=lambda kv: kv[1])
+        rows.append([cell["case"], cell["n"], f"{k / reps:.1%} [{lo:.1%}, {hi:.1%}]",
+                     ", ".join(f"{name} {f / reps:.0%}" for name, f in cell["by_rule"].items()
+                               if f) or "none", worst[0] if worst[1] else "—"])
+    sequential: dict[str, Any] = {}
+    seq_rows = []
+    for cell in seq_cells:
+        reps = cell["reps"]
+        counts = {s: cell["statuses"].count(s) for s in ("failed", "passed", "continue",
+                                                         "inconclusive")}
+        med, mlo, mhi = median_ci(cell["stops"])
+        f_lo, f_hi = wilson(counts["failed"], reps)
+        sequential[cell["case"]] = {
+            "reps": reps, "fixed_horizon": cell["horizon"], "statuses": counts,
+            "failed_rate": counts["failed"] / reps, "failed_ci95": [f_lo, f_hi],
+            "median_requests": med, "median_ci95": [mlo, mhi],
+            "median_share_of_fixed_horizon": med / cell["horizon"],
+            "median_share_ci95": [mlo / cell["horizon"], mhi / cell["horizon"]]}
+        seq_rows.append([cell["case"], cell["horizon"],
+                         f"{counts['failed'] / reps:.1%} [{f_lo:.1%}, {f_hi:.1%}]",
+                         f"{counts['passed'] / reps:.0%}",
+                         f"{med:.0f} [{mlo:.0f}, {mhi:.0f}]",
+                         f"{med / cell['horizon']:.1%} [{mlo / cell['horizon']:.1%}, "
+                         f"{mhi / cell['horizon']:.1%}]"])
+    figures = {"setup": {"reps": args.reps, "seq_reps": args.seq_reps, "planned_n": plans,
+                         "gates": [g.model_dump(exclude_defaults=True) for g in GATES],
+                         "goals": {"power": GOAL_POWER, "aa_false_rollback": GOAL_FALSE,
+                                   "at_budget_fail": GOAL_BUDGET,
+                                   "sequential_median_share": GOAL_SEQ_SHARE},
+                         "seconds": round(elapsed, 1)},
+               "cases": cases, "sequential": sequential}
+    path = write_results("judge", figures)
+    print_table(f"Default gates, {args.reps} canaries per case ({elapsed:.0f} s)",
+                ["case", "n/arm", "failed [95% CI]", "rules that failed", "top rule"], rows)
+    print_table(f"Sequential canary, {args.seq_reps} runs per case, looks every 100/arm",
+                ["case", "fixed horizon", "failed [95% CI]", "passed early",
+                 "median requests [95% CI]", "share of horizon"], seq_rows)
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

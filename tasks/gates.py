@@ -813,10 +813,10 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
         r_alt = r_tol + effect / 100.0
         delta = math.log(r_alt / r_tol)
         if test == "quantile":
-            if lat is not None and lat.size >= 2:
-                p1 = float(np.mean(lat > np.quantile(lat, q) / math.exp(delta)))
-            else:
-                p1 = float(stats.norm.sf(stats.norm.ppf(q) - delta / DEFAULT_LOG_SD))
+            if lat is None or lat.size < 2:
+                lat = np.exp(DEFAULT_LOG_SD * stats.norm.ppf(
+                    (np.arange(20_000) + 0.5) / 20_000))
+            p1 = _tail_exceedance(lat, q, r_tol, r_alt)
             n_q = _two_proportion_n(1.0 - q, p1, za, zb)
             return int(min(max(n_q, min_samples), _MAX_PLAN))
         if lat is not None and lat.size >= 2:
@@ -858,6 +858,26 @@ def _prob_greater(logs: np.ndarray, delta: float) -> float:
     below = np.searchsorted(s, s + delta, side="left").sum()
     at_or_below = np.searchsorted(s, s + delta, side="right").sum()
     return float(0.5 * (below + at_or_below) / (s.size * s.size))
+
+
+def _tail_exceedance(lat: np.ndarray, q: float, r_tol: float, r_alt: float) -> float:
+    """C's share above ``r_tol ×`` P's q-quantile when C's q-quantile is ``r_alt ×`` P's.
+
+    Two shapes of regression move the quantile by the same factor; the smaller share (the
+    harder case) sizes the canary:
+
+    - *scaled*: every request ``r_alt / r_tol`` times slower;
+    - *tail-only*: requests below the anchor quantile ``q - 4 (1 - q)`` (p95 for p99,
+      p50 for p90... floored at p50) unchanged, the excess above the anchor stretched.
+    """
+    b_q = float(np.quantile(lat, q))
+    scaled = float(np.mean(lat > b_q * r_tol / r_alt))
+    anchor = float(np.quantile(lat, max(q - 4.0 * (1.0 - q), 0.5)))
+    if b_q > anchor:
+        stretch = (r_alt * b_q - anchor) / (b_q - anchor)
+        tail = float(np.mean(lat > anchor + (r_tol * b_q - anchor) / stretch))
+        return min(scaled, tail)
+    return scaled
 
 
 def _two_proportion_n(p0: float, p1: float, za: float, zb: float) -> int:
