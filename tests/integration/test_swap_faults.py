@@ -128,7 +128,7 @@ def test_a_replica_killed_as_the_switch_starts_aborts_within_seconds(
         own_fleet: OwnFleet) -> None:
     """Issue 10, fault 3: a SIGKILLed replica used to hold the abort for the deadline."""
     v1, v2 = own_fleet.versions
-    victim, survivor = own_fleet.servers[0], own_fleet.servers[1]
+    victim = own_fleet.servers[0]
     victim_name, survivor_replica = own_fleet.replicas[0].name, own_fleet.replicas[1]
     killed: list[float] = []
 
