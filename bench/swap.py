@@ -353,8 +353,8 @@ def summarize_protocol(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def judge(protocols: dict[str, dict[str, Any]], faults: dict[str, dict[str, Any]]
-          ) -> list[dict[str, Any]]:
+def judge(protocols: dict[str, dict[str, Any]], faults: dict[str, dict[str, Any]],
+          verify_cost: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Each goal of the issue with its measured value and whether it is met (None: no data,
     which is never a pass)."""
     plain, pause = protocols.get("plain reload", {}), protocols.get("pause-batching", {})
@@ -389,6 +389,10 @@ def judge(protocols: dict[str, dict[str, Any]], faults: dict[str, dict[str, Any]
         row("preflight: signature + streamed sha256 of C (median s, bytes)", "reported",
             None if verify_s is None else f"{verify_s:.3f} s for {verify_bytes} bytes",
             None if verify_s is None else True),
+        row(f"preflight verification of a {VERIFY_MB} MB version (best of 3)", "reported",
+            None if not verify_cost else
+            f"{verify_cost['best_s']} s ({verify_cost['mb_per_s']} MB/s)",
+            None if not verify_cost else True),
         row("failed requests (swaps)", "0", failed, failed == 0 if protocols else None),
         row("stale answers (swaps)", "0", stale, stale == 0 if protocols else None),
         row("skew across replicas, worst round", "<= 250 ms", skew,
@@ -725,6 +729,39 @@ def fault_kill(rig: Rig, victim: Victim) -> dict[str, Any]:
             "killed": victim.killed_at is not None, **figures}
 
 
+VERIFY_MB = 64  # size of the synthetic version whose preflight verification is timed
+
+
+def preflight_verify_cost(rig: Rig, workdir: Path) -> dict[str, Any]:
+    """Time the swap preflight's verification (signature + streamed sha256 of every byte)
+    on a synthetic version of VERIFY_MB MB staged next to the real ones (never loaded)."""
+    from tasks.stage import read_verified, stage_version
+
+    key = key_bytes(rig.settings.manifest_signing_key)
+    folder = workdir / "verify-cost"
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = folder / "model.onnx.data"
+    weights.write_bytes(os.urandom(VERIFY_MB * 1024 * 1024))
+    (folder / "model.onnx").write_bytes(os.urandom(4096))
+    model = "bench_verify_cost"
+    stage_version(rig.storage, model=model, version=1,
+                  files={"model.onnx": folder / "model.onnx", "model.onnx.data": weights},
+                  config_pbtxt=f'name: "{model}"\nbackend: "onnxruntime"\n', provenance={},
+                  policy=Policy().staging, repository_prefix=rig.settings.repository_prefix,
+                  signing_key=key)
+    runs = []
+    for _ in range(3):
+        verified = read_verified(rig.storage, model=model, version=1,
+                                 repository_prefix=rig.settings.repository_prefix, deep=True,
+                                 signing_key=key)
+        runs.append(verified.seconds)
+    rig.storage.delete_prefix(f"{rig.settings.repository_prefix}/{model}/")
+    best = min(runs)
+    size = verified.bytes_hashed
+    return {"bytes": size, "seconds": [round(r, 3) for r in runs],
+            "best_s": round(best, 3), "mb_per_s": round(size / 1e6 / best, 1)}
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -766,6 +803,8 @@ def run(replicas: int, rounds: int, workdir: Path, settings: Settings) -> dict[s
         finally:
             if victim.killed_at is not None:
                 faults.setdefault("replica killed", {})["cleanup"] = victim.clean_up()
+        print("  preflight verification cost on a large staged version", flush=True)
+        verify_cost = preflight_verify_cost(rig, workdir)
     finally:
         rig.clients.close()
         for server in rig.replicas:
@@ -788,7 +827,8 @@ def run(replicas: int, rounds: int, workdir: Path, settings: Settings) -> dict[s
                           "plain reload": _phase_medians(plain_phases)},
         "rounds": per_protocol,
         "faults": faults,
-        "goals": judge(summaries, faults),
+        "preflight_verify": verify_cost,
+        "goals": judge(summaries, faults, verify_cost),
     }
 
 

@@ -111,12 +111,14 @@ def read_pin(storage: S3Storage, *, repository_prefix: str, model: str,
              signing_key: bytes) -> Pin | None:
     """The model's production pin; None when no swap has recorded one yet.
 
-    A ``config.pbtxt`` that staging wrote for a first version (no single specific
-    version, no signature) is not a pin.
+    Only a ``config.pbtxt`` signed by a swap is a pin. The one staging writes for a
+    model's first version carries no signature and is ignored, and so is a pin whose
+    signature was stripped: reconcile then loads nothing for that model (it never loads
+    what it cannot authenticate).
 
     Raises:
-        StagingError: the pin names one version but its signature is missing or wrong
-            (it was rewritten outside modelship), or it does not parse (exit 3).
+        StagingError: the pin carries a signature that does not verify with our key (it
+            was rewritten outside modelship), or it does not parse (exit 3).
     """
     key = _pin_key(repository_prefix, model)
     head = storage.head(key)
@@ -130,15 +132,14 @@ def read_pin(storage: S3Storage, *, repository_prefix: str, model: str,
                            hint="swap the model again (`modelship swap MODEL --to V`)",
                            model=model) from exc
     versions = list(config.version_policy.specific.versions)
-    if len(versions) != 1:
-        return None
     signature = {str(k).lower(): str(v) for k, v in head["metadata"].items()}.get(
         PIN_SIGNATURE_METADATA)
+    if signature is None or len(versions) != 1:
+        return None
     if signature != pin_signature(body, signing_key):
         raise StagingError(
-            f"the production pin s3://{storage.bucket}/{key} (v{versions[0]}) is "
-            f"{'unsigned' if signature is None else 'not signed with our key'}; it was not "
-            "written by a swap, so reconcile will not load from it",
+            f"the production pin s3://{storage.bucket}/{key} (v{versions[0]}) is not signed "
+            "with our key; it was not written by a swap, so reconcile will not load from it",
             hint=f"re-pin production with `modelship swap {model} --to V` (the version "
             "that should serve)", model=model, key=key,
         )
@@ -165,7 +166,8 @@ def _reconcile_model(replicas: Sequence[TritonServer], *, model: str, storage: S
     pin = read_pin(storage, repository_prefix=repository_prefix, model=model,
                    signing_key=signing_key)
     if pin is None:
-        result["status"] = "no production recorded (no swap has pinned it yet)"
+        result["status"] = ("no production recorded: no config.pbtxt signed by a swap "
+                            "(never swapped, or its pin was rewritten); nothing loaded")
         return result
     result["version"] = pin.version
     observed = observe_fleet(replicas, model)

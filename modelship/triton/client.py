@@ -51,7 +51,11 @@ class TritonServer:
 
     def _unreachable(self, exc: Exception, action: str) -> Exception:
         text = str(exc)
-        if "UNAVAILABLE" in text or "DEADLINE_EXCEEDED" in text or "Deadline" in text:
+        status = getattr(exc, "status", None)
+        code = str(status() if callable(status) else "") or text
+        # the status code decides: a load refused with "version 2 is at UNAVAILABLE state"
+        # in its message (INVALID_ARGUMENT) is a model failure, not an unreachable server
+        if "UNAVAILABLE" in code or "DEADLINE_EXCEEDED" in code or "Deadline" in code:
             return Unreachable(
                 f"Triton {self.name} ({self.endpoint.grpc}) did not answer while trying to "
                 f"{action}: {text.strip()}",

@@ -28,7 +28,7 @@ from modelship.stack.process import ProcessRecord, group_members, shm_regions, s
 from modelship.stack.state import process_records, read_state
 from modelship.triton.infer import TritonInference
 from tasks.reconcile import reconcile, reconcile_stack
-from tasks.swap import fleet_status, swap_fleet
+from tasks.swap import fleet_status, pin_signature, swap_fleet
 from tests import models
 from tests.conftest import RUNTIME_VENV
 
@@ -141,14 +141,25 @@ def test_an_unsigned_pin_is_never_loaded(own_stack: OwnStack) -> None:
     head = clients.storage.head(key)
     assert head is not None
     try:
+        kwargs = {"storage": clients.storage, "repository_prefix": settings.repository_prefix,
+                  "signing_key": key_bytes(settings.manifest_signing_key), "model": MODEL}
+        clients.replicas[0].unload_model(MODEL)
         clients.storage.put_bytes(key, body)  # same bytes, signature metadata dropped
-        result = reconcile(clients.replicas, storage=clients.storage,
-                           repository_prefix=settings.repository_prefix,
-                           signing_key=key_bytes(settings.manifest_signing_key), model=MODEL)
-        assert not result["ok"] and "unsigned" in result["models"][0]["error"]
+        result = reconcile(clients.replicas, **kwargs)  # type: ignore[arg-type]
+        assert result["changed"] == 0 and "nothing loaded" in result["models"][0]["status"]
+        # a pin re-signed with another key (or edited) is refused outright
+        clients.storage.put_bytes(key, body, metadata={
+            "modelship-pin-signature": pin_signature(body, b"k" * 32)})
+        result = reconcile(clients.replicas, **kwargs)  # type: ignore[arg-type]
+        assert not result["ok"] and "not signed with our key" in result["models"][0]["error"]
         assert result["models"][0]["exit_code"] == 3
+        assert not clients.replicas[0].is_model_ready(MODEL)
     finally:
         clients.storage.put_bytes(key, body, metadata=head["metadata"])
+        reconcile(clients.replicas, storage=clients.storage,
+                  repository_prefix=settings.repository_prefix,
+                  signing_key=key_bytes(settings.manifest_signing_key), model=MODEL)
+    assert answers(own_stack) == str(own_stack.version)
 
 
 def test_status_answers_from_the_replicas_while_s3_is_down(own_stack: OwnStack) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from modelship.clients import build_clients
-from modelship.errors import CredentialsRejected, StagingError
+from modelship.errors import CredentialsRejected, ModelNotFound, StagingError
 from modelship.policy import StagingPolicy
 from modelship.settings import Settings
 from modelship.signing import generate_key, sign
@@ -20,6 +20,7 @@ from tasks.stage import (
     StagedVersion,
     prune_versions,
     stage_version,
+    staged_config,
     staged_versions,
     verify_staged,
 )
@@ -309,3 +310,19 @@ def test_an_unsigned_or_forged_manifest_is_refused(
     with pytest.raises(StagingError, match=r"model.onnx has sha256 .* \(content\)"):
         verify_staged(storage, model=model, version=1, repository_prefix=prefix,
                       signing_key=KEY, deep=True)
+
+
+def test_staged_config_tells_an_unknown_model_from_an_unstaged_version(
+    storage: S3Storage, stack_settings: Settings, names: tuple[str, str], tmp_path: Path
+) -> None:
+    model, blobs = names
+    prefix = stack_settings.repository_prefix
+    with pytest.raises(ModelNotFound) as info:
+        staged_config(storage, repository_prefix=prefix, model=model, version=1)
+    assert f"model {model!r} is unknown" in info.value.message
+    assert "not staged" not in info.value.message and info.value.exit_code == 2
+    stage(storage, stack_settings, model, blobs, 1, fake_model(tmp_path / "v1"))
+    with pytest.raises(ModelNotFound) as info:
+        staged_config(storage, repository_prefix=prefix, model=model, version=7)
+    assert "version 7 of" in info.value.message and "staged: v1" in info.value.message
+    assert staged_config(storage, repository_prefix=prefix, model=model, version=1).name == model
