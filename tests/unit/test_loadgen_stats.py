@@ -272,3 +272,47 @@ def test_short_error_is_one_bounded_line() -> None:
     assert short_error("a\n  b\tc") == "a b c"
     long = short_error("x" * 1000)
     assert len(long) == 200 and long.endswith("…")
+
+
+# --------------------------------------------------------------------------- raw HTTP parsing
+
+
+def test_http_connection_cuts_answers_at_content_length_and_decodes_chunks() -> None:
+    import asyncio
+
+    from modelship.loadgen import _HttpConnection
+
+    async def scenario() -> list[tuple[int, bytes]]:
+        conn = _HttpConnection()
+        got = []
+        loop = asyncio.get_running_loop()
+        for wire in (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nInference-Header-Content-Length: 2\r\n"
+            b"\r\nab", b"cde",  # split across reads
+            b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+            b"2\r\nde\r\n0\r\n\r\n",
+        ):
+            if conn._waiter is None:
+                conn._waiter = loop.create_future()
+                conn._need = -1
+            waiter = conn._waiter
+            conn.data_received(wire)
+            if waiter.done():
+                status, _, body = waiter.result()
+                got.append((status, body))
+        return got
+
+    assert asyncio.run(scenario()) == [(200, b"abcde"), (400, b"abcde")]
+
+
+def test_http_helpers() -> None:
+    from modelship.loadgen import _header, _http_address, _model_version
+
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nConnection: close"
+    assert _header(head, b"content-length") == b"12"
+    assert _header(head, b"connection") == b"close"
+    assert _header(head, b"missing") is None
+    assert _model_version(b'{"model_name":"m","model_version":"7","outputs":[]}') == "7"
+    assert _model_version(b'{"model_name":"m"}') == ""
+    assert _http_address("127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert _http_address("http://localhost:9/") == ("localhost", 9)
