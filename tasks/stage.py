@@ -958,14 +958,15 @@ def staged_config(storage: S3Storage, *, repository_prefix: str, model: str,
                 f"model {model!r} is unknown to the repository: no version of it is staged "
                 f"under s3://{storage.bucket}/{model_prefix(repository_prefix, model)}/",
                 hint="check the model name (the MLflow registered-model name); a new model "
-                f"is checked and staged with `modelship stage {model} --version V`",
+                f"is released with `modelship promote {model} --version V`",
                 model=model, version=version,
             )
         raise ModelNotFound(
             f"version {version} of {model} is not staged (staged: "
             f"{', '.join(f'v{v}' for v in staged)})",
-            hint=f"run `modelship stage {model} --version {version}` first, or pick a staged "
-            "version",
+            hint=f"release it with `modelship promote {model} --version {version}` (check, "
+            f"stage, canary, swap), or stage it alone with `modelship stage {model} --version "
+            f"{version}`; or pick a staged version",
             model=model, version=version, staged=staged,
         )
     return from_pbtxt(storage.get_bytes(key).decode())

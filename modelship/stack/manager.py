@@ -186,8 +186,11 @@ def up(
                     f"a stack with {wanted} replica(s) is already running, not {replicas}",
                     hint="run `modelship stack down` first to change the replica count",
                 )
-            progress("stack already running; nothing to do")
-            return existing, StartupReport(already_running=True)
+            progress("stack already running; reconciling the replicas")
+            report = StartupReport(already_running=True)
+            # idempotent: a replica restarted behind our back is brought to production
+            report.reconciled = _run_hook(on_ready, existing, progress)
+            return existing, report
         if any(alive.values()):
             dead = [name for name, ok in alive.items() if not ok]
             if "commands" not in existing:  # written by an older modelship

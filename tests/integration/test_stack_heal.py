@@ -110,9 +110,10 @@ def test_a_killed_replica_is_restarted_alone_and_serves_production_before_up_ret
     # the killed server's orphaned shm regions are gone
     assert not [p for p in regions if Path(p).exists()]
 
-    # again: all up, nothing to do, nothing changed
+    # again: all up, nothing restarted, nothing changed
     _, again = manager.up(settings, replicas=1, on_ready=hook)
-    assert again.already_running
+    assert again.already_running and again.restarted == []
+    assert again.reconciled is not None and again.reconciled["changed"] == 0
 
 
 def test_reconcile_fixes_a_replica_left_on_another_config(own_stack: OwnStack) -> None:
