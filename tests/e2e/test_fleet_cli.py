@@ -48,7 +48,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
     assert status["consistent"] and status["production_version"] == v1
     assert [r["ready_versions"] for r in status["replicas"]] == [[v1], [v1]]
 
-    plan = _json("swap", MODEL, "--to", str(v2), "--dry-run", settings=stack_settings)
+    plan = _json("swap", MODEL, "--to", str(v2), "--dry-run", "--force", settings=stack_settings)
     assert plan["dry_run"] and plan["kind"] == "swap" and plan["plan"]
     assert _json("status", MODEL, settings=stack_settings)["production_version"] == v1
 
