@@ -378,13 +378,18 @@ def run_ours(url: str, protocol: str, concurrency: int, x: np.ndarray) -> dict[s
         max_duration_s=1.0 + 2.0 * MAX_TRIALS,
         timeout_s=10.0,
     )
+    cpu_started = time.process_time()
     report = asyncio.run(run_load([url], MODEL, {"input": x}, spec))
+    cpu_s = time.process_time() - cpu_started
     if report.errors:
         raise RuntimeError(f"modelship.loadgen saw {report.errors} errors: {report.error_texts}")
+    sent = len(report.records)
     return {
         "throughput_rps": report.throughput_rps,
         "latency_ms": report.latency_ms,
         "stable": report.stable,
+        # Client CPU (this process, user + system) per request sent, warm-up included.
+        "cpu_us_per_request": round(cpu_s / sent * 1e6, 1) if sent else None,
     }
 
 
@@ -470,6 +475,8 @@ def main() -> None:
                 )
             )
     worst = min(r["ratio"] for r in results)
+    cpu = {f"{r['protocol']} c={r['concurrency']}": r["ours"].get("cpu_us_per_request")
+           for r in results}
     path = write_results(
         "loadgen",
         {
@@ -482,6 +489,7 @@ def main() -> None:
             "goal_ratio": GOAL_RATIO,
             "worst_ratio": worst,
             "goal_met": worst >= GOAL_RATIO,
+            "cpu_us_per_request_ours": cpu,
             "results": results,
         },
     )
@@ -502,6 +510,8 @@ def main() -> None:
         ],
         rows,
     )
+    print("client CPU per request (ours): "
+          + ", ".join(f"{k} {v:.0f} µs" for k, v in cpu.items() if v is not None))
     print(f"\nworst ratio {worst:.2f} (goal {GOAL_RATIO}); written to {path}")
 
 

@@ -49,6 +49,7 @@ from modelship.policy import AgreementPolicy, CanaryPolicy, GateRule, Policy
 from modelship.settings import Settings
 from modelship.triton.client import TritonServer
 from modelship.triton.metrics import Scrape
+from tasks.sequential import SequentialCanary, SequentialConfig, SequentialDecision
 
 Progress = Callable[[str], None]
 
@@ -307,6 +308,7 @@ class _Measured:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     stable: bool | None = None
     required: int = 1
+    decision: SequentialDecision | None = None
 
 
 def _wait_ready(server: TritonServer, model: str, versions: Sequence[int],
@@ -371,21 +373,65 @@ def _ok_by_arm(records: Sequence[RequestRecord], paired: bool) -> dict[str, int]
     return counts
 
 
+def sequential_config(rules: Sequence[GateRule]) -> SequentialConfig:
+    """The sequential watch's settings from the policy's gates (pure).
+
+    The latency tolerance is the smallest ``max_increase_pct`` of the blocking latency
+    rules, α the smallest of their α (and of the error rule's), and the error budget the
+    error rule's ``max_rate``; without such rules the watch's defaults apply.
+    """
+    blocking = [r for r in rules if not r.dry_run]
+    latency = [r for r in blocking if r.test in ("mann_whitney", "quantile")]
+    errors = [r for r in blocking if r.test == "exact_rate"]
+    base = SequentialConfig()
+    return SequentialConfig(
+        alpha=min([base.alpha, *(r.alpha for r in latency + errors)]),
+        max_increase_pct=min([float(r.max_increase_pct or base.max_increase_pct)
+                              for r in latency] or [base.max_increase_pct]),
+        max_error_rate=min([float(r.max_rate or 0.0) for r in errors]
+                           or [base.max_error_rate]),
+    )
+
+
+def _feed(watch: SequentialCanary, records: Sequence[RequestRecord]) -> SequentialDecision:
+    """One look: the round's answers of each arm, in completion order, and its errors."""
+    arms: dict[str, list[float]] = {BASELINE: [], CANDIDATE: []}
+    errors = {BASELINE: 0, CANDIDATE: 0}
+    for r in records:
+        arm = r.tag or CANDIDATE
+        if r.ok:
+            arms[arm].append(r.latency_ms)
+        else:
+            errors[arm] += 1
+    return watch.update(np.asarray(arms[BASELINE]), np.asarray(arms[CANDIDATE]),
+                        baseline_errors=errors[BASELINE], candidate_errors=errors[CANDIDATE])
+
+
 def _measure(url: str, model: str, candidate: int, baseline: int | None,
              payload: Mapping[str, np.ndarray], spec: LoadSpec, *,
              plan: Callable[[Sequence[RequestRecord]], int], required: int,
-             deadline: float, progress: Progress) -> _Measured:
+             deadline: float, progress: Progress, watch: SequentialCanary | None = None,
+             round_s: float = 1.0, floor: int = 1) -> _Measured:
     """Measurement rounds until each arm has the answers the gates need or time is up.
 
     ``required`` is the first estimate; after each round ``plan`` re-sizes it from the
     records measured so far (the baseline's real latency spread replaces the assumption).
+    With a sequential ``watch``, every round lasts ``round_s`` and is one look: the rounds
+    stop as soon as the watch is certain of a regression (or that both arms fail alike),
+    or, once each arm has ``floor`` answers, that the candidate is clearly fine.
     """
     out = _Measured(required=required)
     paired = baseline is not None
-    first = True
+    first = watch is None
     while True:
         remaining_s = deadline - time.monotonic()
-        if first:
+        if watch is not None:
+            if remaining_s < min(round_s, _MIN_ROUND_S):
+                break
+            look_s = min(round_s, remaining_s)
+            round_spec = replace(spec, duration_s=look_s, window_s=min(spec.window_s, look_s),
+                                 max_duration_s=max(look_s, spec.max_duration_s))
+        elif first:
             if remaining_s < min(spec.window_s, _MIN_ROUND_S):
                 break
             round_spec = replace(spec, max_duration_s=max(remaining_s, _MIN_ROUND_S))
@@ -405,7 +451,8 @@ def _measure(url: str, model: str, candidate: int, baseline: int | None,
         out.measured_s += report.duration_s
         if first:
             out.stable = report.stable
-        out.rounds.append({"mode": "stability" if first else "sized",
+        out.rounds.append({"mode": "sequential" if watch is not None
+                           else "stability" if first else "sized",
                            "duration_s": round(report.duration_s, 3),
                            "requests": report.requests, "errors": report.errors,
                            "stable": report.stable})
@@ -422,6 +469,14 @@ def _measure(url: str, model: str, candidate: int, baseline: int | None,
                  + ", ".join(f"{arm} {n}" for arm, n in sorted(counts.items()))
                  + f" (need {out.required} each)")
         first = False
+        if watch is not None and paired:
+            out.decision = _feed(watch, measured)
+            status = out.decision.status
+            if status in ("failed", "inconclusive") or (
+                    status == "passed" and min(counts.values()) >= floor):
+                progress(f"sequential watch: {status} after {len(out.rounds)} looks: "
+                         f"{out.decision.reason}")
+                break
         if min(counts.values()) >= out.required:
             break
     return out
@@ -544,6 +599,30 @@ def _note_cleanup(exc: BaseException, cleanup: str) -> None:
             exc.message = f"{exc.message.rstrip('.')}; cleanup: {cleanup}"
 
 
+def with_sequential(report: Any, decision: SequentialDecision) -> Any:
+    """The gate report with the sequential watch's verdict as one more blocking rule (pure).
+
+    ``failed`` (a regression certain at every look) fails the canary whatever the
+    fixed-horizon rules say with the samples collected so far; ``inconclusive`` (both arms
+    failing alike) is raised by the caller; ``passed`` and ``continue`` add a passing or
+    inconclusive line that the fixed-horizon rules then decide with.
+    """
+    from tasks.gates import GateReport, RuleResult, Verdict, combine
+
+    verdict = {"failed": Verdict.FAILED, "passed": Verdict.PASSED,
+               "inconclusive": Verdict.INCONCLUSIVE}.get(decision.status, Verdict.PASSED)
+    details = decision.to_dict()
+    if decision.status == "inconclusive":
+        details["infrastructure"] = True
+    result = RuleResult(
+        rule="sequential", metric="latency and errors", test="sequential", verdict=verdict,
+        value=None, baseline=None, threshold="always-valid e-value ≥ rules/α",
+        threshold_value=None, p_value=None, samples=decision.samples, dry_run=False,
+        message=f"sequential: {decision.status}: {decision.reason}", details=details)
+    results = (*report.results, result)
+    return GateReport(combine(results), results, report.required_samples)
+
+
 def _report_dir(settings: Settings, model: str, candidate: int) -> Path:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
@@ -653,8 +732,16 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         before = _scrape(server, settings.http_timeout_s, notes)
         progress(f"measuring until {first_plan} answered requests per version "
                  f"(at most {max(deadline - time.monotonic(), 0):.0f} s left)")
+        watch = None
+        if canary.sequential and paired:
+            reference = np.asarray([r.latency_ms for r in warm_records
+                                    if r.ok and r.tag == BASELINE], dtype=float)
+            watch = SequentialCanary(sequential_config(judged),
+                                     reference_ms=reference if reference.size >= 20 else None)
         measured = _measure(url, model, candidate, baseline, payload, spec, plan=plan,
-                            required=first_plan, deadline=deadline, progress=progress)
+                            required=first_plan, deadline=deadline, progress=progress,
+                            watch=watch, round_s=canary.sequential_round_s,
+                            floor=canary.min_samples)
         after = _scrape(server, settings.http_timeout_s, notes)
         _check_alive(server, where)
         broken = broken_canary(measured.records, paired)
@@ -704,7 +791,13 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         window_s=measured.measured_s,
         extra={"server_metrics": server_side, "payload_source": source, "notes": notes},
     )
-    gate_report = evaluate(snapshot, judged, min_samples=required)
+    decision = measured.decision
+    early_pass = decision is not None and decision.status == "passed" \
+        and min(counts.values()) < required
+    gate_report = evaluate(snapshot, judged,
+                           min_samples=canary.min_samples if early_pass else required)
+    if decision is not None:
+        gate_report = with_sequential(gate_report, decision)
     shared = _shared_errors(gate_report)
     if shared:
         raise GatesInconclusive(
@@ -715,6 +808,7 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
             model=model, candidate=candidate, baseline=baseline, reason="shared errors",
             cleanup=cleanup)
     load = {
+        "sequential": decision.to_dict() if decision is not None else None,
         "protocol": canary.protocol,
         "mode": canary.mode,
         "concurrency": canary.concurrency if canary.mode == "concurrency" else None,

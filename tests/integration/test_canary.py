@@ -235,6 +235,40 @@ def test_canary_is_unloaded_when_the_run_fails(stack_settings: Settings, clients
     _assert_nothing_loaded(clients)
 
 
+def test_sequential_canary_stops_a_slow_candidate_early(stack_settings: Settings,
+                                                        clients: Clients, versions: Versions,
+                                                        tmp_path: Path) -> None:
+    policy = {**CANARY_POLICY, "canary": {**CANARY_POLICY["canary"], "sequential": True,
+                                          "max_duration_s": 30.0}}
+    result = _canary(stack_settings, clients, tmp_path, candidate=versions.slow,
+                     baseline=versions.baseline, policy=policy)
+    assert result.verdict == "failed"
+    sequential = _rule(result, "sequential")
+    assert str(sequential.verdict) == "failed", sequential.message
+    assert "regression certain" in sequential.message
+    assert result.load["sequential"]["status"] == "failed"
+    # It stopped at the first looks, far before the 30 s budget or the planned samples.
+    assert result.load["measured_s"] < 10.0
+    assert all(r["mode"] == "sequential" for r in result.load["rounds"])
+
+
+def test_with_sequential_and_its_config_are_pure() -> None:
+    from tasks.canary import sequential_config, with_sequential
+    from tasks.gates import GateReport, Verdict
+    from tasks.sequential import SequentialDecision
+
+    policy = Policy.model_validate(CANARY_POLICY)
+    config = sequential_config(policy.gates)
+    assert config.max_increase_pct == 15.0 and config.max_error_rate == 0.01
+    empty = GateReport(Verdict.PASSED, (), 100)
+    failed = with_sequential(empty, SequentialDecision("failed", "latency_p50: certain", 3,
+                                                       (300, 300)))
+    assert failed.verdict is Verdict.FAILED and failed.results[-1].rule == "sequential"
+    shared = with_sequential(empty, SequentialDecision("inconclusive", "both fail", 2,
+                                                       (200, 200)))
+    assert shared.results[-1].details["infrastructure"] is True
+
+
 # --------------------------------------------------------------------------- broken canaries
 
 RUNTIME_VENV = Path(__file__).resolve().parents[2] / ".venv-triton"
