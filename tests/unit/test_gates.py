@@ -543,3 +543,26 @@ def test_hodges_lehmann_on_indicators(ones_x: int, ones_y: int) -> None:
     est, low, high = hodges_lehmann(x, y, alpha=0.05)
     assert est == np.median(np.subtract.outer(x, y))
     assert low <= est <= high
+
+
+@pytest.mark.parametrize("pb", [0.0, 0.001, 0.05, 0.5, 0.999, 1.0])
+@pytest.mark.parametrize(("max_rate", "effect"), [(0.001, None), (0.0, 1e-7), (0.3, 0.01)])
+def test_rate_planning_is_finite_and_fast_at_any_baseline_rate(pb: float, max_rate: float,
+                                                               effect: float | None) -> None:
+    """The old planner overflowed (binom(n, k)·p^k) and took 1.2 s at a 100% baseline."""
+    import time
+
+    r = rule(metric="error_rate", max_rate=max_rate, effect=effect)
+    started = time.perf_counter()
+    n = required_samples(r, baseline_error_rate=pb)
+    assert isinstance(n, int) and 1 <= n <= 10_000_000
+    assert time.perf_counter() - started < 2.0
+
+
+def test_rate_plan_reaches_its_power_exactly() -> None:
+    from tasks.gates import rate_power
+
+    r = rule(metric="error_rate", max_rate=0.001, effect=0.004, power=0.95)
+    n = required_samples(r)
+    assert float(rate_power(n, 0.001, 0.005, 0.05)[0]) >= 0.95
+    assert float(rate_power(n - 1, 0.001, 0.005, 0.05)[0]) < 0.95
