@@ -899,11 +899,14 @@ def _two_proportion_n(p0: float, p1: float, za: float, zb: float) -> int:
 
 
 def _fisher_plan(p1: float, p0: float, za: float, zb: float) -> int:
-    """Per-arm n for Fisher's test of p1 against p0 (arcsine approximation)."""
+    """Per-arm n for Fisher's test of p1 against p0: the arcsine approximation, with
+    Fleiss' continuity correction for the exact test's conservativeness at small counts."""
     h = 2.0 * (math.asin(math.sqrt(p1)) - math.asin(math.sqrt(p0)))
     if not h > 0:
         return _MAX_PLAN
-    return int(min(math.ceil(2.0 * ((za + zb) / h) ** 2), _MAX_PLAN))
+    n = 2.0 * ((za + zb) / h) ** 2
+    n_cc = n / 4.0 * (1.0 + math.sqrt(1.0 + 4.0 / (n * (p1 - p0)))) ** 2
+    return int(min(math.ceil(n_cc), _MAX_PLAN))
 
 
 def rate_power(n: np.ndarray | int, p0: float, p1: float, alpha: float) -> np.ndarray:

