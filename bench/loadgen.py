@@ -6,8 +6,11 @@ sklearn MLP exported to ONNX, then, for each protocol and for concurrency 1 and 
 perf_analyzer and ``modelship.loadgen`` back-to-back (both with warm-up, windows and a
 20 % stability rule on p95 (10 % rarely holds for
 p95 at concurrency 1 on 2 shared cores)) and reports the throughput ratio (ours / perf_analyzer) and
-p50/p95/p99 of each. The goal is a ratio of at least 0.8. Figures go to
-``bench/results/loadgen.json``. The server is stopped at the end, also on failure.
+p50/p95/p99 of each, and our client's CPU per request (process time / requests). The goal
+is a ratio of at least 0.8. Then (``--cpu-ab REPS``) the HTTP transport's client CPU per
+request before (aiohttp) and after (raw keep-alive connections), interleaved on the same
+server. Figures go to ``bench/results/loadgen.json``. The server is stopped at the end,
+also on failure.
 
 How perf_analyzer is obtained (all cached under ``.modelship/bench-cache/perf_analyzer``,
 which git ignores, and done only once):
@@ -393,6 +396,45 @@ def run_ours(url: str, protocol: str, concurrency: int, x: np.ndarray) -> dict[s
     }
 
 
+def cpu_ab(url: str, x: np.ndarray, reps: int) -> dict[str, Any]:
+    """Client CPU per request of the HTTP transports, before (aiohttp) and after (raw
+    keep-alive connections), interleaved ABAB on the same server; medians over ``reps``."""
+    import statistics
+
+    import modelship.loadgen as loadgen
+
+    current = loadgen._transport
+
+    def before(targets: Any, payload: Any, spec: LoadSpec) -> Any:
+        return loadgen._HttpTransport(targets, payload, spec,
+                                      connections=max(spec.concurrency or 1, 1))
+
+    figures: dict[str, Any] = {}
+    try:
+        for concurrency in (1, 16):
+            seen: dict[str, list[float]] = {"aiohttp (before)": [], "raw (after)": []}
+            rps: dict[str, list[float]] = {k: [] for k in seen}
+            for rep in range(reps):
+                order = list(seen) if rep % 2 == 0 else list(seen)[::-1]
+                for name in order:
+                    loadgen._transport = before if name.startswith("aiohttp") else current
+                    spec = LoadSpec(protocol="http", concurrency=concurrency, warmup_s=0.5,
+                                    window_s=1.0, duration_s=3.0, timeout_s=10.0)
+                    cpu0, wall0 = time.process_time(), time.perf_counter()
+                    report = asyncio.run(run_load([url], MODEL, {"input": x}, spec))
+                    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+                    seen[name].append(cpu / len(report.records) * 1e6)
+                    rps[name].append(len(report.records) / wall)
+            figures[f"c={concurrency}"] = {
+                name: {"cpu_us_per_request_median": round(statistics.median(v), 1),
+                       "cpu_us_per_request_runs": [round(u, 1) for u in v],
+                       "requests_per_s_median": round(statistics.median(rps[name]), 1)}
+                for name, v in seen.items()}
+    finally:
+        loadgen._transport = current
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=1, help="Repetitions of each pair.")
@@ -400,6 +442,8 @@ def main() -> None:
         "--protocols", nargs="+", default=["grpc", "http"], choices=["grpc", "http"]
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--cpu-ab", type=int, default=3, metavar="REPS",
+                        help="HTTP transport before/after CPU comparison reps (0: skip)")
     args = parser.parse_args()
 
     reference = "perf_analyzer"
@@ -452,6 +496,8 @@ def main() -> None:
                             **figures,
                         }
                     )
+        ab = (cpu_ab(server.http_url.removeprefix("http://"), x, args.cpu_ab)
+              if args.cpu_ab > 0 else {})
 
     def fmt(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
@@ -490,6 +536,7 @@ def main() -> None:
             "worst_ratio": worst,
             "goal_met": worst >= GOAL_RATIO,
             "cpu_us_per_request_ours": cpu,
+            "http_transport_cpu_before_after": ab,
             "results": results,
         },
     )
@@ -512,6 +559,15 @@ def main() -> None:
     )
     print("client CPU per request (ours): "
           + ", ".join(f"{k} {v:.0f} µs" for k, v in cpu.items() if v is not None))
+    for shape, arms in ab.items():
+        print(f"HTTP client CPU per request, {shape}: " + ", ".join(
+            f"{name} {v['cpu_us_per_request_median']:.0f} µs" for name, v in arms.items()))
+    by_cell: dict[str, list[float]] = {}
+    for r in results:
+        by_cell.setdefault(f"{r['protocol']} c={r['concurrency']}", []).append(r["ratio"])
+    for cell, ratios in by_cell.items():
+        print(f"ratio {cell}: median {float(np.median(ratios)):.2f}, range "
+              f"[{min(ratios):.2f}, {max(ratios):.2f}] over {len(ratios)} runs")
     print(f"\nworst ratio {worst:.2f} (goal {GOAL_RATIO}); written to {path}")
 
 

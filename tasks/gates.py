@@ -117,7 +117,8 @@ class RuleResult:
     Attributes:
         rule: Rule name from the policy.
         metric: The metric judged (see ``modelship.policy.KNOWN_METRICS``).
-        test: ``mann_whitney``, ``exact_rate`` or ``threshold``.
+        test: ``mann_whitney``, ``quantile``, ``exact_rate``, ``threshold`` (or
+            ``sequential`` for the canary's always-valid watch, see tasks.canary).
         verdict: The rule's verdict.
         value: The candidate's measured value of the metric (None when unmeasured).
         baseline: The baseline's value of the metric, or None.
