@@ -3,13 +3,14 @@
 Run: ``.venv/bin/python -m bench.canary_power [--runs N]``. It starts the embedded stack
 (one replica plus the canary) in a temporary home, registers, checks and stages:
 
-- **P**, the baseline: the test classifier's I/O with a chain of ``LAYERS`` 256-wide
-  MatMuls in the path (server compute of the order of a millisecond, so that the model, not
-  the Python backend's fixed cost, dominates the server time);
+- **P**, the baseline: the test classifier's I/O with a chain of ``LAYERS`` ``WIDTH``-wide
+  MatMuls in the path (server compute of a few milliseconds, so that the model, not the
+  Python backend's fixed cost, dominates the server time);
 - **A**, the same graph registered again (an A/A pair: identical bytes, another version);
-- **S**, the same graph with ``k`` more layers, ``k`` calibrated so that Triton's queue +
-  compute time per request is +15% over P's (one calibration canary per ``k`` tried; the
-  closest is kept and its measured ratio reported).
+- **S**, the same graph with ``k`` more layers, ``k`` calibrated so that Triton's compute
+  time per request is +15% over P's: secant steps from ``k = 15% of LAYERS`` (at most three
+  calibration canaries); the closest is kept and its measured compute and queue + compute
+  ratios are reported.
 
 Then ``--runs`` canaries of A against P and of S against P, interleaved (A, S, A, S, ...),
 each a full :func:`tasks.canary.run_canary` with the default policy (``Policy()``: the
@@ -42,10 +43,9 @@ from tasks.canary import run_canary
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / ".venv-triton"
 MODEL = "canary_power"
-WIDTH = 256
-LAYERS = 24
+WIDTH = 384
+LAYERS = 32
 TARGET_RATIO = 1.15
-EXTRA_LAYERS = (3, 4, 5, 6)
 
 
 def chain_graph(layers: int) -> Any:
@@ -93,12 +93,21 @@ def stage(settings: Settings, clients: Clients, layers: int, workdir: Path) -> i
 
 
 def server_ratio(result: Any) -> float | None:
+    """Candidate / baseline Triton queue + compute µs per request."""
     cand, base = result.snapshot.candidate, result.snapshot.baseline
     if base is None or None in (cand.queue_us_mean, cand.compute_us_mean,
                                 base.queue_us_mean, base.compute_us_mean):
         return None
     return float((cand.queue_us_mean + cand.compute_us_mean)
                  / (base.queue_us_mean + base.compute_us_mean))
+
+
+def compute_ratio(result: Any) -> float | None:
+    """Candidate / baseline Triton compute µs per request (what the graph costs)."""
+    cand, base = result.snapshot.candidate, result.snapshot.baseline
+    if base is None or not cand.compute_us_mean or not base.compute_us_mean:
+        return None
+    return float(cand.compute_us_mean / base.compute_us_mean)
 
 
 def one_canary(settings: Settings, clients: Clients, candidate: int, baseline: int,
@@ -113,6 +122,7 @@ def one_canary(settings: Settings, clients: Clients, candidate: int, baseline: i
     fired = [r.rule for r in result.gate_report.results
              if str(r.verdict) == "failed" and not r.dry_run]
     return {"verdict": result.verdict, "fired": fired, "server_ratio": server_ratio(result),
+            "compute_ratio": compute_ratio(result),
             "samples": result.load["samples"], "required": result.load["required_samples"],
             "seconds": round(time.monotonic() - started, 1)}
 
@@ -128,17 +138,35 @@ def run(settings: Settings, runs: int, workdir: Path) -> dict[str, Any]:
     try:
         baseline = stage(settings, clients, LAYERS, workdir)
         same = stage(settings, clients, LAYERS, workdir)
-        calibration = []
-        for extra in EXTRA_LAYERS:
+        calibration: list[dict[str, Any]] = []
+
+        def calibrate(extra: int) -> float | None:
             version = stage(settings, clients, LAYERS + extra, workdir)
             figures = one_canary(settings, clients, version, baseline, workdir / f"cal{extra}")
             calibration.append({"extra_layers": extra, "version": version, **figures})
-            print(f"calibration +{extra} layers: server ratio {figures.get('server_ratio')}",
-                  flush=True)
-        usable = [c for c in calibration if c.get("server_ratio")]
+            print(f"calibration +{extra} layers: compute ×{figures.get('compute_ratio')}, "
+                  f"queue + compute ×{figures.get('server_ratio')}", flush=True)
+            return figures.get("compute_ratio")
+
+        # Secant steps on k -> compute ratio (1.0 at k = 0), three canaries at most.
+        points = [(0, 1.0)]
+        k = max(1, round((TARGET_RATIO - 1.0) * LAYERS))
+        for _ in range(3):
+            if any(k == done for done, _ in points):
+                break
+            measured = calibrate(k)
+            if not measured:
+                break
+            points.append((k, measured))
+            (k0, r0), (k1, r1) = sorted(points, key=lambda p: abs(p[1] - TARGET_RATIO))[:2]
+            if r1 == r0:
+                break
+            k = min(max(1, round(k0 + (TARGET_RATIO - r0) * (k1 - k0) / (r1 - r0))),
+                    3 * LAYERS)
+        usable = [c for c in calibration if c.get("compute_ratio")]
         if not usable:
-            raise SystemExit(f"no calibration canary measured a server ratio: {calibration}")
-        slow = min(usable, key=lambda c: abs(c["server_ratio"] - TARGET_RATIO))
+            raise SystemExit(f"no calibration canary measured a compute ratio: {calibration}")
+        slow = min(usable, key=lambda c: abs(c["compute_ratio"] - TARGET_RATIO))
         aa: list[dict[str, Any]] = []
         regression: list[dict[str, Any]] = []
         for i in range(runs):
@@ -151,12 +179,15 @@ def run(settings: Settings, runs: int, workdir: Path) -> dict[str, Any]:
         clients.close()
     slow_ratios = [r["server_ratio"] for r in regression if r.get("server_ratio")]
     aa_ratios = [r["server_ratio"] for r in aa if r.get("server_ratio")]
+    slow_compute = [r["compute_ratio"] for r in regression if r.get("compute_ratio")]
     return {
         "setup": {"runs": runs, "layers": LAYERS, "width": WIDTH,
                   "slow_extra_layers": slow["extra_layers"], "policy": "Policy() defaults"},
         "calibration": calibration,
         "server_ratio": {"aa_median": float(np.median(aa_ratios)) if aa_ratios else None,
-                         "slow_median": float(np.median(slow_ratios)) if slow_ratios else None},
+                         "slow_median": float(np.median(slow_ratios)) if slow_ratios else None,
+                         "slow_compute_median": (float(np.median(slow_compute))
+                                                 if slow_compute else None)},
         "aa": {"false_rollback": rate(aa, "failed"), "inconclusive": rate(aa, "inconclusive"),
                "runs": aa},
         "slow": {"detection": rate(regression, "failed"),

@@ -32,6 +32,10 @@ Cases (what the candidate does; the baseline is the family as is):
 - ``errors_0.5pct``: 0.5% errors against a perfect baseline (kayenta#377). Goal ≥ 95%.
 - ``heavy_tail_x1.5`` and ``bimodal_slow_x1.5``: the heavy tail ×1.5, the slow mode ×1.5.
 
+Triton's server-side figures are simulated as the client mean minus 0.3 ms of client
+overhead, seen through 30 one-second metrics intervals with 5% log-normal noise per arm
+(the ``server_latency`` rule's t-test works on those intervals).
+
 Sequential (``tasks.sequential``, looks every 100 requests per arm, capped at the fixed
 horizon): A/A false detections over all looks, the median requests to a decision, and the
 median time to detect ×1.5 latency and 2% errors as a share of the fixed horizon (goal ≤
@@ -61,6 +65,7 @@ GOAL_POWER = 0.95
 GOAL_FALSE = 0.01
 GOAL_BUDGET = 0.05
 GOAL_SEQ_SHARE = 0.25
+SERVER_NOISE = 0.05
 GATES = [*default_gates(),
          GateRule(name="latency_p95", metric="latency_p95_ms", test="quantile",
                   max_increase_pct=10.0, alpha=0.01, dry_run=True)]
@@ -129,13 +134,18 @@ def simulate(case: str, rep: int, n: int) -> CanarySnapshot:
     c_err, b_err = int(rng.binomial(n, c_rate)), int(rng.binomial(n, b_rate))
     cand = family(spec["fam"], **spec["cand"])(rng, n - c_err)
     base = family(spec["fam"])(rng, n - b_err)
-    # Server-side time: the client latency minus ~0.3 ms of client overhead, per arm.
-    c_us = max(float(cand.mean()) - 0.3, 0.05) * 1000 * rng.normal(1.0, 0.01)
-    b_us = max(float(base.mean()) - 0.3, 0.05) * 1000 * rng.normal(1.0, 0.01)
+    # Server-side time: the client latency minus ~0.3 ms of client overhead, per arm, seen
+    # by 30 one-second metrics intervals with 5% noise each (per arm, log scale).
+    c_us = max(float(cand.mean()) - 0.3, 0.05) * 1000
+    b_us = max(float(base.mean()) - 0.3, 0.05) * 1000
+    intervals = [{"candidate": {"us": n / 30 * c_us * float(np.exp(e_c)), "n": n / 30},
+                  "baseline": {"us": n / 30 * b_us * float(np.exp(e_b)), "n": n / 30}}
+                 for e_c, e_b in rng.normal(0.0, SERVER_NOISE, (30, 2))]
     return CanarySnapshot(
         "fraud", ArmMeasurements(7, cand, n, c_err, n / 30.0, 20.0, c_us - 20.0),
         ArmMeasurements(6, base, n, b_err, n / 30.0, 20.0, b_us - 20.0),
-        agreement=1.0, agreement_samples=n, window_s=30.0)
+        agreement=1.0, agreement_samples=n, window_s=30.0,
+        extra={"server_intervals": intervals})
 
 
 def run_case(args: tuple[str, int, int]) -> dict[str, Any]:

@@ -579,7 +579,7 @@ KNOWN_METRICS: dict[str, str] = {
 }
 """Metric names a gate may use, with their meaning and units."""
 
-GateTest = Literal["mann_whitney", "quantile", "exact_rate", "threshold"]
+GateTest = Literal["mann_whitney", "quantile", "server_ratio", "exact_rate", "threshold"]
 
 TYPICAL_LATENCY_METRICS: tuple[str, ...] = ("latency_p50_ms", "latency_mean_ms")
 """Latency metrics that describe a typical request: Mann-Whitney's domain."""
@@ -590,6 +590,7 @@ TAIL_LATENCY_METRICS: tuple[str, ...] = ("latency_p90_ms", "latency_p95_ms", "la
 _TEST_FIELDS: dict[str, tuple[str, ...]] = {
     "mann_whitney": ("max_increase_pct", "min_effect_ms"),
     "quantile": ("max_increase_pct", "min_effect_ms"),
+    "server_ratio": ("max_increase_pct",),
     "exact_rate": ("max_rate",),
     "threshold": ("min", "max"),
 }
@@ -608,6 +609,10 @@ class GateRule(_Section):
       ``latency_p99_ms``). The candidate's percentile against the baseline's times the same
       tolerance, with a pooled-quantile exceedance test (Fisher's exact test); a tail-only
       regression fails it. ``mann_whitney`` on a tail percentile is read as ``quantile``.
+    - ``server_ratio``: ``server_latency_ratio`` only. Triton's queue + compute µs per
+      request of the candidate over the baseline's, per metrics interval (the canary scrapes
+      every second), with a one-sided t-test on the log ratios against ``1 +
+      max_increase_pct/100``: client overhead cannot dilute a server-side regression.
     - ``exact_rate``: ``error_rate`` only. H0 "the candidate's error rate ≤ ``max_rate``",
       exact binomial test: a candidate within its budget fails at most α of the time at any
       sample size, and it stays correct with zero errors.
@@ -630,7 +635,8 @@ class GateRule(_Section):
         default=None,
         description="`mann_whitney` (typical latency: `latency_p50_ms`, `latency_mean_ms`), "
         "`quantile` (tail latency: `latency_p90_ms`, `latency_p95_ms`, `latency_p99_ms`; "
-        "`mann_whitney` on these is read as `quantile`), `exact_rate` (`error_rate`) or "
+        "`mann_whitney` on these is read as `quantile`), `server_ratio` "
+        "(`server_latency_ratio`, per-interval t-test), `exact_rate` (`error_rate`) or "
         "`threshold`. Default: inferred from the bounds given, else from the metric.",
     )
     min: float | None = Field(
@@ -646,10 +652,11 @@ class GateRule(_Section):
     max_increase_pct: float | None = Field(
         default=None,
         gt=0,
-        description="mann_whitney and quantile: tolerated slowdown, in percent of the "
-        "baseline's metric (its p50 or mean for mann_whitney, the named percentile for "
-        "quantile); the candidate fails when its metric is significantly beyond the "
-        "baseline's × (1 + tolerance). Float > 0; required for both.",
+        description="mann_whitney, quantile and server_ratio: tolerated slowdown, in percent "
+        "of the baseline's metric (its p50 or mean for mann_whitney, the named percentile for "
+        "quantile, Triton's queue + compute time for server_ratio); the candidate fails when "
+        "its metric is significantly beyond the baseline's × (1 + tolerance). Float > 0; "
+        "required for these tests.",
     )
     min_effect_ms: float | None = Field(
         default=None,
@@ -708,9 +715,10 @@ class GateRule(_Section):
     def _coherent(self) -> GateRule:
         test = self.test or _infer_test(self.model_dump())
         for other, names in _TEST_FIELDS.items():
-            if other == test or set(names) == set(_TEST_FIELDS[test]):
+            if other == test:
                 continue
-            stray = [n for n in names if getattr(self, n) is not None]
+            stray = [n for n in names
+                     if n not in _TEST_FIELDS[test] and getattr(self, n) is not None]
             if stray:
                 raise ValueError(
                     f"rule '{self.name}': {', '.join(stray)} do not apply to test '{test}' "
@@ -724,6 +732,13 @@ class GateRule(_Section):
             if self.min is not None and self.max is not None and self.min > self.max:
                 raise ValueError(f"rule '{self.name}': min {self.min} is greater than max "
                                  f"{self.max}")
+        elif test == "server_ratio":
+            if self.metric != "server_latency_ratio":
+                raise ValueError(f"rule '{self.name}': server_ratio compares Triton's own time "
+                                 "per request, so the metric must be 'server_latency_ratio', "
+                                 f"not '{self.metric}'")
+            if self.max_increase_pct is None:
+                raise ValueError(f"server_ratio rule '{self.name}' needs max_increase_pct")
         elif test in ("mann_whitney", "quantile"):
             allowed = TYPICAL_LATENCY_METRICS if test == "mann_whitney" else TAIL_LATENCY_METRICS
             if self.metric not in allowed:
@@ -762,6 +777,8 @@ def _infer_test(data: dict[str, Any]) -> GateTest:
         return "threshold"
     if data.get("metric") in TAIL_LATENCY_METRICS:
         return "quantile"
+    if data.get("metric") == "server_latency_ratio":
+        return "server_ratio"
     if data.get("max_increase_pct") is not None or data.get("min_effect_ms") is not None:
         return "mann_whitney"
     if data.get("max_rate") is not None:
@@ -793,8 +810,8 @@ def default_gates() -> list[GateRule]:
         GateRule(name="error_rate", metric="error_rate", test="exact_rate", max_rate=0.001,
                  power=0.95, effect=0.004),
         GateRule(name="agreement", metric="agreement", test="threshold", min=0.98),
-        GateRule(name="server_latency", metric="server_latency_ratio", test="threshold",
-                 max=1.10),
+        GateRule(name="server_latency", metric="server_latency_ratio", test="server_ratio",
+                 max_increase_pct=10.0, alpha=0.01),
     ]
 
 

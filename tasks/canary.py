@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -59,6 +60,7 @@ _UNLOAD_WAIT_S = 15.0
 _BUSY_STATES = frozenset({"READY", "LOADING", "UNLOADING"})
 _MIN_ROUND_S = 0.5
 _ROUND_MARGIN = 1.2
+_SCRAPE_PERIOD_S = 1.0
 _COMPARATIVE_METRICS = frozenset({"agreement", "throughput_ratio", "server_latency_ratio"})
 
 
@@ -509,6 +511,73 @@ def _scrape(server: TritonServer, timeout_s: float, notes: list[str]) -> Scrape 
         return None
 
 
+class _MetricsTicker:
+    """Scrapes Triton's metrics every ``period_s`` in a thread while the load runs.
+
+    Each pair of consecutive scrapes is one interval of the server-side test
+    (:func:`tasks.gates._judge_server_ratio`); a failed scrape only makes an interval
+    longer, never a figure up.
+    """
+
+    def __init__(self, server: TritonServer, timeout_s: float, period_s: float) -> None:
+        self.scrapes: list[Scrape] = []
+        self.failures = 0
+        self._server = server
+        self._timeout_s = timeout_s
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="canary-metrics", daemon=True)
+
+    def _run(self) -> None:
+        from modelship.triton.metrics import scrape
+
+        while not self._stop.wait(self._period_s):
+            try:
+                self.scrapes.append(scrape(self._server.endpoint.metrics, self._timeout_s))
+            except ModelshipError:
+                self.failures += 1
+
+    def __enter__(self) -> _MetricsTicker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(self._timeout_s + self._period_s)
+
+
+def server_intervals(scrapes: Sequence[Scrape | None], model: str,
+                     versions: Mapping[str, int]) -> list[dict[str, dict[str, float]]]:
+    """Per interval between consecutive scrapes, each arm's queue + compute µs and answers.
+
+    Pure. Intervals where a version's counters restarted or its series vanished are left
+    out (their difference is not a measurement of the interval).
+    """
+    from modelship.triton.metrics import (
+        COMPUTE_INFER_US,
+        COMPUTE_INPUT_US,
+        COMPUTE_OUTPUT_US,
+        QUEUE_US,
+        delta,
+    )
+
+    kept = [s for s in scrapes if s is not None]
+    out: list[dict[str, dict[str, float]]] = []
+    for before, after in zip(kept, kept[1:], strict=False):
+        changes = delta(before, after)
+        interval: dict[str, dict[str, float]] = {}
+        for arm, version in versions.items():
+            change = changes.get((model, str(version)))
+            if change is None or change.resets or change.new:
+                break
+            us = sum(change.counters.get(n, 0.0) for n in (QUEUE_US, COMPUTE_INPUT_US,
+                                                           COMPUTE_INFER_US, COMPUTE_OUTPUT_US))
+            interval[arm] = {"us": us, "n": change.requests}
+        else:
+            out.append(interval)
+    return out
+
+
 def _server_side(before: Scrape | None, after: Scrape | None, model: str,
                  versions: Mapping[str, int],
                  notes: list[str]) -> dict[str, dict[str, Any] | None]:
@@ -738,10 +807,11 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
                                     if r.ok and r.tag == BASELINE], dtype=float)
             watch = SequentialCanary(sequential_config(judged),
                                      reference_ms=reference if reference.size >= 20 else None)
-        measured = _measure(url, model, candidate, baseline, payload, spec, plan=plan,
-                            required=first_plan, deadline=deadline, progress=progress,
-                            watch=watch, round_s=canary.sequential_round_s,
-                            floor=canary.min_samples)
+        with _MetricsTicker(server, settings.http_timeout_s, _SCRAPE_PERIOD_S) as ticker:
+            measured = _measure(url, model, candidate, baseline, payload, spec, plan=plan,
+                                required=first_plan, deadline=deadline, progress=progress,
+                                watch=watch, round_s=canary.sequential_round_s,
+                                floor=canary.min_samples)
         after = _scrape(server, settings.http_timeout_s, notes)
         _check_alive(server, where)
         broken = broken_canary(measured.records, paired)
@@ -769,6 +839,11 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
 
     arms = {CANDIDATE: candidate, **({BASELINE: baseline} if baseline is not None else {})}
     server_side = _server_side(before, after, model, arms, notes)
+    intervals = server_intervals([before, *ticker.scrapes, after], model, arms) \
+        if baseline is not None else []
+    if ticker.failures:
+        notes.append(f"{ticker.failures} of Triton's metrics scrapes during the load failed; "
+                     "the server-side intervals around them are longer")
     by_arm: dict[str, list[RequestRecord]] = {arm: [] for arm in arms}
     for record in measured.records:
         by_arm[record.tag or CANDIDATE].append(record)
@@ -789,7 +864,8 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         agreement_samples=compared,
         agreement_kind=kind if kind != "auto" else "classifier",
         window_s=measured.measured_s,
-        extra={"server_metrics": server_side, "payload_source": source, "notes": notes},
+        extra={"server_metrics": server_side, "server_intervals": intervals,
+               "payload_source": source, "notes": notes},
     )
     decision = measured.decision
     early_pass = decision is not None and decision.status == "passed" \

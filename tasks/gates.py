@@ -28,9 +28,11 @@ and ``exact_rate``. **A rule tests the statistic it names:**
 - ``exact_rate``: H0 "C's error rate ≤ ``max_rate``", exact binomial test; the baseline
   can only explain shared errors away (then ``inconclusive``), never add a way to fail.
   See :func:`_judge_rate`.
-- ``threshold``: the point value must lie within ``[min, max]``, bounds inclusive. The
-  server-side ``server_latency_ratio`` (C's Triton queue + compute µs per request over
-  P's) is judged this way: client overhead cannot dilute a server-side regression.
+- ``server_ratio`` (``server_latency_ratio``): Triton's own queue + compute µs per request,
+  candidate over baseline, per metrics interval, with a one-sided t-test on the log ratios
+  against the tolerance: client overhead cannot dilute a server-side regression. See
+  :func:`_judge_server_ratio`.
+- ``threshold``: the point value must lie within ``[min, max]``, bounds inclusive.
 
 Every message states the statistic, both values, the tolerance, the interval and the
 p-value. The canary sizes its load with :func:`plan_samples` (per rule: effect, α, power)
@@ -74,6 +76,7 @@ __all__ = [
     "quantile_interval",
     "rate_power",
     "required_samples",
+    "server_interval_ratios",
 ]
 
 DEFAULT_LOG_SD = 0.5
@@ -259,6 +262,8 @@ def judge(snapshot: CanarySnapshot, rule: GateRule, *, min_samples: int) -> Rule
                 return _judge_latency(snapshot, rule, min_samples)
             if test == "quantile":
                 return _judge_quantile(snapshot, rule, min_samples)
+            if test == "server_ratio":
+                return _judge_server_ratio(snapshot, rule, min_samples)
             if test == "exact_rate":
                 return _judge_rate(snapshot, rule, min_samples)
             return _judge_threshold(snapshot, rule, min_samples)
@@ -553,6 +558,96 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) 
     return _result(*result_args, Verdict.PASSED, value, base_value, threshold, bound_ms, p,
                    (n, m), f"{rule.name}: {metric} of {_arm_name(snapshot)} is not shown beyond "
                    f"the baseline's × {ratio:.3f}: {how} ≥ α={rule.alpha:g}", details)
+
+
+MIN_SERVER_INTERVALS = 3
+"""Metrics intervals with both versions answered that the server-side t-test needs."""
+
+
+def server_interval_ratios(snapshot: CanarySnapshot) -> np.ndarray:
+    """Per-interval candidate / baseline Triton time per request (pure).
+
+    ``snapshot.extra["server_intervals"]`` holds, per metrics interval, each arm's queue +
+    compute µs and successful requests (``{"candidate": {"us", "n"}, "baseline": ...}``);
+    intervals where an arm answered nothing or spent no time are left out.
+    """
+    ratios = []
+    for interval in snapshot.extra.get("server_intervals") or []:
+        c, b = interval.get("candidate") or {}, interval.get("baseline") or {}
+        try:
+            c_n, b_n, c_us, b_us = (float(c["n"]), float(b["n"]), float(c["us"]),
+                                    float(b["us"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if c_n > 0 and b_n > 0 and c_us > 0 and b_us > 0 and \
+                all(map(math.isfinite, (c_n, b_n, c_us, b_us))):
+            ratios.append((c_us / c_n) / (b_us / b_n))
+    return np.asarray(ratios, dtype=float)
+
+
+def _judge_server_ratio(snapshot: CanarySnapshot, rule: GateRule,
+                        min_samples: int) -> RuleResult:
+    """Triton's own time per request: the candidate's against the baseline's, per interval.
+
+    The canary scrapes Triton's metrics every second during the load, so each interval
+    ``i`` gives a ratio ``r_i`` of the two versions' queue + compute µs per request,
+    measured on the same server over the same second. H0: the geometric mean ratio ≤
+    ``1 + max_increase_pct/100``; a one-sided Student t-test on ``log r_i`` (Welch-free: the
+    intervals are paired by construction) rejects at ``alpha``. The client's own overhead
+    (serialisation, network, the load generator) is not in these figures, so it cannot
+    dilute a server-side regression the way it dilutes client latency. Exact when the log
+    ratios are normal and independent across intervals, approximately otherwise; the
+    interval is the t interval at ``1 - 2·alpha`` on the ratio.
+    """
+    ratio_bound = 1.0 + float(rule.max_increase_pct or 0.0) / 100.0
+    value, _ = metric_value(snapshot, rule.metric)
+    n = min(snapshot.candidate.requests, snapshot.baseline.requests) \
+        if snapshot.baseline is not None else snapshot.candidate.requests
+    threshold = f"≤ ×{ratio_bound:.3f} (+{float(rule.max_increase_pct or 0.0):g}%)"
+    ratios = server_interval_ratios(snapshot)
+    k = int(ratios.size)
+
+    def result(verdict: Verdict, message: str, p: float | None = None,
+               details: Mapping[str, Any] | None = None) -> RuleResult:
+        return _result(rule, "server_ratio", verdict, value, None, threshold, ratio_bound, p,
+                       (n, snapshot.baseline.requests if snapshot.baseline else None),
+                       message, details)
+
+    if snapshot.baseline is None:
+        return result(Verdict.INCONCLUSIVE, f"{rule.name}: no baseline to compare Triton's "
+                      f"time with (first release of {snapshot.model})")
+    if k < MIN_SERVER_INTERVALS:
+        return result(Verdict.INCONCLUSIVE, f"{rule.name}: only {k} metrics intervals with "
+                      f"both versions answered {_window(snapshot)}, "
+                      f"{MIN_SERVER_INTERVALS} needed; is Triton's metrics endpoint reachable?")
+    if n < min_samples:
+        return result(Verdict.INCONCLUSIVE, f"{rule.name}: {_too_few(snapshot, n, min_samples)}")
+    logs = np.log(ratios)
+    mean = float(np.mean(logs))
+    se = float(np.std(logs, ddof=1)) / math.sqrt(k)
+    limit = math.log(ratio_bound)
+    if se > 0:
+        t = (mean - limit) / se
+        p = float(stats.t.sf(t, k - 1))
+        half = float(stats.t.ppf(1 - rule.alpha, k - 1)) * se
+    else:
+        p = 0.0 if mean > limit else 1.0
+        half = 0.0
+    lo, hi = math.exp(mean - half), math.exp(mean + half)
+    conf = 1 - 2 * rule.alpha
+    details = {"statistic": "Triton queue + compute µs per request, candidate / baseline",
+               "intervals": k, "geometric_mean_ratio": math.exp(mean), "ratio_ci": [lo, hi],
+               "ci_confidence": conf, "tolerance_ratio": ratio_bound, "alpha": rule.alpha,
+               "whole_run_ratio": value}
+    whole = f"{value:.3f}" if value is not None else "—"
+    how = (f"Triton queue + compute per request ×{math.exp(mean):.3f} of the baseline's over "
+           f"{k} intervals ({conf:.0%} CI ×{lo:.3f}–×{hi:.3f}; whole run ×{whole}), "
+           f"tolerance ×{ratio_bound:.3f}; t-test p={p:.2g}")
+    if p < rule.alpha:
+        return result(Verdict.FAILED, f"{rule.name}: {_arm_name(snapshot)} is slower inside "
+                      f"Triton than the tolerance allows: {how} < α={rule.alpha:g}", p, details)
+    return result(Verdict.PASSED, f"{rule.name}: {_arm_name(snapshot)} is not shown slower "
+                  f"inside Triton than the tolerance: {how} ≥ α={rule.alpha:g}", p, details)
 
 
 def _judge_rate(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:

@@ -53,6 +53,9 @@ CANARY_POLICY: dict[str, Any] = {
          "max_increase_pct": 15.0, "min_effect_ms": 1.0, "effect": 185.0},
         {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
         {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98},
+        # Reported, not blocking: its verdicts are asserted where they are certain.
+        {"name": "server_latency", "metric": "server_latency_ratio", "test": "server_ratio",
+         "max_increase_pct": 10.0, "alpha": 0.01, "dry_run": True},
     ],
 }
 
@@ -166,6 +169,9 @@ def test_identical_candidate_passes(stack_settings: Settings, clients: Clients,
         assert arm.queue_us_mean is not None and arm.queue_us_mean > 0
         assert arm.compute_us_mean is not None and arm.compute_us_mean > 0
     assert document["snapshot"]["server_metrics"]["candidate"]["requests"] > 0
+    # Triton scraped every second: per-interval figures for the server-side test.
+    assert len(document["snapshot"]["server_intervals"]) >= 3
+    assert _rule(result, "server_latency").details["intervals"] >= 3
 
     markdown = Path(result.report_paths["markdown"]).read_text(encoding="utf-8")
     assert f"# Canary: {MODEL} v{versions.same} against v{versions.baseline}: **PASSED**" \
@@ -189,6 +195,8 @@ def test_much_slower_candidate_fails_the_latency_rule(stack_settings: Settings,
     assert base is not None and cand.compute_us_mean and base.compute_us_mean
     # The server agrees it is the model, not the client: far more compute per request.
     assert cand.compute_us_mean > 3 * base.compute_us_mean
+    server = _rule(result, "server_latency")
+    assert str(server.verdict) == "failed", server.message
     markdown = Path(result.report_paths["markdown"]).read_text(encoding="utf-8")
     assert "**FAILED**" in markdown
 
@@ -211,7 +219,8 @@ def test_first_release_judges_only_absolute_gates(stack_settings: Settings, clie
     result = _canary(stack_settings, clients, tmp_path, candidate=versions.same, baseline=None,
                      policy=policy)
     assert result.verdict == "passed", result.to_dict()["gates"]
-    assert result.skipped_rules == ["latency_p99", "agreement"]  # quantile needs a baseline
+    # The quantile and server-side tests need a baseline.
+    assert result.skipped_rules == ["latency_p99", "agreement", "server_latency"]
     assert [r.rule for r in result.gate_report.results] == ["error_rate"]
     assert result.snapshot.baseline is None and result.snapshot.agreement is None
     assert "first release" in Path(result.report_paths["markdown"]).read_text(encoding="utf-8")
@@ -267,6 +276,24 @@ def test_with_sequential_and_its_config_are_pure() -> None:
     shared = with_sequential(empty, SequentialDecision("inconclusive", "both fail", 2,
                                                        (200, 200)))
     assert shared.results[-1].details["infrastructure"] is True
+
+
+def test_server_intervals_difference_consecutive_scrapes() -> None:
+    from modelship.triton.metrics import COMPUTE_INFER_US, QUEUE_US, SUCCESS, VersionMetrics
+    from tasks.canary import server_intervals
+
+    def scrape(n1: float, us1: float, n2: float, us2: float) -> dict[tuple[str, str], Any]:
+        return {("m", "1"): VersionMetrics({SUCCESS: n1, QUEUE_US: us1 / 2,
+                                            COMPUTE_INFER_US: us1 / 2}),
+                ("m", "2"): VersionMetrics({SUCCESS: n2, QUEUE_US: us2 / 2,
+                                            COMPUTE_INFER_US: us2 / 2})}
+
+    scrapes = [scrape(0, 0, 0, 0), scrape(10, 5000, 10, 6000), None,
+               scrape(30, 15000, 30, 18000), scrape(5, 100, 35, 20000)]  # v1 restarted
+    got = server_intervals(scrapes, "m", {"baseline": 1, "candidate": 2})
+    assert got == [{"baseline": {"us": 5000.0, "n": 10.0}, "candidate": {"us": 6000.0, "n": 10.0}},
+                   {"baseline": {"us": 10000.0, "n": 20.0},
+                    "candidate": {"us": 12000.0, "n": 20.0}}]
 
 
 # --------------------------------------------------------------------------- broken canaries

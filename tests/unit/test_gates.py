@@ -46,13 +46,24 @@ def arm(version: int, latency: np.ndarray | None = None, *, requests: int | None
                            else requests, errors, rps, queue, compute)
 
 
+def intervals(ratio: float, k: int = 30, sd: float = 0.05, seed: int = 0
+              ) -> list[dict[str, dict[str, float]]]:
+    """Per-second server figures: the baseline at 500 µs, the candidate ``ratio`` × it."""
+    rng = np.random.default_rng(seed)
+    return [{"candidate": {"us": 100 * 500.0 * ratio * float(np.exp(e)), "n": 100.0},
+             "baseline": {"us": 100 * 500.0, "n": 100.0}}
+            for e in rng.normal(0.0, sd, k)]
+
+
 def snap(candidate: ArmMeasurements | None = None, baseline: ArmMeasurements | None = None, *,
          agreement: float | None = 0.995, agreement_samples: int = N,
-         no_baseline: bool = False) -> CanarySnapshot:
+         no_baseline: bool = False,
+         server: list[dict[str, dict[str, float]]] | None = None) -> CanarySnapshot:
     cand = candidate or arm(7)
     base = None if no_baseline else (baseline or arm(6, BASE_LAT))
     return CanarySnapshot("fraud", cand, base, agreement=agreement,
-                          agreement_samples=agreement_samples, window_s=30.0)
+                          agreement_samples=agreement_samples, window_s=30.0,
+                          extra={"server_intervals": server or []})
 
 
 def rule(**kw: Any) -> GateRule:
@@ -451,7 +462,8 @@ def test_evaluate_default_gates_on_a_regression() -> None:
     candidate = arm(7, lat(N - 10, seed=2, scale=1.5), requests=N, errors=10, queue=50.0,
                     compute=700.0)
     baseline = arm(6, BASE_LAT, requests=N, errors=0, queue=50.0, compute=500.0)
-    report = evaluate(snap(candidate, baseline), default_gates(), min_samples=1000)
+    report = evaluate(snap(candidate, baseline, server=intervals(1.4)), default_gates(),
+                      min_samples=1000)
     assert isinstance(report, GateReport)
     assert [(r.rule, r.verdict) for r in report.results] == [
         ("latency_p50", F), ("latency_p99", F), ("error_rate", F), ("agreement", P),
@@ -461,7 +473,9 @@ def test_evaluate_default_gates_on_a_regression() -> None:
     document = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert document["verdict"] == "failed"
     assert document["results"][2]["samples"] == {"candidate": N, "baseline": N}
-    assert document["results"][4]["value"] == pytest.approx(750 / 550)
+    assert document["results"][4]["value"] == pytest.approx(750 / 550)  # the whole run
+    assert document["results"][4]["details"]["geometric_mean_ratio"] == pytest.approx(1.4,
+                                                                                     rel=0.03)
     table = markdown_table(report)
     assert table.count("\n|") == 7  # header, rule line, five rules
     assert "| rule | value | baseline | threshold | p-value | verdict |" in table
@@ -566,3 +580,44 @@ def test_rate_plan_reaches_its_power_exactly() -> None:
     n = required_samples(r)
     assert float(rate_power(n, 0.001, 0.005, 0.05)[0]) >= 0.95
     assert float(rate_power(n - 1, 0.001, 0.005, 0.05)[0]) < 0.95
+
+
+# --------------------------------------------------------------------------------------
+# server_ratio
+
+SERVER = {"metric": "server_latency_ratio", "max_increase_pct": 10.0}
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "min_samples", "expected"),
+    [
+        pytest.param(snap(server=intervals(1.0)), 100, P, id="same-server-time"),
+        pytest.param(snap(server=intervals(0.8)), 100, P, id="faster"),
+        pytest.param(snap(server=intervals(1.3)), 100, F, id="+30pct-inside-triton"),
+        pytest.param(snap(server=intervals(1.3, k=2)), 100, INC, id="too-few-intervals"),
+        pytest.param(snap(server=[]), 100, INC, id="no-metrics"),
+        pytest.param(snap(no_baseline=True, server=intervals(1.0)), 1, INC, id="no-baseline"),
+        pytest.param(snap(server=intervals(1.0)), N + 1, INC, id="too-few-requests"),
+        pytest.param(snap(server=[{"candidate": {"us": 1.0, "n": 0.0},
+                                   "baseline": {"us": 1.0, "n": 1.0}}] * 5), 1, INC,
+                     id="candidate-answered-nothing"),
+        pytest.param(snap(server=intervals(1.2, sd=0.0)), 1, F, id="no-noise-above"),
+        pytest.param(snap(server=intervals(1.05, sd=0.0)), 1, P, id="no-noise-below"),
+    ],
+)
+def test_server_ratio(snapshot: CanarySnapshot, min_samples: int, expected: Verdict) -> None:
+    result = judge(snapshot, rule(**SERVER), min_samples=min_samples)
+    assert result.test == "server_ratio"
+    assert result.verdict is expected, result.message
+
+
+def test_server_ratio_message_is_truthful() -> None:
+    result = judge(snap(arm(7, queue=50.0, compute=700.0), arm(6, BASE_LAT, queue=50.0,
+                                                             compute=500.0),
+                        server=intervals(1.3)), rule(**SERVER), min_samples=1)
+    assert result.verdict is F
+    low, high = result.details["ratio_ci"]
+    assert low < result.details["geometric_mean_ratio"] < high
+    for part in ("Triton queue + compute per request ×1.", "over 30 intervals", "90% CI ×",
+                 "whole run ×1.364", "tolerance ×1.100", "t-test p="):
+        assert part in result.message, (part, result.message)

@@ -29,14 +29,24 @@ def draw(rng: np.random.Generator, n: int, *, scale: float = 1.0, tail_scale: fl
     return scale * (body + tail)
 
 
+def server_intervals(rng: np.random.Generator, ratio: float, k: int = 30,
+                     sd: float = 0.08) -> list[dict[str, dict[str, float]]]:
+    """Per-second Triton figures: baseline ~500 µs, candidate ``ratio`` × it, noisy."""
+    base = 500.0 * np.exp(rng.normal(0.0, sd, k))
+    cand = ratio * 500.0 * np.exp(rng.normal(0.0, sd, k))
+    return [{"candidate": {"us": 100 * c, "n": 100.0}, "baseline": {"us": 100 * b, "n": 100.0}}
+            for c, b in zip(cand, base, strict=True)]
+
+
 def canary(c: np.ndarray, b: np.ndarray, *, c_err: int = 0, b_err: int = 0,
            server: tuple[float, float] = (500.0, 500.0),
-           requests: int | None = None) -> CanarySnapshot:
+           requests: int | None = None,
+           intervals: list[dict[str, dict[str, float]]] | None = None) -> CanarySnapshot:
     """A snapshot; ``requests`` overrides the counts (error-rate cases skip the latencies)."""
     cand = ArmMeasurements(7, c, requests or c.size + c_err, c_err, 100.0, 20.0, server[0])
     base = ArmMeasurements(6, b, requests or b.size + b_err, b_err, 100.0, 20.0, server[1])
     return CanarySnapshot("fraud", cand, base, agreement=1.0, agreement_samples=c.size,
-                          window_s=30.0)
+                          window_s=30.0, extra={"server_intervals": intervals or []})
 
 
 def fail_rate(rule: GateRule, make: object, reps: int = REPS) -> float:
@@ -64,9 +74,13 @@ def test_aa_false_rollbacks_stay_below_alpha(name: str) -> None:
     def aa(rng: np.random.Generator) -> CanarySnapshot:
         c_err, b_err = rng.binomial(n, 0.0005, 2)
         return canary(draw(rng, n - c_err), draw(rng, n - b_err), c_err=int(c_err),
-                      b_err=int(b_err), server=tuple(rng.normal(500.0, 10.0, 2)))
+                      b_err=int(b_err), server=tuple(rng.normal(500.0, 10.0, 2)),
+                      intervals=server_intervals(rng, 1.0))
 
     assert fail_rate(rule, aa) <= upper(min(rule.alpha, 0.01))
+    # Every default rule reached a verdict (no vacuous pass through "inconclusive").
+    rng = np.random.default_rng(0)
+    assert judge(aa(rng), rule, min_samples=1).verdict is Verdict.PASSED
 
 
 @pytest.mark.parametrize("metric", ["latency_p50_ms", "latency_p99_ms", "latency_p95_ms"])
@@ -83,6 +97,24 @@ def test_exactly_at_the_tolerance_fails_about_alpha(metric: str) -> None:
     # Not a test that never fails: at the boundary it fails close to α of the time (a
     # little under it at p99, where ~10 exceedances per arm make Fisher's test discrete).
     assert rate >= 0.005, rate
+
+
+def test_server_rule_at_the_tolerance_fails_about_alpha() -> None:
+    rule = GATES["server_latency"].model_copy(update={"alpha": 0.05})
+
+    def at_tolerance(rng: np.random.Generator) -> CanarySnapshot:
+        return canary(draw(rng, 50), draw(rng, 50), requests=2000,
+                      intervals=server_intervals(rng, 1.1))
+
+    rate = fail_rate(rule, at_tolerance, reps=300)
+    assert 0.015 <= rate <= upper(0.05, 300), rate
+
+    def regression(rng: np.random.Generator) -> CanarySnapshot:
+        return canary(draw(rng, 50), draw(rng, 50), requests=2000,
+                      intervals=server_intervals(rng, 1.3))
+
+    assert fail_rate(GATES["server_latency"], regression) >= 0.95 - 3 * math.sqrt(
+        0.05 * 0.95 / REPS)
 
 
 def test_error_rule_never_exceeds_alpha_within_budget_at_any_n() -> None:

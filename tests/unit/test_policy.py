@@ -40,7 +40,7 @@ def test_defaults_apply_without_a_file(tmp_path: Path) -> None:
         ("latency_p99_ms", "quantile"),
         ("error_rate", "exact_rate"),
         ("agreement", "threshold"),
-        ("server_latency_ratio", "threshold"),
+        ("server_latency_ratio", "server_ratio"),
     ]
     assert policy.gates[1].max_increase_pct == 10
     assert policy.gates[2].max_rate == 0.001
