@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelship.errors import StackError
+from modelship.procinfo import process_start_ticks
 
 LOOPBACK = "127.0.0.1"
 
@@ -82,17 +83,6 @@ def port_open(port: int, host: str = LOOPBACK, timeout_s: float = 0.5) -> bool:
             return True
     except OSError:
         return False
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The process start time in clock ticks since boot (Linux), or None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces; fields after the last ')' are fixed.
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[19])
 
 
 def is_alive(record: ProcessRecord) -> bool:
