@@ -81,8 +81,11 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
     status = _json("status", MODEL, settings=stack_settings)
     assert status["production_version"] == v1 and status["aliases"]["production"] == v1
     history = _json("history", MODEL, settings=stack_settings)["releases"]
-    assert [r["kind"] for r in history[:3]] == ["rollback", "swap", "swap"]
-    assert history[1]["forced"] and history[0]["status"] == "released"
+    assert history[0]["kind"] == "rollback" and history[0]["status"] == "released"
+    assert [r["status"] for r in history[1:4]] == ["noop", "released", "released"]
+    forced_swap = history[2]
+    assert forced_swap["kind"] == "swap" and forced_swap["to_version"] == v2
+    assert forced_swap["forced"] and not history[1]["forced"]
     assert status["last_release"]["id"] == history[0]["id"]
 
 
