@@ -19,6 +19,8 @@ from typing import Annotated
 
 import typer
 
+import modelship.cli.approvals  # noqa: F401 - register approvals serve, click
+import modelship.cli.nightly  # noqa: F401 - register nightly, deploy, worker
 from modelship.cli import artifact, demo, fleet, locks, release, stack  # noqa: F401 - register
 from modelship.cli._common import app
 
