@@ -37,7 +37,7 @@ from modelship.errors import (
 from modelship.policy import Policy, policy_for
 from modelship.settings import Settings, load_settings
 from tasks import bake as baking
-from tasks.approve import ApprovalRequest, approval_request, approve
+from tasks.approve import ApprovalChannels, ApprovalRequest, approval_request, approve, channels_for
 from tasks.evidence import read_candidate_digest
 from tasks.record import ReleaseJournal
 from tasks.retry import TRANSIENT_RETRIES, retry_transient
@@ -161,9 +161,11 @@ def gates_task(result: Any, model: str, candidate: int) -> str:
 
 
 @task(name="approve", task_run_name="approve {model} v{version}", cache_policy=NO_CACHE)
-def approve_task(request: ApprovalRequest, model: str, version: int) -> dict[str, Any]:
-    """Wait for an approval when one is required (fail closed)."""
-    return approve(request, model=model, version=version)
+def approve_task(request: ApprovalRequest, journal: ReleaseJournal,
+                 channels: ApprovalChannels, model: str, version: int) -> dict[str, Any]:
+    """Wait for an approval when one is required: the run pauses, and only a checked
+    decision resumes it; expiry fails closed (exit 5)."""
+    return approve(request, journal, channels, model=model, version=version)
 
 
 @task(name="swap", task_run_name="swap {model} v{from_version} -> v{version}",
@@ -288,7 +290,13 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
             with journal.stage("gates"):
                 gates_task(result, model, version)
             with journal.stage("approve") as entry:
-                entry.details.update(approve_task(approval, model, version))
+                channels = channels_for(
+                    settings, clients, model=model, version=version, baseline=serving,
+                    candidate=record.candidate, notifier=journal.thread.notifier,
+                    plot=Path(result.report_paths.get("png") or "") if
+                    result.report_paths.get("png") else None, timeout_s=approval.timeout_s)
+                entry.details.update(approve_task(approval, journal, channels, model,
+                                                  version))
             payload, _ = load_payload(clients.storage, clients.registry,
                                       repository_prefix=settings.repository_prefix,
                                       model=model, version=version)

@@ -20,6 +20,7 @@ Web API (POST or GET, ``application/x-www-form-urlencoded``, ``application/json`
 - ``/api/auth.test``, ``/api/api.test`` (``error=X`` makes it fail with X)
 - ``/api/chat.postMessage``, ``/api/chat.update``, ``/api/chat.postEphemeral``
 - ``/api/conversations.replies``, ``/api/reactions.add``
+- ``/api/usergroups.users.list``, ``/api/users.list`` (the people in :data:`USERS`)
 - ``/api/files.getUploadURLExternal``, ``POST /upload/v1/<file_id>`` (the upload URL it hands
   out; no token, as on Slack), ``/api/files.completeUploadExternal``
 
@@ -36,6 +37,14 @@ Introspection (no token; also served under ``/api/_emulator/...``):
 - ``GET /_emulator/calls[?method=M]`` -> every Web API call received, refused ones included
 - ``GET /_emulator/files`` -> uploads; ``GET /_emulator/files/<id>`` -> the bytes
 - ``POST /_emulator/reset`` -> forget everything (timestamps and ids keep increasing)
+- ``GET /_emulator/users`` -> the people and user groups of the workspace
+
+The web view (``GET /``) shows the channels and threads as a person sees them in Slack:
+Block Kit sections, fields, images and buttons. A button clicked there goes through
+``POST /_emulator/click``, which sends Slack's ``block_actions`` request, signed with the
+stack's signing secret, to ``--approvals-url``, with a ``response_url`` back to the emulator
+(``POST /_emulator/response/<id>``: an ephemeral reply, or the message replaced). The user
+picked on the page plays the clicker.
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ import signal
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 from email.parser import BytesParser
 from email.policy import HTTP
@@ -62,6 +73,9 @@ from types import FrameType
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlsplit
 
+from modelship.approvals.wire import block_actions_payload, signed_request
+from modelship.slack.emulator_view import WEB_VIEW_HTML
+
 API_PREFIX = "/api/"
 INTROSPECTION_PREFIX = "/_emulator"
 UPLOAD_PREFIX = "/upload/v1/"
@@ -69,6 +83,11 @@ UPLOAD_PREFIX = "/upload/v1/"
 TEAM_ID = "T0MODELSHIP"
 BOT_USER_ID = "U0MODELSHIP"
 BOT_ID = "B0MODELSHIP"
+
+#: The workspace's people, for the web view's "click as" picker and ``users.list``.
+USERS = {"U0ALICE": "alice", "U0BOB": "bob", "U0CAROL": "carol", "U0MALLORY": "mallory"}
+#: User groups (``usergroups.users.list``): approvers may be named by group.
+USERGROUPS = {"S0APPROVERS": {"handle": "release-approvers", "users": ["U0ALICE", "U0BOB"]}}
 
 MAX_BLOCKS = 50  # Slack's limit per message
 MAX_TEXT_CHARS = 40_000  # Slack truncates beyond this; we refuse, so tests notice
@@ -254,6 +273,7 @@ class EmulatorState:
         self._ephemeral: list[JsonDict] = []
         self._calls: list[JsonDict] = []
         self._files: dict[str, JsonDict] = {}
+        self._responses: dict[str, JsonDict] = {}
         self._methods: dict[str, Callable[[JsonDict, str], JsonDict]] = {
             "api.test": self._api_test,
             "auth.test": self._auth_test,
@@ -264,6 +284,8 @@ class EmulatorState:
             "reactions.add": self._reactions_add,
             "files.getUploadURLExternal": self._files_get_upload_url,
             "files.completeUploadExternal": self._files_complete_upload,
+            "usergroups.users.list": self._usergroups_users_list,
+            "users.list": self._users_list,
         }
         if state_file is not None and state_file.exists():
             self._load(state_file)
@@ -477,6 +499,48 @@ class EmulatorState:
         }
         return {"upload_url": f"{origin}{UPLOAD_PREFIX}{file_id}", "file_id": file_id}
 
+    def _usergroups_users_list(self, args: JsonDict, origin: str) -> JsonDict:
+        group = _required(args, "usergroup", "no_such_subteam")
+        if group not in USERGROUPS:
+            raise ApiError("no_such_subteam", detail=f"no user group {group}")
+        return {"users": list(USERGROUPS[group]["users"])}
+
+    def _users_list(self, args: JsonDict, origin: str) -> JsonDict:
+        return {"members": [{"id": uid, "name": name, "real_name": name.capitalize(),
+                             "is_bot": False} for uid, name in USERS.items()]}
+
+    def respond(self, response_id: str, body: JsonDict) -> int:
+        """A POST to a click's ``response_url``: an ephemeral reply, or the message replaced.
+
+        Returns the HTTP status for the caller (404 for an unknown or used-up URL).
+        """
+        with self._lock:
+            target = self._responses.get(response_id)
+            if target is None or target["uses"] >= 5:  # Slack allows 5 uses in 30 min
+                return HTTPStatus.NOT_FOUND
+            target["uses"] += 1
+            content = self._content(body)
+            if body.get("replace_original") in (True, "true") and body.get(
+                    "response_type") != "ephemeral":
+                self._chat_update({**body, "channel": target["channel"],
+                                   "ts": target["ts"]}, "")
+            else:
+                self._ephemeral.append({"channel": target["channel"], "user": target["user"],
+                                        "ts": self._next_ts(), "thread_ts": target["ts"],
+                                        **content, "via": "response_url",
+                                        "posted_at": time.time()})
+            self._save()
+            return HTTPStatus.OK
+
+    def new_response_url(self, origin: str, *, channel: str, ts: str, user: str) -> str:
+        """A ``response_url`` for one click, as Slack hands one out with each payload."""
+        with self._lock:
+            response_id = hashlib.sha256(f"{channel}{ts}{user}{time.time_ns()}".encode()
+                                         ).hexdigest()[:24]
+            self._responses[response_id] = {"channel": channel, "ts": ts, "user": user,
+                                            "uses": 0}
+            return f"{origin}{INTROSPECTION_PREFIX}/response/{response_id}"
+
     def store_upload(self, file_id: str, data: bytes) -> int:
         """Keep the bytes POSTed to an upload URL; returns the HTTP status for the uploader."""
         with self._lock:
@@ -654,9 +718,12 @@ class EmulatorServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], state: EmulatorState) -> None:
+    def __init__(self, address: tuple[str, int], state: EmulatorState, *,
+                 approvals_url: str | None = None, signing_secret: str | None = None) -> None:
         super().__init__(address, EmulatorHandler)
         self.state = state
+        self.approvals_url = approvals_url
+        self.signing_secret = signing_secret
 
 
 class EmulatorHandler(BaseHTTPRequestHandler):
@@ -691,7 +758,18 @@ class EmulatorHandler(BaseHTTPRequestHandler):
             path = path[len("/api") :]
         try:
             body = self._read_body()
-            if path == INTROSPECTION_PREFIX or path.startswith(INTROSPECTION_PREFIX + "/"):
+            if verb == "GET" and path in ("/", "/index.html"):
+                self._send(HTTPStatus.OK, WEB_VIEW_HTML.encode(), "text/html; charset=utf-8")
+            elif verb == "GET" and path == f"{INTROSPECTION_PREFIX}/users":
+                self._send_json(HTTPStatus.OK, {"ok": True, "users": USERS,
+                                                "usergroups": USERGROUPS})
+            elif verb == "POST" and path == f"{INTROSPECTION_PREFIX}/click":
+                self._click(body)
+            elif verb == "POST" and path.startswith(f"{INTROSPECTION_PREFIX}/response/"):
+                args = parse_body(self.headers.get("Content-Type", ""), body)
+                status = self.state.respond(path.rsplit("/", 1)[1], args)
+                self._send_json(status, {"ok": status == HTTPStatus.OK})
+            elif path == INTROSPECTION_PREFIX or path.startswith(INTROSPECTION_PREFIX + "/"):
                 self._introspect(verb, path[len(INTROSPECTION_PREFIX) :], split.query)
             elif path.startswith(API_PREFIX):
                 self._web_api(path[len(API_PREFIX) :], split.query, body)
@@ -733,6 +811,45 @@ class EmulatorHandler(BaseHTTPRequestHandler):
             method, args, None if token is None else str(token), self._origin()
         )
         self._send_json(status, response)
+
+    def _click(self, body: bytes) -> None:
+        """A button clicked on the web view: sent to ``approvals_url`` as Slack sends it.
+
+        The emulator and the approvals service share nothing but HTTP: the click is a
+        ``block_actions`` payload, form encoded and signed with the stack's signing secret,
+        with a ``response_url`` back to this emulator.
+        """
+        server = cast(EmulatorServer, self.server)
+        args = parse_body("application/json", body)
+        if not server.approvals_url or not server.signing_secret:
+            raise ApiError("no_approvals_url", status=HTTPStatus.SERVICE_UNAVAILABLE,
+                           detail="start the emulator with --approvals-url and "
+                           f"{SIGNING_SECRET_ENV}")
+        channel, ts = _required(args, "channel"), _required(args, "ts")
+        user = _required(args, "user")
+        payload = block_actions_payload(
+            user_id=user, user_name=USERS.get(user, user),
+            action_id=_required(args, "action_id"), value=_required(args, "value"),
+            channel=channel, message_ts=ts,
+            response_url=self.state.new_response_url(self._origin(), channel=channel,
+                                                     ts=ts, user=user))
+        data, headers = signed_request(server.signing_secret, payload)
+        request = urllib.request.Request(server.approvals_url, data=data, method="POST",
+                                         headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                status, answer = response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            status, answer = exc.code, exc.read()
+        except OSError as exc:
+            raise ApiError("approvals_unreachable", status=HTTPStatus.BAD_GATEWAY,
+                           detail=str(exc)) from exc
+        try:
+            decoded: Any = json.loads(answer or b"{}")
+        except ValueError:
+            decoded = {"raw": answer.decode("utf-8", "replace")}
+        self._send_json(HTTPStatus.OK, {"ok": status == HTTPStatus.OK, "status": status,
+                                        "answer": decoded})
 
     def _upload(self, file_id: str, body: bytes) -> None:
         data = upload_payload(self.headers.get("Content-Type", ""), body)
@@ -787,6 +904,8 @@ class EmulatorHandler(BaseHTTPRequestHandler):
 
 #: The environment variable the bot token comes from, so it never shows on the command line.
 TOKEN_ENV = "MODELSHIP_SLACK_EMULATOR_TOKEN"
+#: The signing secret the web view signs its clicks with (the stack's, in stack.json).
+SIGNING_SECRET_ENV = "MODELSHIP_SLACK_EMULATOR_SIGNING_SECRET"
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -802,6 +921,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--state-file", type=Path, default=None, help="JSON file keeping state across restarts"
     )
+    parser.add_argument("--approvals-url", default=None,
+                        help="where the web view's buttons send their interactivity requests "
+                        f"(signed with the secret in {SIGNING_SECRET_ENV})")
     return parser.parse_args(argv)
 
 
@@ -811,7 +933,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = args.token or os.environ.get(TOKEN_ENV) or None
         state = EmulatorState(token=token, state_file=args.state_file)
-        server = EmulatorServer((args.host, args.port), state)
+        server = EmulatorServer((args.host, args.port), state,
+                                approvals_url=args.approvals_url,
+                                signing_secret=os.environ.get(SIGNING_SECRET_ENV) or None)
     except StateFileError as exc:
         print(f"slack emulator: {exc}. Delete the file or pass another --state-file.",
               file=sys.stderr)

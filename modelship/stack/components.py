@@ -117,18 +117,41 @@ def prefect_env(base: Mapping[str, str], *, prefect_home: Path, db_path: Path) -
     }
 
 
-def slack_emulator_command(*, port: int, state_file: Path) -> list[str]:
-    """The emulator's command line; its token goes in the environment (:func:`slack_env`)."""
+def slack_emulator_command(*, port: int, state_file: Path,
+                           approvals_url: str | None = None) -> list[str]:
+    """The emulator's command line; its token goes in the environment (:func:`slack_env`).
+    Its web view sends button clicks to ``approvals_url``."""
     return [
         sys.executable, "-m", "modelship.slack.emulator",
         "--host", LOOPBACK, "--port", str(port),
         "--state-file", str(state_file),
+        *(["--approvals-url", approvals_url] if approvals_url else []),
     ]
 
 
-def slack_env(base: Mapping[str, str], *, token: str) -> dict[str, str]:
-    """The token is passed in the environment: never in argv (``ps``) or the log."""
-    return {**base, "MODELSHIP_SLACK_EMULATOR_TOKEN": token}
+def slack_env(base: Mapping[str, str], *, token: str,
+              signing_secret: str | None = None) -> dict[str, str]:
+    """The token is passed in the environment: never in argv (``ps``) or the log. The
+    signing secret lets the emulator's web view sign clicks as Slack does."""
+    env = {**base, "MODELSHIP_SLACK_EMULATOR_TOKEN": token}
+    if signing_secret:
+        env["MODELSHIP_SLACK_EMULATOR_SIGNING_SECRET"] = signing_secret
+    return env
+
+
+def approvals_command(venv_bin: Path, *, port: int, audit_log: Path) -> list[str]:
+    """``modelship approvals serve``: the Slack interactivity endpoint of the stack."""
+    return [
+        str(venv_bin / "modelship"), "approvals", "serve",
+        "--host", LOOPBACK, "--port", str(port), "--audit-log", str(audit_log),
+    ]
+
+
+def approvals_env(base: Mapping[str, str], *, home: Path) -> dict[str, str]:
+    """It reads everything (S3, Prefect, Slack, the signing secret) from the stack file."""
+    env = {k: v for k, v in base.items()
+           if not k.startswith(("MODELSHIP_", "PREFECT_API_", "AWS_", "MLFLOW_"))}
+    return {**env, **QUIET_TELEMETRY, "MODELSHIP_HOME": str(home)}
 
 
 def endpoint_urls(http_port: int, grpc_port: int, metrics_port: int) -> dict[str, str]:

@@ -228,6 +228,8 @@ def up(
     rest = ports[len(c.SEAWEED_PORT_NAMES):]
     mlflow_port, prefect_port, slack_port = rest[0], rest[1], rest[2]
     triton_ports = [tuple(rest[3 + 3 * i: 6 + 3 * i]) for i in range(n_triton)]
+    approvals_port = (free_ports(1, avoid=set(ports))[0] if base_port is None
+                      else _allocate_ports(1, base_port + len(ports))[0])
 
     access_key = "ms" + secrets.token_hex(8)
     secret_key = secrets.token_hex(20)
@@ -271,7 +273,7 @@ def up(
         "slack_signing_secret": secrets.token_hex(16),
         "manifest_signing_key": signing_key,
         "seaweedfs": {"filer": f"http://{LOOPBACK}:{seaweed_ports['filer']}"},
-        "approvals_url": None,
+        "approvals_url": f"http://{LOOPBACK}:{approvals_port}/slack/interactivity",
         "triton": {
             "replicas": [endpoints[n] for n in triton_names[:-1]],
             "canary": endpoints["canary"],
@@ -329,9 +331,17 @@ def up(
         )
         slack_proc = launch(
             "slack",
-            c.slack_emulator_command(port=slack_port, state_file=data / "slack.json"),
-            c.slack_env(base_env, token=slack_token),
+            c.slack_emulator_command(port=slack_port, state_file=data / "slack.json",
+                                     approvals_url=state["approvals_url"]),
+            c.slack_env(base_env, token=slack_token,
+                        signing_secret=state["slack_signing_secret"]),
             [slack_port],
+        )
+        approvals_proc = launch(
+            "approvals",
+            c.approvals_command(venv_bin, port=approvals_port,
+                                audit_log=logs / "approvals-audit.jsonl"),
+            c.approvals_env(base_env, home=home), [approvals_port],
         )
 
         def s3_ready() -> bool:
@@ -344,6 +354,8 @@ def up(
                             lambda: http_ok(f"{state['prefect_api_url']}/health")),
                 pool.submit(await_ready, *slack_proc,
                             lambda: http_ok(f"http://{LOOPBACK}:{slack_port}/_emulator/health")),
+                pool.submit(await_ready, *approvals_proc,
+                            lambda: http_ok(f"http://{LOOPBACK}:{approvals_port}/health")),
             ]
             await_ready(*weed_proc, s3_ready)
 
@@ -412,7 +424,10 @@ def _component_env(name: str, state: dict[str, Any], settings: Settings) -> dict
         return c.mlflow_env(base_env, s3_endpoint=state["s3_endpoint"],
                             region=state["region"], **keys)
     if name == "slack":
-        return c.slack_env(base_env, token=state["slack_token"])
+        return c.slack_env(base_env, token=state["slack_token"],
+                           signing_secret=state.get("slack_signing_secret"))
+    if name == "approvals":
+        return c.approvals_env(base_env, home=home)
     from modelship.stack.triton_runtime import find_triton_runtime, server_env
 
     runtime = find_triton_runtime(settings.triton_runtime.resolve())
@@ -434,6 +449,9 @@ def _component_check(name: str, state: dict[str, Any], record: ProcessRecord
     if name == "slack":
         base = str(state["slack_api_url"]).removesuffix("/api/")
         return lambda: http_ok(f"{base}/_emulator/health")
+    if name == "approvals":
+        root = str(state["approvals_url"]).removesuffix("/slack/interactivity")
+        return lambda: http_ok(f"{root}/health")
     triton = state["triton"]
     endpoint = next(e for e in [*triton["replicas"], triton["canary"]] if e["name"] == name)
     grpc_port = int(endpoint["grpc"].rsplit(":", 1)[1])
