@@ -41,7 +41,12 @@ from modelship.approvals.rules import (
     resolve_approvers,
 )
 from modelship.approvals.wire import approval_digest
-from modelship.errors import ApprovalDenied, ApprovalUnavailable, ModelshipError
+from modelship.errors import (
+    ApprovalDenied,
+    ApprovalUnavailable,
+    InfrastructureError,
+    ModelshipError,
+)
 from modelship.policy import ApprovalPolicy
 from modelship.slack import blocks
 
@@ -220,9 +225,17 @@ def _wait(request: ApprovalRequest, journal: Any, channels: ApprovalChannels,
         try:
             got = pause_flow_run(wait_for_input=form, timeout=max(1, math.ceil(remaining)),
                                  poll_interval=POLL_INTERVAL_S,
-                                 key=f"approval-{record.id}-{attempt}")
+                                 key=f"approval-{record.id.lower()}-{attempt}")
         except FlowPauseTimeout:
             _expire(journal, channels, pending, request)
+        except (RuntimeError, ValueError) as exc:  # Prefect refused the pause or the input
+            pending.update(status="failed", decided_at=now_iso())
+            _show(journal, channels, pending, f"Failed: the run could not wait ({exc})")
+            journal.save()
+            raise InfrastructureError(
+                f"{model} v{version} could not wait for its approval: {exc}",
+                hint="production is unchanged; check the Prefect server, then promote "
+                "again", model=model, version=version) from exc
         if watcher.breach is not None:
             _decide(journal, channels, pending, "rejected", WATCHER, "watcher",
                     watcher.breach)

@@ -103,3 +103,35 @@ def click(settings: Any, release_id: str, *, user: str, approve: bool) -> dict[s
     return {"release_id": release_id, "model": record.model, "user": user,
             "decision": "approve" if approve else "reject", "http_status": status,
             **answer}
+
+
+def approve_when_asked(settings: Any, model: str, *, user: str, since: str,
+                       stop: Any, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Wait for a release of ``model`` (started after ``since``, a release id prefix) to
+    ask for approval, then click Approve as ``user``. For the demo, in a thread.
+
+    Returns the endpoint's answer, or ``{"ok": False, "error": "not_asked"}``.
+    """
+    import time
+
+    from modelship.clients import build_clients
+
+    url = embedded_only(settings)
+    clients = build_clients(settings)
+    if clients.storage is None:
+        raise InfrastructureError("the stack has no S3 ledger", hint="`modelship stack up`")
+    ledger = Ledger(clients.storage)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stop.is_set():
+        for record in ledger.records(model):
+            pending = pending_entry(record.approvals)
+            if record.id >= since and pending is not None and pending.get("status") == \
+                    "pending" and (pending.get("slack") or {}).get("ts"):
+                body, headers = click_body(
+                    record, user=user, approve=True,
+                    secret=settings.slack_signing_secret.get_secret_value())
+                status, answer = send(url, body, headers, timeout_s=settings.http_timeout_s)
+                return {"release_id": record.id, "user": user, "http_status": status,
+                        **answer}
+        stop.wait(0.5)
+    return {"ok": False, "error": "not_asked"}

@@ -3,7 +3,9 @@
 1. Train a small fraud classifier, log it to MLflow with golden inputs, register v1, and
    release it through ``promote`` (a first release: absolute gates only).
 2. Train a better v2 and release it through ``promote``: check, stage, a canary against v1,
-   the gates, the swap with dynamic batching paused, the bake, and the record.
+   the gates, an approval (the demo clicks Approve as an approver, a click signed as Slack
+   signs it, sent to the stack's ``approvals serve``), the swap with dynamic batching
+   paused, the bake, and the record.
 3. Print where to look: the Prefect UI, the Slack thread in the emulator, ``history``.
 
 Both releases are real Prefect flow runs with task runs on the stack's Prefect server.
@@ -21,6 +23,9 @@ from typing import Any
 from modelship.cli._common import JsonOpt, app, finish, progress, run_reporting, settings, table
 
 DEMO_MODEL = "demo-fraud"
+#: The approval step: carol asks for v2, alice (or the release-approvers group) approves.
+DEMO_REQUESTER, DEMO_APPROVER = "U0CAROL", "U0ALICE"
+DEMO_APPROVERS = ("U0ALICE", "S0APPROVERS")
 N_FEATURES = 8
 
 
@@ -61,11 +66,26 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore")
 
 
+def _approve_in_background(current: Any, since: str, stop: Any, out: dict[str, Any]) -> None:
+    """Act as the approver: click Approve as soon as the release asks (a signed click)."""
+    from modelship.approvals.click import approve_when_asked
+    from modelship.errors import ModelshipError
+
+    try:
+        out.update(approve_when_asked(current, DEMO_MODEL, user=DEMO_APPROVER, since=since,
+                                      stop=stop))
+    except ModelshipError as exc:
+        out.update(ok=False, error=exc.message)
+        progress(f"the demo could not click Approve: {exc}")
+
+
 def run_demo(current: Any) -> dict[str, Any]:
     """Release v1, then a better v2, each through the promote flow."""
     import getpass
+    import threading
 
     from flows.promote import PromoteParams, promote_flow
+    from model_registry.ledger import new_release_id
     from modelship.errors import ModelshipError
     from modelship.prefect_api import pointed_at
 
@@ -77,28 +97,46 @@ def run_demo(current: Any) -> dict[str, Any]:
     started = time.monotonic()
     requester = current.requester or getpass.getuser()
     releases: list[dict[str, Any]] = []
+    clicked: dict[str, Any] = {}
     for label, strength in (("v1 (the current model)", 0.001), ("v2 (the candidate)", 1.0)):
         progress(f"training and registering {label}")
         version = train_and_register(current.mlflow_tracking_uri, name=DEMO_MODEL,
                                      strength=strength, seed=0)
         progress(f"promoting {DEMO_MODEL} v{version}")
+        # v2 needs an approval: carol asks, alice clicks Approve (a signed Slack click)
+        approval = {"require_approval": True, "approvers": list(DEMO_APPROVERS),
+                    "requested_by": DEMO_REQUESTER} if releases else {
+                        "requested_by": requester}
+        stop = threading.Event()
+        if releases:
+            progress(f"v{version} will wait for an approval; the demo clicks Approve as "
+                     f"{DEMO_APPROVER} through {current.approvals_url}")
+            threading.Thread(target=_approve_in_background, daemon=True,
+                             args=(current, new_release_id()[:16], stop, clicked)).start()
         try:
             with pointed_at(current.prefect_api_url):
                 record = promote_flow(PromoteParams(model=DEMO_MODEL, version=version,
-                                                    trigger="cli", requested_by=requester))
+                                                    trigger="cli", **approval))
         except ModelshipError as exc:
             if not releases or "record" not in exc.details:
                 raise  # v1 must serve for the story to go on
             record = exc.details["record"]  # the gates stopped v2: the record says why
+        finally:
+            stop.set()
         releases.append(record)
     ui = (current.prefect_api_url or "").removesuffix("/api")
     return {"model": DEMO_MODEL, "releases": releases,
             "outcome": f"v{releases[-1]['to_version']} {releases[-1]['status']}",
-            "seconds": round(time.monotonic() - started, 1),
+            "seconds": round(time.monotonic() - started, 1), "approval_click": clicked,
             "look": {"prefect_ui": f"{ui}/runs" if ui else None,
                      "slack_messages": f"{current.slack_api_url.rstrip('/')}/_emulator/messages"
                      if current.slack_api_url else None,
-                     "history": f"modelship history {DEMO_MODEL}"}}
+                     "history": f"modelship history {DEMO_MODEL}",
+                     "slack_web_view": current.slack_api_url.rstrip("/").removesuffix("/api")
+                     + "/" if current.slack_api_url else None,
+                     "approve_by_hand": f"modelship approvals click RELEASE --as "
+                     f"{DEMO_APPROVER} --approve (or --reject); the requester "
+                     f"{DEMO_REQUESTER} and U0MALLORY are refused"}}
 
 
 @app.command("demo")
@@ -113,6 +151,9 @@ def demo(as_json: JsonOpt = False) -> None:
                 + f"\n{doc['model']}: {doc['outcome']} ({doc['seconds']:.0f} s in all)"
                 + f"\nPrefect UI (flow runs, task runs, artifacts): {look['prefect_ui']}"
                 + f"\nSlack thread (emulator): {look['slack_messages']}"
+                + f"\nSlack web view (click Approve/Reject as anyone): "
+                f"{look['slack_web_view']}"
+                + f"\napprove by hand: `{look['approve_by_hand']}`"
                 + f"\nthe ledger: `{look['history']}`; what serves: `modelship status "
                 f"{doc['model']}`; roll back: `modelship rollback {doc['model']}`"
                 + "\nstop everything with `modelship stack down`")

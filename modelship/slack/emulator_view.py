@@ -37,12 +37,12 @@ code{background:#f1f1f1;padding:0 3px;border-radius:3px}
 <main id="channels"><p>loading…</p></main>
 <script>
 "use strict";
-let USERS = {}, last = "";
+let USERS = {}, GROUPS = {}, last = "";
 function esc(t){return String(t??"").replace(/[&<>"']/g,c=>({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"}[c]));}
 function mrkdwn(t){
   let h = esc(t);
   h = h.replace(/&lt;@(\w+)&gt;/g,(m,u)=>"<b>@"+esc(USERS[u]||u)+"</b>");
-  h = h.replace(/&lt;!subteam\^(\w+)&gt;/g,(m,g)=>"<b>@"+esc(g)+"</b>");
+  h = h.replace(/&lt;!subteam\^(\w+)&gt;/g,(m,g)=>"<b>@"+esc((GROUPS[g]||{}).handle||g)+"</b>");
   h = h.replace(/`([^`]+)`/g,"<code>$1</code>").replace(/\*([^*\n]+)\*/g,"<b>$1</b>");
   return h.replace(/:([a-z_+-]+):/g,(m,e)=>({white_check_mark:"✅",x:"❌",no_entry:"⛔",
     hourglass_flowing_sand:"⏳",hourglass:"⌛",warning:"⚠️",rotating_light:"🚨",
@@ -109,7 +109,7 @@ document.addEventListener("click", async ev=>{
 });
 async function start(){
   const u = await fetch("/_emulator/users").then(r=>r.json());
-  USERS = u.users;
+  USERS = u.users; GROUPS = u.usergroups || {};
   const sel = document.getElementById("user");
   sel.innerHTML = Object.entries(USERS).map(([id,n])=>`<option value="${esc(id)}">${esc(n)} (${esc(id)})</option>`).join("");
   sel.addEventListener("change",()=>{last="";refresh();});
