@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: install demo test lint unit bench clean-stack
+.PHONY: install demo test lint unit bench clean-stack deploy worker
 
 install: $(VENV)/.installed $(RUNTIME)/.installed
 
@@ -34,6 +34,14 @@ $(RUNTIME)/.installed: requirements-triton.txt
 demo: install
 	$(BIN)/modelship stack up
 	$(BIN)/modelship demo
+
+# Register prefect.yaml's deployments (promote, check, swap, rollback, nightly on cron) on the
+# stack's Prefect server, creating the process work pool first; `make worker` runs them.
+deploy: install
+	$(BIN)/modelship deploy
+
+worker: install
+	$(BIN)/modelship worker
 
 lint: install
 	$(BIN)/ruff check .

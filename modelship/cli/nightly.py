@@ -176,9 +176,13 @@ def _deployments(api_url: str | None, timeout_s: float) -> list[dict[str, Any]]:
     for d in post("/deployments/filter"):
         schedules = [f"{s['schedule'].get('cron')} {s['schedule'].get('timezone') or 'UTC'}"
                      for s in d.get("schedules") or [] if s.get("schedule", {}).get("cron")]
+        limit = (d.get("global_concurrency_limit") or {}).get("limit") \
+            or d.get("concurrency_limit")
         result.append({"name": d["name"], "flow": flows.get(d["flow_id"], d["flow_id"]),
                        "pool": d.get("work_pool_name"), "schedules": schedules,
-                       "concurrency_limit": d.get("concurrency_limit"), "id": d["id"]})
+                       "concurrency_limit": limit,
+                       "collision_strategy": (d.get("concurrency_options") or {}).get(
+                           "collision_strategy"), "id": d["id"]})
     return sorted(result, key=lambda d: str(d["name"]))
 
 

@@ -1,22 +1,40 @@
-"""prefect.yaml deploys against the stack's real Prefect server, and a flow runs there."""
+"""prefect.yaml deploys against the stack's real Prefect server (`modelship deploy`), and a
+real process worker (`modelship worker`) runs `nightly` and `promote` as deployment runs."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from modelship.settings import Settings
+from tasks import train as training
 from tests import models
-from tests.conftest import ROOT
+from tests.conftest import MODELSHIP, ROOT, RUNTIME_VENV, run_cli
 
 pytestmark = pytest.mark.integration
+
+MODEL = "nightly-worker"
+POLICY: dict[str, Any] = {
+    "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 12.0, "min_samples": 300},
+    "gates": [
+        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
+    ],
+    "bake": {"duration_s": 2.0, "window_s": 1.0, "baseline_s": 1.0,
+             "max_latency_increase_pct": 400.0},
+}
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 def _prefect_env(settings: Settings, tmp_path: Path) -> dict[str, str]:
@@ -25,29 +43,108 @@ def _prefect_env(settings: Settings, tmp_path: Path) -> dict[str, str]:
     return {**keep, "PREFECT_API_URL": str(settings.prefect_api_url),
             "PREFECT_HOME": str(tmp_path / "prefect-home"),
             "MODELSHIP_HOME": str(settings.home), "MODELSHIP_REPO_DIR": str(ROOT),
+            "MODELSHIP_TRITON_RUNTIME": str(RUNTIME_VENV),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true"}
 
 
-def _api(settings: Settings, path: str, body: dict[str, object]) -> list[dict[str, object]]:
-    request = urllib.request.Request(f"{settings.prefect_api_url}{path}",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return list(json.loads(response.read()))
+def _api(settings: Settings, path: str, body: dict[str, Any] | None = None,
+         method: str = "POST") -> Any:
+    data = json.dumps(body or {}).encode() if method == "POST" else None
+    request = urllib.request.Request(f"{settings.prefect_api_url}{path}", data=data,
+                                     method=method, headers={"Content-Type": "application/json"})
+    for attempt in range(5):  # a busy SQLite-backed server may answer 503 for a moment
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or attempt == 4:
+                raise AssertionError(f"{method} {path}: {exc.code} {exc.read()[:2000]!r}") \
+                    from exc
+            time.sleep(2)
 
 
-def test_prefect_yaml_deploys_every_deployment(stack_settings: Settings, tmp_path: Path) -> None:
+@pytest.fixture()
+def worker(stack_settings: Settings, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`modelship worker` on the process pool; stopped (its process group) afterwards."""
+    log = (tmp_path / "worker.log").open("wb")
+    proc = subprocess.Popen([str(MODELSHIP), "worker"], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env=_prefect_env(stack_settings, tmp_path))
+    try:
+        yield proc
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+
+
+def _run_deployment(settings: Settings, deployment_id: str, params: dict[str, Any],
+                    deadline_s: float = 480) -> dict[str, Any]:
+    run = _api(settings, f"/deployments/{deployment_id}/create_flow_run",
+               {"parameters": {"params": params}})
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        state = _api(settings, f"/flow_runs/{run['id']}", method="GET")
+        if state["state_type"] in TERMINAL:
+            return dict(state)
+        time.sleep(2)
+    raise AssertionError(f"flow run {run['id']} did not finish in {deadline_s} s: {state}")
+
+
+def test_deploy_then_a_worker_runs_nightly_and_promote(
+        stack_settings: Settings, tmp_path: Path, worker: subprocess.Popen[bytes]) -> None:
     env = _prefect_env(stack_settings, tmp_path)
-    prefect = str(Path(sys.executable).parent / "prefect")
-    pool = subprocess.run([prefect, "work-pool", "create", "modelship-process", "--type",
-                           "process", "--overwrite"], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert pool.returncode == 0, pool.stderr[-2000:]
-    deploy = subprocess.run([prefect, "--no-prompt", "deploy", "--all"], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert deploy.returncode == 0, (deploy.stdout + deploy.stderr)[-3000:]
-    names = {d["name"] for d in _api(stack_settings, "/deployments/filter", {})}
-    assert {"promote", "check", "swap", "rollback"} <= names
+    done = run_cli("deploy", "--json", home=stack_settings.home, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    deployments = {d["name"]: d for d in json.loads(done.stdout)["deployments"]}
+    assert {"promote", "check", "swap", "rollback", "nightly"} <= set(deployments)
+    nightly = deployments["nightly"]
+    assert nightly["schedules"] == ["30 2 * * * Europe/Berlin"]
+    assert nightly["concurrency_limit"] == 1 and nightly["collision_strategy"] == "CANCEL_NEW"
+    assert nightly["pool"] == "modelship-process"
+    assert {d["pool"] for d in deployments.values()} == {"modelship-process"}
+    assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+
+    # The schedule's own parameters release; a Quick Run with the defaults only compares.
+    full = _api(stack_settings, f"/deployments/{nightly['id']}", method="GET")
+    assert full["parameters"]["params"]["dry_run"] is True
+    assert full["schedules"][0]["parameters"]["params"]["dry_run"] is False
+
+    policy = models.write_policy(tmp_path / "policy.yaml", POLICY)
+    run = _run_deployment(stack_settings, nightly["id"], {
+        "model": MODEL, "seed": 11, "drift": 0.0, "policy_file": str(policy),
+        "dry_run": False})
+    assert run["state_type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+    history = json.loads(run_cli("history", MODEL, "--json",
+                                 home=stack_settings.home).stdout)["releases"]
+    assert [(r["kind"], r["status"], r["trigger"]) for r in history] == [
+        ("promote", "released", "schedule")]
+    released = history[0]["to_version"]
+    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    assert status["production_version"] == released == status["aliases"]["production"]
+
+    # promote as a deployment run, with its defaults (dry_run): a plan, production untouched.
+    tracking = str(stack_settings.mlflow_tracking_uri)
+    uri = training.train_builtin(training.TrainRequest(tracking, MODEL, seed=12))
+    candidate = training.register(tracking, uri, MODEL)["version"]
+    promote = _run_deployment(stack_settings, deployments["promote"]["id"], {
+        "model": MODEL, "version": candidate, "policy_file": str(policy),
+        "trigger": "deployment", "dry_run": True})
+    assert promote["state_type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+    tasks = _api(stack_settings, "/task_runs/filter",
+                 {"flow_runs": {"id": {"any_": [promote["id"]]}}})
+    assert {"resolve", "check", "stage"} <= {t["name"].split(" ")[0] for t in tasks
+                                             if t["state_type"] == "COMPLETED"}
+    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    assert status["production_version"] == released
 
 
 def test_check_flow_runs_on_the_prefect_server(stack_settings: Settings,
