@@ -11,9 +11,17 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: install demo test lint unit bench clean-stack deploy worker
+.PHONY: install browser demo test lint unit bench clean-stack deploy worker
 
-install: $(VENV)/.installed $(RUNTIME)/.installed
+install: $(VENV)/.installed $(RUNTIME)/.installed browser
+
+# Debian's headless Chromium and its driver, for the Slack emulator web-view test (selenium
+# drives it); installed only when missing, with apt (root, or sudo when not root).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; }
 
 $(VENV)/.installed: pyproject.toml
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv

@@ -1,0 +1,164 @@
+"""`modelship promote` with approval required, through the console script on the stack.
+
+The release pauses after its gates and posts its approval request in the thread; a click
+sent as Slack sends it (``modelship approvals click``, signed with the stack's secret, to
+the stack's ``approvals serve``) approves it, rejects it (exit 5), or nobody clicks and it
+expires (exit 5, fail closed), also when Slack is down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelship.approvals.wire import APPROVE, parse_button_value
+from modelship.settings import Settings
+from tests import models
+from tests.conftest import MODELSHIP, ROOT, RUNTIME_VENV, run_cli
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "cli-approvals"
+POLICY: dict[str, Any] = {
+    "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 8.0, "min_samples": 200},
+    "gates": [{"name": "error_rate", "metric": "error_rate", "test": "exact_rate",
+               "max_rate": 0.01}],
+    "bake": {"duration_s": 2.0, "window_s": 1.0, "baseline_s": 1.0,
+             "max_latency_increase_pct": 400.0},
+    "approval": {"timeout_s": 300},
+}
+APPROVAL = ["--require-approval", "--approvers", "U0ALICE,S0APPROVERS",
+            "--requested-by", "U0CAROL"]
+
+
+def _start_promote(settings: Settings, policy: Path, version: int,
+                   env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("MODELSHIP_", "MLFLOW_TRACKING", "AWS_", "PREFECT_API"))}
+    full = {**clean, "MODELSHIP_HOME": str(settings.home),
+            "MODELSHIP_TRITON_RUNTIME": str(RUNTIME_VENV), **(env or {})}
+    return subprocess.Popen([str(MODELSHIP), "promote", MODEL, "--version", str(version),
+                             "--policy", str(policy), *APPROVAL, "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full, cwd=ROOT)
+
+
+def _finish(proc: subprocess.Popen[str], code: int) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == code, err[-4000:]
+    doc = json.loads(out)
+    return doc.get("details", {}).get("record", doc) if "error" in doc else doc
+
+
+def _messages(settings: Settings) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{settings.slack_api_url}_emulator/messages",
+                                timeout=10) as response:
+        return list(json.loads(response.read())["messages"])
+
+
+def _approval_message(settings: Settings, version: int, proc: subprocess.Popen[str]
+                      ) -> dict[str, Any]:
+    """The approval request of ``MODEL vN`` once it is posted (the run is paused then)."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        for message in reversed(_messages(settings)):
+            if message["text"].startswith(f"approval needed: {MODEL} v{version} "):
+                return message
+        time.sleep(0.5)
+    raise AssertionError("no approval message was posted")
+
+
+def _buttons(message: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for b in message["blocks"] if b["type"] == "actions" for e in b["elements"]]
+
+
+def _click(settings: Settings, release: str, user: str, approve: bool) -> dict[str, Any]:
+    done = run_cli("approvals", "click", release, "--as", user,
+                   "--approve" if approve else "--reject", "--json", home=settings.home)
+    answer = json.loads(done.stdout)
+    answer["exit_code"] = done.returncode
+    return answer
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.write_policy(tmp_path_factory.mktemp("approvals") / "policy.yaml", POLICY)
+
+
+def test_promote_waits_for_an_approver_and_a_rejection_exits_5(
+        stack_settings: Settings, policy: Path) -> None:
+    uri = str(stack_settings.mlflow_tracking_uri)
+    v1 = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+    v2 = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+
+    proc = _start_promote(stack_settings, policy, v1)
+    try:
+        message = _approval_message(stack_settings, v1, proc)
+        buttons = _buttons(message)
+        assert [b["action_id"] for b in buttons][:1] == [APPROVE] and len(buttons) == 2
+        release, digest = parse_button_value(buttons[0]["value"])
+        assert digest["model"] == MODEL and digest["version"] == v1
+        assert len(digest["onnx_sha256"]) == 64 and digest["canary_report_id"] == release
+        assert any(b["type"] == "image" for b in message["blocks"])  # the canary plot
+        assert message["thread_ts"]  # its own message, in the release's thread
+
+        refused = _click(stack_settings, release, "U0CAROL", approve=True)  # four-eyes
+        assert refused["exit_code"] == 2 and refused["error"] == "requester_cannot_approve"
+        accepted = _click(stack_settings, release, "U0ALICE", approve=True)
+        assert accepted["exit_code"] == 0 and accepted["status"] == "approved"
+        record = _finish(proc, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert record["status"] == "released" and record["to_version"] == v1
+    request = record["approvals"][0]
+    assert (request["status"], request["decided_by"], request["channel"]) == (
+        "approved", "U0ALICE", "slack")
+    shown = next(m for m in _messages(stack_settings) if m["ts"] == message["ts"])
+    assert not _buttons(shown) and "Approved by" in json.dumps(shown["blocks"])
+
+    proc = _start_promote(stack_settings, policy, v2)
+    try:
+        message = _approval_message(stack_settings, v2, proc)
+        release, _ = parse_button_value(_buttons(message)[0]["value"])
+        rejected = _click(stack_settings, release, "U0BOB", approve=False)
+        assert rejected["exit_code"] == 0 and rejected["status"] == "rejected"
+        record = _finish(proc, 5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert record["status"] == "rejected" and record["exit_code"] == 5
+    assert "U0BOB rejected" in record["reason"]
+    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    assert status["production_version"] == v1  # nothing changed
+    shown = next(m for m in _messages(stack_settings) if m["ts"] == message["ts"])
+    assert not _buttons(shown) and "Rejected by" in json.dumps(shown["blocks"])
+
+
+def test_an_unanswered_approval_expires_and_fails_closed_even_with_slack_down(
+        stack_settings: Settings, tmp_path: Path) -> None:
+    uri = str(stack_settings.mlflow_tracking_uri)
+    version = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+    short = models.write_policy(tmp_path / "short.yaml",
+                                {**POLICY, "approval": {"timeout_s": 3}})
+
+    proc = _start_promote(stack_settings, short, version)
+    record = _finish(proc, 5)
+    assert record["status"] == "rejected" and "expired after 3 s" in record["reason"]
+    request = record["approvals"][0]
+    assert request["status"] == "expired" and request["cleanup"]
+    shown = next(m for m in _messages(stack_settings) if m["ts"] == request["slack"]["ts"])
+    assert not _buttons(shown) and "Expired at" in json.dumps(shown["blocks"])
+
+    dead = {"MODELSHIP_SLACK_API_URL": "http://127.0.0.1:9/"}
+    record = _finish(_start_promote(stack_settings, short, version, env=dead), 5)
+    assert record["status"] == "rejected" and "never reached Slack" in record["reason"]
+    assert any("only the Prefect UI form can decide" in n for n in record["notes"])
