@@ -41,8 +41,13 @@ def serve(host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
         current = settings()
-        path = audit_log or current.home / "logs" / "approvals-audit.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path: Path | None = audit_log or current.home / "logs" / "approvals-audit.jsonl"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
+        except OSError as exc:  # a read-only filesystem (a pod): the log goes to stderr only
+            print(f"approvals: no audit file ({exc}); audit lines go to stderr",
+                  file=sys.stderr)
+            path = None
         service = build_service(current, audit_path=path)
     except ModelshipError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -57,7 +62,8 @@ def serve(host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0
     signal.signal(signal.SIGINT, on_signal)
 
     def ready(url: str) -> None:
-        print(json.dumps({"event": "listening", "url": url, "audit_log": str(path),
+        print(json.dumps({"event": "listening", "url": url,
+                          "audit_log": str(path) if path else None,
                           "pid": os.getpid()}), flush=True)
 
     try:

@@ -1,0 +1,133 @@
+"""The approve stage in a real flow run on the stack's Prefect server.
+
+The Prefect UI form resumes a paused run without passing through the Slack endpoint, so
+the stage re-checks every input with the same rules: the requester's approval and a stale
+digest are refused and recorded, and the run pauses again until a valid approver decides.
+While it waits, a watcher that finds a breach rejects the release itself (exit 5).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow
+from prefect.context import FlowRunContext
+
+from model_registry.ledger import ReleaseRecord
+from modelship.approvals.server import PrefectRuns
+from modelship.errors import ApprovalDenied
+from modelship.settings import Settings
+from modelship.slack.notifier import NullNotifier
+from tasks.approve import ApprovalChannels, ApprovalRequest, approve, evidence_watch
+from tasks.record import ReleaseJournal
+from tests.integration.test_approvals_security import BOXES, _in_thread, _wait_for
+
+DIGEST = {"model": "approve-stage", "version": 2, "onnx_sha256": "ef" * 32,
+          "canary_report_id": "canary-1"}
+
+
+@flow(name="approve-stage")
+def approve_flow(key: str, timeout_s: int) -> dict[str, Any]:
+    box = BOXES[key]
+    context = FlowRunContext.get()
+    assert context is not None and context.flow_run is not None
+    box["id"] = str(context.flow_run.id)
+    record = ReleaseRecord.start("promote", "approve-stage", requester="U0CAROL")
+    record.holder["flow_run_id"] = box["id"]
+    record.candidate = {**DIGEST, "manifest_sha256": "00" * 32}
+    journal = ReleaseJournal(record, None, NullNotifier())
+    box["record"] = record
+    request = ApprovalRequest(required=True, approvers=("U0ALICE",), requester="U0CAROL",
+                              timeout_s=timeout_s)
+    channels = ApprovalChannels(notifier=None, resume=box["runs"].resume,
+                                watch=box.get("watch"), watch_interval_s=0.5)
+    try:
+        return approve(request, journal, channels, model="approve-stage", version=2)
+    except ApprovalDenied as exc:
+        return {"denied": exc.message, "exit_code": exc.exit_code}
+
+
+def _paused_again(runs: PrefectRuns, run_id: str, record: ReleaseRecord, refusals: int
+                  ) -> bool:
+    pending = record.approvals[0] if record.approvals else {}
+    return len(pending.get("refusals", [])) == refusals and runs.state(run_id) == "PAUSED"
+
+
+def test_the_prefect_ui_channel_gets_the_same_checks(stack_settings: Settings) -> None:
+    runs = PrefectRuns(stack_settings.prefect_api_url)
+    box: dict[str, Any] = {"runs": runs}
+    thread = _in_thread(approve_flow, box, str(stack_settings.prefect_api_url), 120)
+    try:
+        _wait_for(lambda: "id" in box and runs.state(box["id"]) == "PAUSED", 60, "the pause")
+        base = {"release_id": box["record"].id, "digest": DIGEST, "channel": "prefect-ui"}
+        runs.resume(box["id"], {**base, "decision": "approve", "user": "U0CAROL"})
+        _wait_for(lambda: _paused_again(runs, box["id"], box["record"], 1), 30, "refusal 1")
+        runs.resume(box["id"], {**base, "decision": "approve", "user": "U0ALICE",
+                                "digest": {**DIGEST, "canary_report_id": "canary-0"}})
+        _wait_for(lambda: _paused_again(runs, box["id"], box["record"], 2), 30, "refusal 2")
+        runs.resume(box["id"], {**base, "decision": "approve", "user": "U0ALICE"})
+        thread.join(30)
+    finally:
+        if thread.is_alive():
+            runs.resume(box["id"], {"decision": "reject", "user": "cleanup",
+                                    "release_id": "x", "digest": {}})
+            thread.join(10)
+    assert "error" not in box, box.get("error")
+    assert box["result"]["decision"] == "approved" and box["result"]["by"] == "U0ALICE"
+    assert box["result"]["channel"] == "prefect-ui"
+    pending = box["record"].approvals[0]
+    assert [r["code"] for r in pending["refusals"]] == ["requester_cannot_approve",
+                                                        "stale_digest"]
+    assert pending["status"] == "approved"
+    assert any("not posted" in note for note in box["record"].notes)  # no Slack here
+
+
+def test_a_breach_while_waiting_rejects_the_release(stack_settings: Settings) -> None:
+    runs = PrefectRuns(stack_settings.prefect_api_url)
+    calls: list[float] = []
+
+    def watch() -> str | None:
+        calls.append(time.monotonic())
+        return "error rate of approve-stage/2 rose to 3% (> 1%)" if len(calls) >= 2 else None
+
+    box: dict[str, Any] = {"runs": runs, "watch": watch}
+    started = time.monotonic()
+    thread = _in_thread(approve_flow, box, str(stack_settings.prefect_api_url), 120)
+    thread.join(60)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    assert box["result"]["exit_code"] == 5
+    assert "the watcher rejected" in box["result"]["denied"] and "3%" in box["result"]["denied"]
+    pending = box["record"].approvals[0]
+    assert (pending["status"], pending["decided_by"]) == ("rejected", "modelship-watcher")
+    assert time.monotonic() - started < 30  # long before the 120 s expiry
+
+
+class _Replica:
+    def __init__(self, serves: bool) -> None:
+        self.name, self.serves = "triton-0", serves
+
+    def is_model_ready(self, model: str, version: str = "") -> bool:
+        return self.serves
+
+
+class _Clients:
+    def __init__(self, serves: list[bool]) -> None:
+        self.replicas = [_Replica(s) for s in serves]
+        self.storage = None
+        self.canary = None
+
+
+def test_the_evidence_watch_needs_a_breach_twice_in_a_row(stack_settings: Settings) -> None:
+    clients = _Clients([True])
+    check = evidence_watch(stack_settings, clients, model="m", version=2, baseline=1,
+                           candidate={})
+    assert check() is None
+    clients.replicas[0].serves = False
+    assert check() is None  # once is a blip
+    clients.replicas[0].serves = True
+    assert check() is None
+    clients.replicas[0].serves = False
+    assert check() is None
+    found = check()
+    assert found is not None and "no longer serves m v1" in found
