@@ -63,7 +63,7 @@ def require_evidence(records: list[ReleaseRecord], *, model: str, digest: dict[s
         return {"basis": "served_before"}
     if force:
         return {"basis": "forced"}
-    against = f"v{serving}" if serving is not None else "an empty fleet"
+    against = f"v{serving}" if serving is not None else "no consistent production"
     raise EvidenceMissing(
         f"no passing canary is on record for {model} v{version} (manifest "
         f"{str(digest.get('manifest_sha256'))[:12]}) against {against}, and v{version} never "

@@ -25,12 +25,23 @@ def run_cli(
     *args: str, home: Path, env: Mapping[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
     """Run the real ``modelship`` console script against the stack in ``home``."""
+    return subprocess.run([str(MODELSHIP), *args], capture_output=True, text=True,
+                          env=cli_env(home, env), timeout=timeout, cwd=ROOT)
+
+
+def start_cli(*args: str, home: Path) -> subprocess.Popen[str]:
+    """Start the console script in the background (concurrent runs, kills mid-run)."""
+    return subprocess.Popen([str(MODELSHIP), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cli_env(home), cwd=ROOT)
+
+
+def cli_env(home: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a console-script run: this machine's, minus anything that
+    would point it away from the stack in ``home``."""
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("MODELSHIP_", "MLFLOW_TRACKING", "AWS_", "PREFECT_API"))}
-    full_env = {**clean, "MODELSHIP_HOME": str(home),
-                "MODELSHIP_TRITON_RUNTIME": str(RUNTIME_VENV), **(env or {})}
-    return subprocess.run([str(MODELSHIP), *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=ROOT)
+    return {**clean, "MODELSHIP_HOME": str(home),
+            "MODELSHIP_TRITON_RUNTIME": str(RUNTIME_VENV), **(env or {})}
 
 
 # The session's embedded stack (tests/stack_fixtures.py), shared by integration and e2e tests.

@@ -14,6 +14,7 @@ commands, so ``--help`` stays fast.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Annotated
 
@@ -49,6 +50,10 @@ def main() -> None:
                        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
                        "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3"}.items():
         os.environ.setdefault(key, value)
+    # Prefect's background senders warn "Still processing items: N items remaining..." while
+    # they flush at exit: noise for a CLI user, whose result is already printed.
+    for service in ("APILogWorker", "EventsWorker"):
+        logging.getLogger(service).setLevel(logging.ERROR)
     app()
 
 

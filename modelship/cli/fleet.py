@@ -97,6 +97,9 @@ def status(model: ModelArg, as_json: JsonOpt = False) -> None:
         last = doc.get("last_release") or {}
         lines = [table(["replica", "url", "ready", "config", "error"], rows),
                  f"{model}: serving {serving} ({state}); aliases {doc['aliases']}"]
+        if doc.get("summary"):
+            lines.append(doc["summary"])
+        lines.extend(f"note: {note}" for note in doc.get("notes") or [])
         if last.get("id"):
             lines.append(f"last release: {last['kind']} {last['id']} v{last['from_version']} "
                          f"-> v{last['to_version']}: {last['status']}")
@@ -230,3 +233,82 @@ def _requester(current: Any) -> str:
     import getpass
 
     return str(current.requester or getpass.getuser())
+
+
+@app.command("reconcile")
+def reconcile(model: Annotated[str | None, typer.Argument(
+                  help="One model (default: every model with a production pin).")] = None,
+              watch: Annotated[bool, typer.Option(
+                  "--watch", help="Keep reconciling every --interval seconds (one JSON "
+                  "line per round with --json); stop with Ctrl-C.")] = False,
+              interval: Annotated[float, typer.Option(
+                  "--interval", help="Seconds between rounds with --watch.")] = 10.0,
+              dry_run: DryRunOpt = False, as_json: JsonOpt = False) -> None:
+    """Bring every reachable replica back to the production recorded in the repository (a
+    replica that restarted empty, or one a crashed swap left behind). Verified bytes only."""
+    import json
+    import sys
+
+    from modelship.locks import release_lock
+    from modelship.signing import key_bytes
+    from tasks import reconcile as reconciling
+
+    def arguments(settings: Any, clients: Any) -> dict[str, Any]:
+        if not clients.replicas or clients.storage is None:
+            from modelship.errors import UsageError
+
+            raise UsageError("reconcile needs the Triton replicas and the S3 repository",
+                             hint="run `modelship stack up` or set MODELSHIP_TRITON_REPLICAS "
+                             "and MODELSHIP_S3_ENDPOINT")
+        return {"storage": clients.storage, "repository_prefix": settings.repository_prefix,
+                "signing_key": key_bytes(settings.manifest_signing_key), "model": model,
+                "timeout_s": settings.control_timeout_s,
+                "probe_timeout_s": settings.http_timeout_s, "dry_run": dry_run,
+                "lock": lambda name: release_lock(name, prefect_api_url=settings.prefect_api_url,
+                                                  home=settings.home, kind="reconcile"),
+                "progress": progress}
+
+    def render(doc: dict[str, Any]) -> str:
+        rows = [(m["model"], f"v{m['version']}" if m.get("version") is not None else "-",
+                 r.get("replica", "-"), r.get("action", "-"), r.get("reason") or "")
+                for m in doc["models"] for r in (m.get("replicas") or [{}])]
+        failed = [f"{m['model']}: {m['error']}" + (f" ({m['hint']})" if m.get("hint") else "")
+                  for m in doc["models"] if m.get("error")]
+        if doc.get("dry_run"):
+            loads = sum(r.get("action") == "load" for m in doc["models"]
+                        for r in m.get("replicas") or [])
+            summary = f"dry run: would load {loads} replica(s); nothing was changed"
+        else:
+            summary = f"changed {doc['changed']} replica(s)"
+        head = table(["model", "production", "replica", "action", "reason"], rows) if rows \
+            else "no model has a production pin yet: nothing to reconcile"
+        return "\n".join([head, *failed, summary])
+
+    def code(doc: dict[str, Any]) -> int:
+        if doc["ok"]:
+            return 0
+        return max((int(m.get("exit_code") or 1) for m in doc["models"] if not m["ok"]),
+                   default=1)
+
+    if not watch:
+        finish(run_reporting(lambda: with_clients(lambda settings, clients: reconciling.reconcile(
+            clients.replicas, **arguments(settings, clients))),
+            as_json=as_json, render=render, to_json=lambda d: d, exit_code=code))
+
+    stdout = sys.stdout  # run_reporting sends stdout to stderr while the body runs
+
+    def rounds(settings: Any, clients: Any) -> int:
+        last = 0
+        try:
+            for doc in reconciling.watch(clients.replicas, interval_s=interval,
+                                         **arguments(settings, clients)):
+                print(json.dumps(doc) if as_json else render(doc), file=stdout, flush=True)
+                last = code(doc)
+        except KeyboardInterrupt:
+            progress("reconcile --watch stopped")
+        return last
+
+    finish(run_reporting(lambda: with_clients(rounds), as_json=False,
+                         render=lambda _: "", to_json=lambda d: d,
+                         exit_code=lambda last: last))
+

@@ -30,22 +30,25 @@ def stack_up(
 ) -> None:
     """Start SeaweedFS, MLflow, Prefect, the Slack emulator and N+1 Tritons (idempotent)."""
     from modelship.stack import manager
+    from tasks.reconcile import reconcile_stack
 
     def action() -> Any:
         current = settings()
-        state, report = manager.up(current, replicas=replicas, base_port=base_port,
-                                   progress=progress)
+        state, report = manager.up(
+            current, replicas=replicas, base_port=base_port, progress=progress,
+            on_ready=lambda state: reconcile_stack(state, progress=progress))
         return current, state, report
 
     def render(result: Any) -> str:
         settings, state, report = result
+        healed = _healed(report)
         if report.already_running:
-            return f"stack already running ({settings.stack_file})"
+            return f"stack already running ({settings.stack_file})" + healed
         rows = [(name, f"{secs:.1f}") for name, secs in sorted(report.ready_s.items(),
                                                                 key=lambda kv: kv[1])]
         return (table(["component", "ready after (s)"], rows)
                 + f"\nstack up in {report.total_s:.1f} s; endpoints in {settings.stack_file}"
-                + "\nnext: `modelship stack status` or `modelship doctor`")
+                + healed + "\nnext: `modelship stack status` or `modelship doctor`")
 
     def to_json(result: Any) -> Any:
         from modelship.stack.manager import _live_records
@@ -54,10 +57,25 @@ def stack_up(
         _, state, report = result
         doc = status_document(state, _live_records(state))
         doc["startup"] = {"ready_s": report.ready_s, "total_s": report.total_s,
-                          "already_running": report.already_running}
+                          "already_running": report.already_running,
+                          "restarted": report.restarted, "reconciled": report.reconciled}
         return doc
 
     finish(run_reporting(action, as_json=as_json, render=render, to_json=to_json))
+
+
+def _healed(report: Any) -> str:
+    """One line on what ``up`` restarted and brought back to production, if anything."""
+    lines = []
+    if report.restarted:
+        lines.append(f"restarted: {', '.join(report.restarted)}")
+    reconciled = report.reconciled or {}
+    if reconciled.get("changed"):
+        lines.append(f"reconciled {reconciled['changed']} replica(s) to the recorded production")
+    for model in reconciled.get("models", []):
+        if not model.get("ok"):
+            lines.append(f"{model['model']}: not reconciled: {model.get('error')}")
+    return "".join(f"\n{line}" for line in lines)
 
 
 @stack_app.command("down")

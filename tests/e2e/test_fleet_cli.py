@@ -11,6 +11,7 @@ import pytest
 from modelship.clients import build_clients
 from modelship.locks import release_lock
 from modelship.settings import Settings
+from modelship.triton.model_config import from_pbtxt, to_json, with_versions
 from tests import models
 from tests.conftest import run_cli
 
@@ -87,6 +88,53 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
     assert forced_swap["kind"] == "swap" and forced_swap["to_version"] == v2
     assert forced_swap["forced"] and not history[1]["forced"]
     assert status["last_release"]["id"] == history[0]["id"]
+
+
+def _mix(settings: Settings, version: int) -> str:
+    """What a coordinator killed mid-swap leaves: the last replica on another version."""
+    clients = build_clients(settings)
+    try:
+        odd = clients.replicas[-1]
+        config = from_pbtxt(clients.storage.get_bytes(  # type: ignore[union-attr]
+            f"{settings.repository_prefix}/{MODEL}/{version}/config.pbtxt").decode())
+        odd.load_model(MODEL, config_json=to_json(with_versions(config, [version])))
+        return odd.name
+    finally:
+        clients.close()
+
+
+def test_a_mixed_fleet_is_repaired_by_reconcile_and_by_swap(
+        stack_settings: Settings, versions: tuple[int, int]) -> None:
+    v1, v2 = versions
+    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    odd = _mix(stack_settings, v2)
+    mixed = _json("status", MODEL, settings=stack_settings, code=1)
+    assert not mixed["consistent"] and mixed["production_version"] is None
+    assert [r["ready_versions"] for r in mixed["replicas"]] == [[v1], [v2]]
+
+    plan = _json("reconcile", MODEL, "--dry-run", settings=stack_settings)
+    assert plan["dry_run"] and plan["changed"] == 0
+    assert [r["replica"] for r in plan["models"][0]["replicas"] if r["action"] == "load"] \
+        == [odd]
+    assert _json("status", MODEL, settings=stack_settings, code=1)["replicas"][1][
+        "ready_versions"] == [v2]  # a dry run changes nothing
+    repaired = _json("reconcile", MODEL, settings=stack_settings)
+    assert repaired["ok"] and repaired["changed"] == 1
+    loaded = [r for r in repaired["models"][0]["replicas"] if r["action"] == "load"]
+    assert [r["replica"] for r in loaded] == [odd]
+    status = _json("status", MODEL, settings=stack_settings)
+    assert status["consistent"] and status["production_version"] == v1
+
+    # The same damage, repaired by a swap: the plan says it converges the fleet.
+    _mix(stack_settings, v2)
+    planned = _json("swap", MODEL, "--to", str(v2), "--dry-run", "--force",
+                    settings=stack_settings)
+    assert any("mixed" in line for line in planned["plan"])
+    converged = _json("swap", MODEL, "--to", str(v2), "--force", settings=stack_settings)
+    assert converged["kind"] == "converge" and not converged["aborted"]
+    status = _json("status", MODEL, settings=stack_settings)
+    assert status["consistent"] and status["production_version"] == v2
+    assert status["aliases"]["production"] == v2
 
 
 def test_swap_to_an_unstaged_version_says_how_to_stage_it(stack_settings: Settings,

@@ -4,16 +4,21 @@ the session's stack: the release as one Prefect flow run, its record, its Slack 
 from __future__ import annotations
 
 import json
+import subprocess
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from modelship.clients import build_clients
 from modelship.locks import release_lock
 from modelship.settings import Settings
 from tests import models
-from tests.conftest import run_cli
+from tests.conftest import run_cli, start_cli
 from tests.integration.test_canary import slow_onnx_graph
 
 pytestmark = pytest.mark.e2e
@@ -149,3 +154,137 @@ def test_slack_down_never_changes_the_outcome(stack_settings: Settings, policy: 
     record = _promote(stack_settings, policy, "--version", str(version), code=0, env=dead)
     assert record["status"] == "released"
     assert any("Slack" in note for note in record["notes"])
+
+
+#: A poisoned row: its first feature indexes past the end of a one-element table.
+POISON = 1e6
+
+
+def poison_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
+    """``tests.models.onnx_graph("softmax")``'s answers for every ordinary row, and a runtime
+    error (ONNX Runtime's Gather bounds check) for a row whose first feature is ~``POISON``.
+
+    The canary's golden rows never trip it, so the candidate passes its gates; poisoned
+    traffic after the swap makes Triton count failures for the new version, as a model that
+    breaks on real inputs would.
+    """
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(3)  # the same weights as onnx_graph: identical answers
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((n_features, 3)).astype(np.float32), "W"),
+        numpy_helper.from_array(np.array(0, np.int64), "first"),
+        numpy_helper.from_array(np.array([POISON / 10], np.float32), "limit"),
+        numpy_helper.from_array(np.zeros(1, np.float32), "table"),
+        numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["input", "W"], ["raw"]),
+        helper.make_node("Gather", ["input", "first"], ["head"], axis=1),
+        helper.make_node("Sub", ["head", "limit"], ["over"]),
+        helper.make_node("Relu", ["over"], ["excess"]),
+        helper.make_node("Cast", ["excess"], ["index"], to=7),  # int64
+        helper.make_node("Gather", ["table", "index"], ["zero"], axis=0),
+        helper.make_node("Unsqueeze", ["zero", "axis1"], ["column"]),
+        helper.make_node("Add", ["raw", "column"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+        helper.make_node("ArgMax", ["probabilities"], ["label"], axis=1, keepdims=0),
+    ]
+    return models.classifier_graph(nodes, inits, name="poison_candidate",
+                                   n_features=n_features)
+
+
+def _send_poison(http_url: str) -> bool:
+    """One poisoned request; True when Triton answered it with an error."""
+    row = [POISON] + [0.0] * (models.N_FEATURES - 1)
+    body = {"inputs": [{"name": "input", "shape": [1, models.N_FEATURES],
+                        "datatype": "FP32", "data": row}]}
+    request = urllib.request.Request(f"{http_url}/v2/models/{MODEL}/infer",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5):
+            return False
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
+def _start_promote(settings: Settings, policy: Path, version: int) -> subprocess.Popen[str]:
+    return start_cli("promote", MODEL, "--version", str(version), "--policy", str(policy),
+                     "--json", home=settings.home)
+
+
+def _finished(process: subprocess.Popen[str], timeout: float = 600) -> tuple[int, Any]:
+    out, err = process.communicate(timeout=timeout)
+    doc = json.loads(out) if out.strip() else {"stderr": err[-4000:]}
+    return process.returncode, doc.get("details", {}).get("record", doc)
+
+
+def test_a_bake_breach_rolls_back_by_itself(stack_settings: Settings,
+                                           tmp_path: Path) -> None:
+    uri = str(stack_settings.mlflow_tracking_uri)
+    base = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+    poison = models.register_onnx(uri, MODEL, poison_onnx_graph())
+    quick = models.write_policy(tmp_path / "quick.yaml", POLICY)
+    assert _promote(stack_settings, quick, "--version", str(base), code=0)["status"] == \
+        "released"
+    policy = models.write_policy(tmp_path / "bake.yaml", {
+        **POLICY, "bake": {**POLICY["bake"], "duration_s": 20.0}})
+
+    process = _start_promote(stack_settings, policy, poison)
+    clients = build_clients(stack_settings)
+    sent = failed = 0
+    try:
+        deadline = time.monotonic() + 300
+        # The swap is done when every replica serves the poisoned version; then the bake
+        # watches it, and real traffic that trips it arrives.
+        while process.poll() is None and time.monotonic() < deadline:
+            if all(r.is_model_ready(MODEL, str(poison)) for r in clients.replicas):
+                for replica in clients.replicas:
+                    sent += 1
+                    failed += _send_poison(replica.endpoint.http)
+            time.sleep(0.05)
+        code, record = _finished(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        clients.close()
+    assert failed > 0, f"no poisoned request reached v{poison} ({sent} sent)"
+    assert code == 4, record
+    assert record["status"] == "rolled_back" and record["bake"]["outcome"] == "breach"
+    assert "error rate" in record["bake"]["reason"]
+    assert record["bake"]["rolled_back"]
+    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    assert status["consistent"] and status["production_version"] == base
+    assert status["aliases"]["production"] == base  # the alias moves last: it never moved
+    latest = json.loads(run_cli("history", MODEL, "--json",
+                                home=stack_settings.home).stdout)["releases"][0]
+    assert (latest["to_version"], latest["status"], latest["exit_code"]) == \
+        (poison, "rolled_back", 4)
+
+
+def test_two_concurrent_promotions_of_one_model_one_proceeds(stack_settings: Settings,
+                                                             tmp_path: Path) -> None:
+    uri = str(stack_settings.mlflow_tracking_uri)
+    first = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+    second = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+    # A longer bake keeps the winner's lock long after the loser has finished checking.
+    policy = models.write_policy(tmp_path / "long-bake.yaml", {
+        **POLICY, "bake": {**POLICY["bake"], "duration_s": 16.0}})
+    runs = {v: _start_promote(stack_settings, policy, v) for v in (first, second)}
+    try:
+        done = {v: _finished(p) for v, p in runs.items()}
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                process.kill()
+    codes = sorted(code for code, _ in done.values())
+    assert codes == [0, 1], done
+    winner = next(v for v, (code, _) in done.items() if code == 0)
+    _, lost = next(result for result in done.values() if result[0] == 1)
+    assert lost["status"] == "failed" and "lock" in lost["reason"]
+    assert done[winner][1]["id"] in lost["reason"]  # told who holds it
+    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    assert status["consistent"] and status["production_version"] == winner

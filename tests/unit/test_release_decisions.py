@@ -87,6 +87,9 @@ def test_require_evidence_refuses_with_the_next_command() -> None:
         require_evidence(HISTORY, model="m", digest=DIGEST, serving=4, force=False)
     assert caught.value.exit_code == 3 and "modelship promote m --version 3" in \
         str(caught.value.hint)
+    with pytest.raises(EvidenceMissing) as mixed:  # an empty or a mixed fleet
+        require_evidence(HISTORY, model="m", digest=DIGEST, serving=None, force=False)
+    assert "against no consistent production" in mixed.value.message
 
 
 def test_a_version_that_served_needs_no_canary() -> None:
@@ -160,12 +163,22 @@ def test_approval_request_applies_the_cli_overrides(policy: ApprovalPolicy, flag
     assert (request.required, request.approvers) == (required, who)
 
 
-def test_a_required_approval_fails_closed_with_exit_2() -> None:
-    request = approval_request(ApprovalPolicy(), require=True, approvers=["U1"])
-    with pytest.raises(Exception) as caught:
-        approve(request, model="m", version=3)
-    assert getattr(caught.value, "exit_code", None) == 2
-    assert approve(approval_request(ApprovalPolicy()), model="m", version=3)["required"] is False
+def test_a_required_approval_outside_a_flow_run_or_without_approvers_fails_closed() -> None:
+    from model_registry.ledger import ReleaseRecord
+    from modelship.slack.notifier import NullNotifier
+    from tasks.approve import ApprovalChannels
+    from tasks.record import ReleaseJournal
+
+    journal = ReleaseJournal(ReleaseRecord.start("promote", "m"), None, NullNotifier())
+    channels = ApprovalChannels(notifier=None)
+    for approvers in (["U1"], []):  # no flow run to pause; nobody allowed to approve
+        request = approval_request(ApprovalPolicy(), require=True, approvers=approvers)
+        with pytest.raises(Exception) as caught:
+            approve(request, journal, channels, model="m", version=3)
+        assert getattr(caught.value, "exit_code", None) == 2
+    assert journal.record.approvals == []  # nothing pending was recorded
+    assert approve(approval_request(ApprovalPolicy()), journal, channels, model="m",
+                   version=3)["required"] is False
 
 
 @pytest.mark.parametrize(("error", "transient"), [

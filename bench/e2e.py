@@ -1,0 +1,145 @@
+"""Wall time of one release, stage by stage: ``modelship promote`` end to end.
+
+Run: ``.venv/bin/python -m bench.e2e [--runs N] [--canary-s S] [--bake-s S]``. Starts a
+fresh embedded stack (2 replicas + canary) in a temporary home, registers a small sklearn
+model twice, releases v1 (the first release) and then v2 against it with a canary of at most
+``--canary-s`` seconds of load and a bake of ``--bake-s`` seconds, through the console
+script as a release manager would. Per stage, the seconds come from the release record
+(each stage's start and end); the whole is the console script's wall time, Python and
+Prefect start-up included.
+
+**Overhead** is everything but the canary's load window and the bake's watch: the time the
+pipeline itself costs. Goal (issue 8): ≤ 60 s in total and ≤ 30 s of overhead with a 15 s
+canary. Figures go to ``bench/results/e2e.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from bench.results import print_table, write_results
+from modelship.settings import Settings, load_settings
+from modelship.stack import manager
+from tests import models
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "bench-e2e"
+STAGES = ["resolve", "check", "stage", "canary", "gates", "approve", "baseline", "swap",
+          "bake", "record"]
+
+
+def _policy(path: Path, canary_s: float, bake_s: float) -> Path:
+    """A canary of at most ``canary_s`` s of load (it stops sooner once the gates have their
+    samples and the windows are stable), and a bake of ``bake_s`` s."""
+    return models.write_policy(path, {
+        "canary": {"warmup_s": 1.0, "window_s": 5.0, "max_duration_s": canary_s,
+                   "min_samples": 300},
+        "gates": [
+            {"name": "latency_p99", "metric": "latency_p99_ms", "test": "quantile",
+             "max_increase_pct": 50.0, "min_effect_ms": 2.0},
+            {"name": "error_rate", "metric": "error_rate", "test": "exact_rate",
+             "max_rate": 0.01},
+            {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.9},
+        ],
+        "bake": {"duration_s": bake_s, "window_s": min(5.0, bake_s), "baseline_s": 2.0,
+                 "max_latency_increase_pct": 400.0},
+    })
+
+
+def _seconds(start: str | None, end: str | None) -> float:
+    if not start or not end:
+        return 0.0
+    return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+
+
+def promote(home: Path, version: int, policy: Path) -> tuple[float, dict[str, Any]]:
+    """One ``modelship promote`` through the console script: wall seconds and its record."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MODELSHIP_", "AWS_"))}
+    env["MODELSHIP_HOME"] = str(home)
+    began = time.monotonic()
+    done = subprocess.run([str(ROOT / ".venv/bin/modelship"), "promote", MODEL, "--version",
+                           str(version), "--policy", str(policy), "--json"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    wall = time.monotonic() - began
+    if done.returncode != 0:
+        raise SystemExit(f"promote v{version} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return wall, json.loads(done.stdout)
+
+
+def breakdown(wall: float, record: dict[str, Any]) -> dict[str, Any]:
+    """Per stage seconds, the measured windows, and the overhead around them."""
+    stages = {s["name"]: round(_seconds(s["started_at"], s["ended_at"]), 2)
+              for s in record["stages"]}
+    rounds = ((record.get("gates") or {}).get("load") or {}).get("rounds") or []
+    canary_load = sum(float(r.get("duration_s") or 0) for r in rounds)
+    bake_watch = sum(float(w.get("seconds") or 0)
+                     for w in (record.get("bake") or {}).get("windows") or [])
+    in_stages = sum(stages.values())
+    return {"wall_s": round(wall, 2), "stages_s": stages,
+            "canary_load_s": round(canary_load, 2), "bake_watch_s": round(bake_watch, 2),
+            "outside_stages_s": round(wall - in_stages, 2),
+            "overhead_s": round(wall - canary_load - bake_watch, 2)}
+
+
+def run_once(canary_s: float, bake_s: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="ms-bench-e2e-") as tmp:
+        home = Path(tmp) / ".modelship"
+        settings = Settings(home=home, triton_runtime=ROOT / ".venv-triton")
+        try:
+            manager.up(settings, replicas=2)
+            live = load_settings(home=home, triton_runtime=ROOT / ".venv-triton")
+            uri = str(live.mlflow_tracking_uri)
+            v1 = models.register_sklearn(uri, MODEL, seed=0)
+            v2 = models.register_sklearn(uri, MODEL, seed=0)
+            policy = _policy(Path(tmp) / "policy.yaml", canary_s, bake_s)
+            first = breakdown(*promote(home, v1, policy))
+            second = breakdown(*promote(home, v2, policy))
+        finally:
+            manager.down(settings)
+    return {"first_release": first, "release": second}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--canary-s", type=float, default=15.0)
+    parser.add_argument("--bake-s", type=float, default=10.0)
+    args = parser.parse_args()
+    runs = [run_once(args.canary_s, args.bake_s) for _ in range(args.runs)]
+
+    def median(kind: str, key: str, stage: str | None = None) -> float:
+        values = [r[kind]["stages_s"].get(stage, 0.0) if stage else r[kind][key] for r in runs]
+        return round(statistics.median(values), 2)
+
+    figures = {"runs": runs, "canary_s": args.canary_s, "bake_s": args.bake_s,
+               "goal": {"total_s": 60, "overhead_s": 30},
+               "median": {kind: {"wall_s": median(kind, "wall_s"),
+                                 "overhead_s": median(kind, "overhead_s"),
+                                 "canary_load_s": median(kind, "canary_load_s"),
+                                 "bake_watch_s": median(kind, "bake_watch_s"),
+                                 "outside_stages_s": median(kind, "outside_stages_s"),
+                                 "stages_s": {s: median(kind, "", s) for s in STAGES}}
+                          for kind in ("first_release", "release")}}
+    path = write_results("e2e", figures)
+    table = figures["median"]
+    rows = [(s, table["first_release"]["stages_s"][s], table["release"]["stages_s"][s])
+            for s in STAGES]
+    rows += [(k, table["first_release"][k], table["release"][k])
+             for k in ("outside_stages_s", "canary_load_s", "bake_watch_s", "overhead_s",
+                       "wall_s")]
+    print_table(f"promote, seconds (median of {args.runs}; canary {args.canary_s:g} s, bake "
+                f"{args.bake_s:g} s)", ["stage", "first release", "v1 -> v2"], rows)
+    print(f"\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()
