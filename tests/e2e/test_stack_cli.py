@@ -39,15 +39,15 @@ def test_up_status_idempotent_up_and_down_leave_nothing_behind(tmp_path: Path) -
     doc = json.loads(up.stdout)
     assert set(doc) >= {"mlflow_uri", "s3_endpoint", "bucket", "prefect_api_url",
                         "slack_api_url", "approvals_url", "triton"}
-    assert doc["approvals_url"] is None
+    assert doc["approvals_url"].startswith("http://127.0.0.1:")
     assert len(doc["triton"]["replicas"]) == 1
     assert set(doc["triton"]["canary"]) == {"http", "grpc", "metrics"}
     assert (home / "stack.json").stat().st_mode & 0o777 == 0o600
     state = json.loads((home / "stack.json").read_text())
     records = [ProcessRecord.from_dict(p) for p in state["processes"]]
     ports = [p for r in records for p in r.ports]
-    assert {r.name for r in records} == {"seaweedfs", "mlflow", "prefect", "slack", "triton-0",
-                                         "canary"}
+    assert {r.name for r in records} == {"seaweedfs", "mlflow", "prefect", "slack", "approvals",
+                                         "triton-0", "canary"}
     assert all(is_alive(r) for r in records)
 
     status = run_cli("stack", "status", "--json", home=home)
