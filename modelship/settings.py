@@ -129,6 +129,15 @@ class Settings(BaseSettings):
     approvals_url: str | None = Field(
         default=None, description="URL of the Slack interactivity endpoint (approvals serve)."
     )
+    webhooks_url: str | None = Field(
+        default=None,
+        description="URL of the MLflow registry webhook receiver (`modelship webhooks serve`).",
+    )
+    mlflow_webhook_secret: SecretStr | None = Field(
+        default=None,
+        description="HMAC-SHA256 secret shared with MLflow's registry webhook; the receiver "
+        "refuses deliveries not signed with it (MODELSHIP_MLFLOW_WEBHOOK_SECRET).",
+    )
     triton_replicas: list[TritonEndpoint] = Field(
         default_factory=list,
         description="The production Triton fleet (static discovery), as a JSON list.",
@@ -264,6 +273,8 @@ def settings_from_stack_state(state: dict[str, Any]) -> dict[str, Any]:
         "slack_signing_secret": state.get("slack_signing_secret"),
         "manifest_signing_key": state.get("manifest_signing_key"),
         "approvals_url": state.get("approvals_url"),
+        "webhooks_url": state.get("webhooks_url"),
+        "mlflow_webhook_secret": state.get("mlflow_webhook_secret"),
         "triton_replicas": triton.get("replicas"),
         "triton_canary": triton.get("canary"),
     }

@@ -5,6 +5,8 @@
   default), creating the process work pool first; ``make deploy`` calls it.
 - ``worker`` runs a Prefect process worker on that pool, so deployment runs (the nightly
   schedule, a webhook-started promote, a Quick Run) execute from this checkout.
+- ``webhooks serve | register``: the MLflow registry webhook receiver (alias ``candidate``
+  set on a version -> a ``promote`` deployment run), and its registration in MLflow.
 """
 
 from __future__ import annotations
@@ -206,3 +208,56 @@ def worker(
           file=sys.stderr, flush=True)
     os.chdir(repo_dir())
     os.execve(prefect, argv, env)
+
+
+webhooks_app = typer.Typer(help="The MLflow registry webhook receiver (alias candidate -> "
+                           "promote).", no_args_is_help=True)
+app.add_typer(webhooks_app, name="webhooks")
+
+
+@webhooks_app.command("serve")
+def webhooks_serve(
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8090,
+    state_file: Annotated[Path | None, typer.Option(
+        help="Where seen delivery ids are kept (replay protection across restarts).")] = None,
+    register: Annotated[bool, typer.Option(
+        "--register", help="Create or update the MLflow webhook that calls this receiver.")]
+    = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Started promotions only plan.")] = False,
+) -> None:
+    """Serve POST /mlflow/webhook: verify HMAC and timestamp, refuse replays, start promote."""
+    from modelship.errors import ModelshipError
+    from modelship.webhooks.server import serve
+
+    try:
+        serve(host=host, port=port, state_file=state_file, register=register, dry_run=dry_run)
+    except ModelshipError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(exc.exit_code) from exc
+
+
+@webhooks_app.command("register")
+def webhooks_register(
+    url: Annotated[str | None, typer.Option(
+        help="The receiver's URL (default: the stack's webhooks_url).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create (or update) the MLflow webhook for alias events, signed with the shared secret."""
+
+    def action() -> Any:
+        from modelship.webhooks.server import ensure_mlflow_webhook
+
+        current = settings()
+        target = url or current.webhooks_url
+        if not current.mlflow_tracking_uri or not target or not current.mlflow_webhook_secret:
+            raise UsageError("registering the webhook needs MLflow, the receiver URL and "
+                             "MODELSHIP_MLFLOW_WEBHOOK_SECRET",
+                             hint="run `modelship stack up`, or set them and pass --url")
+        hook = ensure_mlflow_webhook(current.mlflow_tracking_uri, target,
+                                     current.mlflow_webhook_secret.get_secret_value())
+        return {"webhook_id": hook, "url": target, "events": ["model_version_alias.created"]}
+
+    finish(run_reporting(action, as_json=as_json, to_json=lambda d: d,
+                         render=lambda d: f"MLflow webhook {d['webhook_id']} -> {d['url']}"))

@@ -82,9 +82,20 @@ def mlflow_command(venv_bin: Path, *, db_path: Path, port: int, bucket: str) -> 
 
 
 def mlflow_env(
-    base: Mapping[str, str], *, s3_endpoint: str, access_key: str, secret_key: str, region: str
+    base: Mapping[str, str], *, s3_endpoint: str, access_key: str, secret_key: str, region: str,
+    webhook_key: str | None = None,
 ) -> dict[str, str]:
-    """The server (not the clients) holds the S3 credentials."""
+    """The server (not the clients) holds the S3 credentials.
+
+    ``webhook_key`` (a Fernet key kept in the state) encrypts registry webhook secrets at
+    rest, so they survive a restart; deliveries may go to the loopback receiver over http.
+    """
+    webhooks = {
+        "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": webhook_key,
+        "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+        "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+        "MLFLOW_WEBHOOK_CACHE_TTL": "2",
+    } if webhook_key else {}
     return {
         **base,
         **QUIET_TELEMETRY,
@@ -93,6 +104,7 @@ def mlflow_env(
         "AWS_SECRET_ACCESS_KEY": secret_key,
         "AWS_DEFAULT_REGION": region,
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        **webhooks,
     }
 
 
@@ -149,6 +161,21 @@ def approvals_command(venv_bin: Path, *, port: int, audit_log: Path) -> list[str
 
 def approvals_env(base: Mapping[str, str], *, home: Path) -> dict[str, str]:
     """It reads everything (S3, Prefect, Slack, the signing secret) from the stack file."""
+    env = {k: v for k, v in base.items()
+           if not k.startswith(("MODELSHIP_", "PREFECT_API_", "AWS_", "MLFLOW_"))}
+    return {**env, **QUIET_TELEMETRY, "MODELSHIP_HOME": str(home)}
+
+
+def webhooks_command(*, port: int, state_file: Path) -> list[str]:
+    """The MLflow webhook receiver; it registers its own MLflow webhook once MLflow is up."""
+    return [
+        sys.executable, "-m", "modelship.webhooks.server",
+        "--host", LOOPBACK, "--port", str(port), "--state-file", str(state_file), "--register",
+    ]
+
+
+def webhooks_env(base: Mapping[str, str], *, home: Path) -> dict[str, str]:
+    """It reads Prefect, MLflow and the webhook secret from the stack file."""
     env = {k: v for k, v in base.items()
            if not k.startswith(("MODELSHIP_", "PREFECT_API_", "AWS_", "MLFLOW_"))}
     return {**env, **QUIET_TELEMETRY, "MODELSHIP_HOME": str(home)}

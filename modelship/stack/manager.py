@@ -8,6 +8,7 @@ file lists, and checks that their ports are closed.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import shutil
@@ -230,6 +231,8 @@ def up(
     triton_ports = [tuple(rest[3 + 3 * i: 6 + 3 * i]) for i in range(n_triton)]
     approvals_port = (free_ports(1, avoid=set(ports))[0] if base_port is None
                       else _allocate_ports(1, base_port + len(ports))[0])
+    webhooks_port = (free_ports(1, avoid={*ports, approvals_port})[0] if base_port is None
+                     else _allocate_ports(1, base_port + len(ports) + 1)[0])
 
     access_key = "ms" + secrets.token_hex(8)
     secret_key = secrets.token_hex(20)
@@ -274,6 +277,9 @@ def up(
         "manifest_signing_key": signing_key,
         "seaweedfs": {"filer": f"http://{LOOPBACK}:{seaweed_ports['filer']}"},
         "approvals_url": f"http://{LOOPBACK}:{approvals_port}/slack/interactivity",
+        "webhooks_url": f"http://{LOOPBACK}:{webhooks_port}/mlflow/webhook",
+        "mlflow_webhook_secret": secrets.token_hex(24),
+        "mlflow_webhook_key": base64.urlsafe_b64encode(secrets.token_bytes(32)).decode(),
         "triton": {
             "replicas": [endpoints[n] for n in triton_names[:-1]],
             "canary": endpoints["canary"],
@@ -326,6 +332,7 @@ def up(
             c.mlflow_command(venv_bin, db_path=data / "mlflow.db", port=mlflow_port,
                              bucket=bucket),
             c.mlflow_env(base_env, s3_endpoint=s3_endpoint, access_key=access_key,
+                         webhook_key=state["mlflow_webhook_key"],
                          secret_key=secret_key, region=settings.aws_region),
             [mlflow_port],
         )
@@ -343,6 +350,11 @@ def up(
                                 audit_log=logs / "approvals-audit.jsonl"),
             c.approvals_env(base_env, home=home), [approvals_port],
         )
+        webhooks_proc = launch(
+            "webhooks",
+            c.webhooks_command(port=webhooks_port, state_file=data / "webhook-deliveries.json"),
+            c.webhooks_env(base_env, home=home), [webhooks_port],
+        )
 
         def s3_ready() -> bool:
             return _s3_bucket_ready(s3_endpoint, bucket, access_key, secret_key,
@@ -356,6 +368,8 @@ def up(
                             lambda: http_ok(f"http://{LOOPBACK}:{slack_port}/_emulator/health")),
                 pool.submit(await_ready, *approvals_proc,
                             lambda: http_ok(f"http://{LOOPBACK}:{approvals_port}/health")),
+                pool.submit(await_ready, *webhooks_proc,
+                            lambda: http_ok(f"http://{LOOPBACK}:{webhooks_port}/health")),
             ]
             await_ready(*weed_proc, s3_ready)
 
@@ -422,12 +436,15 @@ def _component_env(name: str, state: dict[str, Any], settings: Settings) -> dict
                              db_path=data / "prefect.db")
     if name == "mlflow":
         return c.mlflow_env(base_env, s3_endpoint=state["s3_endpoint"],
+                            webhook_key=state.get("mlflow_webhook_key"),
                             region=state["region"], **keys)
     if name == "slack":
         return c.slack_env(base_env, token=state["slack_token"],
                            signing_secret=state.get("slack_signing_secret"))
     if name == "approvals":
         return c.approvals_env(base_env, home=home)
+    if name == "webhooks":
+        return c.webhooks_env(base_env, home=home)
     from modelship.stack.triton_runtime import find_triton_runtime, server_env
 
     runtime = find_triton_runtime(settings.triton_runtime.resolve())
@@ -449,6 +466,9 @@ def _component_check(name: str, state: dict[str, Any], record: ProcessRecord
     if name == "slack":
         base = str(state["slack_api_url"]).removesuffix("/api/")
         return lambda: http_ok(f"{base}/_emulator/health")
+    if name == "webhooks":
+        root = str(state["webhooks_url"]).removesuffix("/mlflow/webhook")
+        return lambda: http_ok(f"{root}/health")
     if name == "approvals":
         root = str(state["approvals_url"]).removesuffix("/slack/interactivity")
         return lambda: http_ok(f"{root}/health")

@@ -72,6 +72,7 @@ def status_document(state: dict[str, Any], alive: dict[str, bool]) -> dict[str, 
         "prefect_api_url": state.get("prefect_api_url"),
         "slack_api_url": state.get("slack_api_url"),
         "approvals_url": state.get("approvals_url"),
+        "webhooks_url": state.get("webhooks_url"),
         "triton": {
             "replicas": [endpoint(r) for r in triton.get("replicas", [])],
             "canary": endpoint(triton["canary"]) if triton.get("canary") else None,
