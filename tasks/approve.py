@@ -239,6 +239,8 @@ def _wait(request: ApprovalRequest, journal: Any, channels: ApprovalChannels,
         if watcher.breach is not None:
             _decide(journal, channels, pending, "rejected", WATCHER, "watcher",
                     watcher.breach)
+            _notice(journal, channels, f"the watcher rejected {model} v{version} while it "
+                    f"waited for approval: {watcher.breach}", "critical")
             raise ApprovalDenied(
                 f"the watcher rejected {model} v{version} while it waited for approval: "
                 f"{watcher.breach}", hint="production is unchanged; look at the fleet and "
@@ -296,6 +298,8 @@ def _expire(journal: Any, channels: ApprovalChannels, pending: dict[str, Any],
                                      "user": None, "channel": None, "at": now_iso(),
                                      "reason": why})
     _show(journal, channels, pending, f"Expired at {pending['decided_at']}: {why}")
+    _notice(journal, channels, f"the approval of {model} v{version} expired: {why}",
+            "warning")
     if channels.cleanup is not None:
         pending["cleanup"] = channels.cleanup()
     journal.save()
@@ -303,6 +307,17 @@ def _expire(journal: Any, channels: ApprovalChannels, pending: dict[str, Any],
                          hint="production is unchanged; promote again and ask an approver "
                          f"({', '.join(request.approvers)}) to click in time",
                          model=model, version=version)
+
+
+def _notice(journal: Any, channels: ApprovalChannels, text: str, severity: str) -> None:
+    """A notice in the release's thread, as loud as its severity."""
+    root = journal.thread.ts
+    if root is None or channels.notifier is None or journal.thread.down is not None:
+        return
+    try:
+        channels.notifier.post(text, blocks.notice_blocks(text, severity), thread_ts=root)
+    except ModelshipError as exc:
+        journal.note(f"a {severity} notice could not be posted: {exc.message}")
 
 
 def _show(journal: Any, channels: ApprovalChannels, pending: dict[str, Any],
