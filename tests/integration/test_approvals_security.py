@@ -241,3 +241,42 @@ def _signed_text(secret: str, body: bytes) -> tuple[bytes, dict[str, str]]:
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
+
+
+def test_a_restarted_endpoint_finds_the_pending_approval_in_the_ledger(
+        stack: dict[str, Any], tmp_path: Path) -> None:
+    from modelship.approvals.server import ApprovalService, ApprovalsServer
+
+    settings: Settings = stack["settings"]
+    runs, ledger, secret = stack["runs"], stack["ledger"], stack["secret"]
+    box: dict[str, Any] = {}
+    thread = _in_thread(waiting_flow, box, str(settings.prefect_api_url), 120)
+    _wait_for(lambda: "id" in box and runs.state(box["id"]) == "PAUSED", 60, "the pause")
+    record = _record(ledger, box["id"], release_id=f"restart-{uuid.uuid4().hex[:8]}")
+    audit = tmp_path / "audit.jsonl"
+
+    def serve_once(user: str) -> tuple[int, dict[str, Any]]:
+        """A fresh endpoint process (nothing in memory), one click, then it stops."""
+        service = ApprovalService(secret=secret, ledger=ledger, runs=runs, audit_path=audit)
+        server = ApprovalsServer(("127.0.0.1", 0), service)
+        serving = threading.Thread(target=server.serve_forever, daemon=True)
+        serving.start()
+        try:
+            return _post_raw(server.url, *signed_request(secret, _click(record, user)))
+        finally:
+            server.shutdown()
+            server.server_close()
+
+    try:
+        assert serve_once("U0MALLORY")[0] == 403
+        status, answer = serve_once("U0ALICE")
+        assert (status, answer.get("status")) == (200, "approved")
+        thread.join(10)
+        assert box["result"]["user"] == "U0ALICE"
+    finally:
+        if thread.is_alive():
+            runs.resume(box["id"], {"decision": "reject", "user": "cleanup",
+                                    "release_id": record.id, "digest": {}})
+            thread.join(10)
+    events = [e["event"] for e in _audit(audit, record.id)]
+    assert events == ["approval_refused", "approval_accepted"]
