@@ -294,7 +294,8 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                     settings, clients, model=model, version=version, baseline=serving,
                     candidate=record.candidate, notifier=journal.thread.notifier,
                     plot=Path(result.report_paths.get("png") or "") if
-                    result.report_paths.get("png") else None, timeout_s=approval.timeout_s)
+                    result.report_paths.get("png") else None, timeout_s=approval.timeout_s,
+                    max_error_rate=policy.bake.max_error_rate)
                 entry.details.update(approve_task(approval, journal, channels, model,
                                                   version))
             payload, _ = load_payload(clients.storage, clients.registry,

@@ -406,7 +406,8 @@ class _Watcher:
 
 def channels_for(settings: Any, clients: Any, *, model: str, version: int,
                  baseline: int | None, candidate: dict[str, Any], notifier: Any,
-                 plot: Path | None, timeout_s: int) -> ApprovalChannels:
+                 plot: Path | None, timeout_s: int,
+                 max_error_rate: float = 0.01) -> ApprovalChannels:
     """The approval's channels from settings and clients (the wiring, at the edge)."""
     from modelship.approvals.server import PrefectRuns
     from modelship.approvals.slack_api import ApprovalSlack
@@ -420,24 +421,68 @@ def channels_for(settings: Any, clients: Any, *, model: str, version: int,
     return ApprovalChannels(
         notifier=notifier, resolve_group=resolve, resume=runs.resume,
         watch=evidence_watch(settings, clients, model=model, version=version,
-                             baseline=baseline, candidate=candidate),
+                             baseline=baseline, candidate=candidate,
+                             max_error_rate=max_error_rate),
         cleanup=lambda: canary_cleanup(clients, model), plot=plot,
         reminder_s=max(30.0, timeout_s / 4))
 
 
+def error_rate_breach(before: Any, after: Any, *, model: str, version: int, max_rate: float,
+                      where: str, min_requests: int = 20) -> str | None:
+    """Why the version's server-side error rate between two scrapes breaches ``max_rate``,
+    or None (pure; too few requests to judge is not a breach)."""
+    from modelship.triton.metrics import delta
+
+    if before is None:
+        return None
+    change = delta(before, after).get((model, str(version)))
+    if change is None:
+        return None
+    total = change.requests + change.failures
+    if total < min_requests:
+        return None
+    rate = change.failures / total
+    if rate <= max_rate:
+        return None
+    return (f"{model} v{version} on {where} failed {change.failures:.0f} of {total:.0f} "
+            f"requests ({rate:.1%} > {max_rate:.1%}) while the release waited: the canary's "
+            "baseline no longer holds")
+
+
 def evidence_watch(settings: Any, clients: Any, *, model: str, version: int,
-                   baseline: int | None, candidate: dict[str, Any]) -> Check:
+                   baseline: int | None, candidate: dict[str, Any],
+                   max_error_rate: float = 0.01) -> Check:
     """A check of what the canary's verdict rests on; a breach must be seen twice in a row.
 
+    - production's error rate on every replica (Triton's counters between two looks) stays
+      within ``max_error_rate`` (the bake's limit);
     - every replica still serves the baseline the canary compared against;
     - the candidate's staged manifest is unchanged (same sha256: the approved bytes);
     - the canary server answers.
     """
+    from modelship.triton.metrics import scrape
     from tasks.evidence import read_candidate_digest
 
     seen: list[str] = []
+    before: dict[str, Any] = {}
+
+    def metrics() -> str | None:
+        """Production's own error rate since the last look (Triton's counters)."""
+        if baseline is None:
+            return None
+        for replica in clients.replicas:
+            now = scrape(replica.endpoint.metrics, settings.http_timeout_s)
+            found = error_rate_breach(before.get(replica.name), now, model=model,
+                                      version=baseline, max_rate=max_error_rate,
+                                      where=replica.name)
+            before[replica.name] = now
+            if found:
+                return found
+        return None
 
     def look() -> str | None:
+        if breach := metrics():
+            return breach
         if baseline is not None:
             for replica in clients.replicas:
                 if not replica.is_model_ready(model, str(baseline)):

@@ -8,7 +8,9 @@ While it waits, a watcher that finds a breach rejects the release itself (exit 5
 
 from __future__ import annotations
 
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prefect import flow
@@ -103,31 +105,69 @@ def test_a_breach_while_waiting_rejects_the_release(stack_settings: Settings) ->
     assert time.monotonic() - started < 30  # long before the 120 s expiry
 
 
+class _Metrics(BaseHTTPRequestHandler):
+    """A Triton metrics endpoint whose counters the test moves."""
+
+    counts = {"success": 0, "failure": 0}
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet."""
+
+    def do_GET(self) -> None:
+        labels = 'model="m",version="1"'
+        body = (f"nv_inference_request_success{{{labels}}} {self.counts['success']}\n"
+                f'nv_inference_request_failure{{{labels},reason="BACKEND"}} '
+                f"{self.counts['failure']}\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 class _Replica:
-    def __init__(self, serves: bool) -> None:
-        self.name, self.serves = "triton-0", serves
+    def __init__(self, metrics: str) -> None:
+        self.name, self.serves = "triton-0", True
+        self.endpoint = type("Endpoint", (), {"metrics": metrics})()
 
     def is_model_ready(self, model: str, version: str = "") -> bool:
         return self.serves
 
 
 class _Clients:
-    def __init__(self, serves: list[bool]) -> None:
-        self.replicas = [_Replica(s) for s in serves]
+    def __init__(self, metrics: str) -> None:
+        self.replicas = [_Replica(metrics)]
         self.storage = None
         self.canary = None
 
 
 def test_the_evidence_watch_needs_a_breach_twice_in_a_row(stack_settings: Settings) -> None:
-    clients = _Clients([True])
-    check = evidence_watch(stack_settings, clients, model="m", version=2, baseline=1,
-                           candidate={})
-    assert check() is None
-    clients.replicas[0].serves = False
-    assert check() is None  # once is a blip
-    clients.replicas[0].serves = True
-    assert check() is None
-    clients.replicas[0].serves = False
-    assert check() is None
-    found = check()
-    assert found is not None and "no longer serves m v1" in found
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        clients = _Clients(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+        check = evidence_watch(stack_settings, clients, model="m", version=2, baseline=1,
+                               candidate={}, max_error_rate=0.01)
+        replica, counts = clients.replicas[0], _Metrics.counts
+        assert check() is None
+        replica.serves = False
+        assert check() is None  # once is a blip
+        replica.serves = True
+        assert check() is None
+        replica.serves = False
+        assert check() is None
+        found = check()
+        assert found is not None and "no longer serves m v1" in found
+        replica.serves = True
+        assert check() is None
+        counts["success"] += 990
+        counts["failure"] += 5  # 0.5%: within the limit
+        assert check() is None
+        for _ in range(2):  # production starts failing while the release waits
+            counts["success"] += 90
+            counts["failure"] += 10
+            found = check()
+        assert found is not None and "failed 10 of 100 requests (10.0% > 1.0%)" in found
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -209,3 +209,30 @@ def test_pending_entry_is_the_newest_request() -> None:
                  {"kind": "request", "release_id": "B"}, {"kind": "decision"}]
     assert pending_entry(approvals) == {"kind": "request", "release_id": "B"}
     assert pending_entry([]) is None
+
+
+def _scrape(success: int, failure: int) -> Any:
+    from modelship.triton.metrics import parse_metrics
+
+    labels = 'model="m",version="1"'
+    return parse_metrics(f"nv_inference_request_success{{{labels}}} {success}\n"
+                         f'nv_inference_request_failure{{{labels},reason="X"}} {failure}\n')
+
+
+@pytest.mark.parametrize(("before", "after", "breach"), [
+    (None, (100, 50), False),  # the first look has nothing to compare
+    ((100, 0), (110, 9), False),  # 19 requests: too few to judge
+    ((100, 0), (1090, 10), False),  # exactly 1%
+    ((100, 0), (1089, 11), True),  # 1.1%
+    ((1000, 10), (50, 40), True),  # counters reset by a reload: the after values count
+    ((100, 0), (100, 0), False),  # no traffic is no breach
+])
+def test_error_rate_breach(before: tuple[int, int] | None, after: tuple[int, int],
+                           breach: bool) -> None:
+    from tasks.approve import error_rate_breach
+
+    found = error_rate_breach(_scrape(*before) if before else None, _scrape(*after),
+                              model="m", version=1, max_rate=0.01, where="triton-0")
+    assert (found is not None) == breach
+    if found:
+        assert "m v1 on triton-0" in found
