@@ -236,3 +236,28 @@ def test_error_rate_breach(before: tuple[int, int] | None, after: tuple[int, int
     assert (found is not None) == breach
     if found:
         assert "m v1 on triton-0" in found
+
+
+@pytest.mark.parametrize(("in_file", "override", "ok"), [
+    ("http://127.0.0.1:4100/slack/interactivity", None, True),
+    ("http://127.0.0.1:4100/slack/interactivity", "https://approvals.example.com/slack/x",
+     False),  # settings point at a real endpoint: never click for a human there
+    ("http://approvals.example.com/slack/interactivity", None, False),  # not loopback
+    (None, "http://127.0.0.1:4100/slack/interactivity", False),  # no embedded stack here
+])
+def test_the_local_click_helper_works_only_on_the_embedded_stack(
+        tmp_path: Any, in_file: str | None, override: str | None, ok: bool) -> None:
+    from modelship.approvals.click import embedded_only
+    from modelship.errors import UsageError
+    from modelship.settings import Settings
+
+    if in_file is not None:
+        (tmp_path / "stack.json").write_text(json.dumps({
+            "approvals_url": in_file, "slack_signing_secret": "s"}))
+    extra = {"approvals_url": override} if override else {}
+    settings = Settings(home=tmp_path, **extra)
+    if ok:
+        assert embedded_only(settings) == in_file
+    else:
+        with pytest.raises(UsageError, match="approvals click"):
+            embedded_only(settings)
