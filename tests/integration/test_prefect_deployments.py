@@ -1,5 +1,6 @@
 """prefect.yaml deploys against the stack's real Prefect server (`modelship deploy`), and a
-real process worker (`modelship worker`) runs `nightly` and `promote` as deployment runs."""
+real process worker (`modelship worker`) runs `nightly` and a webhook-started `promote` as
+deployment runs."""
 
 from __future__ import annotations
 
@@ -66,10 +67,14 @@ def _api(settings: Settings, path: str, body: dict[str, Any] | None = None,
 @pytest.fixture()
 def worker(stack_settings: Settings, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """`modelship worker` on the process pool; stopped (its process group) afterwards."""
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    models.write_policy(policies / f"{MODEL}.yaml", POLICY)  # for webhook-started releases
     log = (tmp_path / "worker.log").open("wb")
     proc = subprocess.Popen([str(MODELSHIP), "worker"], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True,
-                            env=_prefect_env(stack_settings, tmp_path))
+                            env={**_prefect_env(stack_settings, tmp_path),
+                                 "MODELSHIP_POLICIES_DIR": str(policies)})
     try:
         yield proc
     finally:
@@ -131,20 +136,38 @@ def test_deploy_then_a_worker_runs_nightly_and_promote(
     status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
     assert status["production_version"] == released == status["aliases"]["production"]
 
-    # promote as a deployment run, with its defaults (dry_run): a plan, production untouched.
+    # The registry trigger: alias `candidate` on a new version -> MLflow's signed webhook ->
+    # the stack's receiver -> a promote deployment run, which the worker releases.
+    from mlflow import MlflowClient
+
     tracking = str(stack_settings.mlflow_tracking_uri)
-    uri = training.train_builtin(training.TrainRequest(tracking, MODEL, seed=12))
+    uri = training.train_builtin(training.TrainRequest(tracking, MODEL, seed=12, drift=1.0))
     candidate = training.register(tracking, uri, MODEL)["version"]
-    promote = _run_deployment(stack_settings, deployments["promote"]["id"], {
-        "model": MODEL, "version": candidate, "policy_file": str(policy),
-        "trigger": "deployment", "dry_run": True})
+    MlflowClient(tracking).set_registered_model_alias(MODEL, "candidate", str(candidate))
+    promote = _wait_for_webhook_run(stack_settings, MODEL, candidate)
     assert promote["state_type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
-    tasks = _api(stack_settings, "/task_runs/filter",
-                 {"flow_runs": {"id": {"any_": [promote["id"]]}}})
-    assert {"resolve", "check", "stage"} <= {t["name"].split(" ")[0] for t in tasks
-                                             if t["state_type"] == "COMPLETED"}
+    assert promote["deployment_id"] == deployments["promote"]["id"]
+    history = json.loads(run_cli("history", MODEL, "--json",
+                                 home=stack_settings.home).stdout)["releases"]
+    assert [(r["kind"], r["status"], r["trigger"], r["to_version"]) for r in history][0] == (
+        "promote", "released", "webhook", candidate)
     status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
-    assert status["production_version"] == released
+    assert status["production_version"] == candidate == status["aliases"]["production"]
+
+
+def _wait_for_webhook_run(settings: Settings, model: str, version: int,
+                          deadline_s: float = 480) -> dict[str, Any]:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        runs = [r for r in _api(settings, "/flow_runs/filter",
+                                {"flow_runs": {"tags": {"all_": ["webhook"]}}})
+                if r["parameters"].get("params", {}).get("model") == model
+                and r["parameters"]["params"].get("version") == version]
+        assert len(runs) <= 1, runs
+        if runs and runs[0]["state_type"] in TERMINAL:
+            return dict(runs[0])
+        time.sleep(2)
+    raise AssertionError(f"no finished webhook-started run of {model} v{version}")
 
 
 def test_check_flow_runs_on_the_prefect_server(stack_settings: Settings,
