@@ -54,7 +54,8 @@ class NightlyParams(BaseModel):
         default=None, ge=0, description="... or by at least this fraction of the champion.")
     threshold: float | None = Field(default=None, description="Absolute floor of the metric.")
     policy_file: str | None = Field(default=None, description="Release policy YAML for the "
-                                    "promotion; default policies/MODEL.yaml or the defaults.")
+                                    "promotion; default policies/MODEL.nightly.yaml, else "
+                                    "policies/MODEL.yaml, else the defaults.")
     requested_by: str = Field(default="nightly", description="Requester on the release record.")
     dry_run: bool = Field(default=False, description="Train, register and compare; never "
                           "promote and post nothing.")
@@ -64,6 +65,15 @@ class NightlyParams(BaseModel):
                                        min_absolute_change=self.min_absolute_change,
                                        min_relative_change=self.min_relative_change,
                                        threshold=self.threshold)
+
+
+def nightly_policy_file(params: NightlyParams, policies_dir: Path) -> str | None:
+    """The release policy of a nightly promotion: the explicit file, else
+    ``policies_dir/MODEL.nightly.yaml`` when it exists, else None (the model's own policy)."""
+    if params.policy_file:
+        return params.policy_file
+    candidate = policies_dir / f"{params.model}.nightly.yaml"
+    return str(candidate.resolve()) if candidate.is_file() else None
 
 
 def _night_seed() -> int:
@@ -155,8 +165,9 @@ def nightly_flow(params: NightlyParams) -> dict[str, Any]:
     clients = build_clients(settings)
     logger = get_run_logger()
     try:
+        policy_file = nightly_policy_file(params, settings.policies_dir)
         policy = policy_for(params.model, settings.policies_dir,
-                            Path(params.policy_file) if params.policy_file else None)
+                            Path(policy_file) if policy_file else None)
         uri = settings.mlflow_tracking_uri
         request = training.TrainRequest(
             tracking_uri=uri, model=params.model, drift=params.drift, rows=params.rows,
@@ -185,7 +196,7 @@ def nightly_flow(params: NightlyParams) -> dict[str, Any]:
             return {**report, "status": "skipped", "exit_code": 0, "notice": notice,
                     "reason": comparison.reason}
         release = PromoteParams(model=params.model, version=version,
-                                policy_file=params.policy_file, trigger="schedule",
+                                policy_file=policy_file, trigger="schedule",
                                 requested_by=params.requested_by)
         try:
             record = promote_flow(release)

@@ -156,6 +156,9 @@ def demo(as_json: JsonOpt = False) -> None:
                 + f"\napprove by hand: `{look['approve_by_hand']}`"
                 + f"\nthe ledger: `{look['history']}`; what serves: `modelship status "
                 f"{doc['model']}`; roll back: `modelship rollback {doc['model']}`"
+                + "\nnightly: `modelship nightly --drift 1.0` retrains on drifted data and "
+                "promotes only a challenger that beats production offline (`make deploy` "
+                "puts it on cron)"
                 + "\nstop everything with `modelship stack down`")
 
     finish(run_reporting(lambda: run_demo(settings()), as_json=as_json, render=render,

@@ -4,6 +4,7 @@ table (MLflow's own validation), the skipped notice, trainer entry points, prefe
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,3 +138,19 @@ def test_prefect_yaml_nightly_deployment() -> None:
     NightlyParams.model_validate(schedule["parameters"]["params"])
     for name in ("promote", "swap", "rollback"):
         assert deployments[name]["parameters"]["params"]["dry_run"] is True
+
+
+def test_the_nightly_policy_file_is_preferred(tmp_path: Path) -> None:
+    from flows.nightly import nightly_policy_file
+
+    assert nightly_policy_file(NightlyParams(model="m"), tmp_path) is None
+    (tmp_path / "m.nightly.yaml").write_text("{}\n")
+    assert nightly_policy_file(NightlyParams(model="m"), tmp_path) == \
+        str((tmp_path / "m.nightly.yaml").resolve())
+    assert nightly_policy_file(NightlyParams(model="m", policy_file="x.yaml"), tmp_path) == \
+        "x.yaml"
+    shipped = ROOT / "policies" / "demo-fraud.nightly.yaml"
+    from modelship.policy import load_policy
+
+    gates = {g.name: g for g in load_policy(shipped).gates}
+    assert gates["agreement"].dry_run and not gates["error_rate"].dry_run
