@@ -38,4 +38,24 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: api_url}):
-        yield
+        try:
+            yield
+        finally:
+            _flush_to_api()
+
+
+def _flush_to_api(timeout_s: float = 10.0) -> None:
+    """Send the queued run logs and events while the API URL still points at the stack.
+
+    Left for interpreter exit, Prefect's background senders would run outside the block:
+    with no API URL they start an ephemeral server to send to (seconds of exit time, and
+    the logs land in the wrong place), and they warn about pending items on stderr.
+    """
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        try:
+            service.drain_all(timeout=timeout_s, at_exit=False)
+        except Exception:  # noqa: BLE001 - best effort: a log flush never fails a release
+            pass
