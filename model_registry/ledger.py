@@ -45,8 +45,8 @@ SERVED_STATUSES = frozenset({"released", "rolled_back_to"})
 
 
 def now_iso() -> str:
-    """UTC now, ISO 8601 with seconds, for records and messages."""
-    return datetime.now(UTC).isoformat(timespec="seconds")
+    """UTC now, ISO 8601 to the millisecond (stage timings), for records and messages."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 def new_release_id() -> str:
