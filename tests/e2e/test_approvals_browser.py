@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
@@ -58,6 +59,19 @@ def _message(driver: webdriver.Chrome, ts: str) -> Any:
     return driver.find_element(By.CSS_SELECTOR, f'.message[data-ts="{ts}"]')
 
 
+def _click(driver: webdriver.Chrome, ts: str, selector: str) -> None:
+    """Click a button of a message; the page redraws when any message changes, so an
+    element found just before may be gone: find it again."""
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            _message(driver, ts).find_element(By.CSS_SELECTOR, selector).click()
+            return
+        except StaleElementReferenceException:
+            if time.monotonic() > deadline:
+                raise
+
+
 def test_approve_from_the_web_view_resumes_the_run(stack_settings: Settings,
                                                    browser: webdriver.Chrome,
                                                    tmp_path: Path) -> None:
@@ -87,14 +101,15 @@ def test_approve_from_the_web_view_resumes_the_run(stack_settings: Settings,
 
         base = str(settings.slack_api_url).removesuffix("api/")
         browser.get(base)
-        wait = WebDriverWait(browser, 15)
+        wait = WebDriverWait(browser, 15,
+                             ignored_exceptions=(StaleElementReferenceException,))
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
                                              f'.message[data-ts="{posted.ts}"] button.primary'))
-        thread_div = browser.find_element(By.CSS_SELECTOR, f'.thread[data-thread="{root.ts}"]')
-        assert "Approve approvals-security v2?" in thread_div.text
+        wait.until(lambda d: "Approve approvals-security v2?" in d.find_element(
+            By.CSS_SELECTOR, f'.thread[data-thread="{root.ts}"]').text)
 
         Select(browser.find_element(By.ID, "user")).select_by_value("U0MALLORY")
-        _message(browser, posted.ts).find_element(By.CSS_SELECTOR, "button.primary").click()
+        _click(browser, posted.ts, "button.primary")
         wait.until(lambda d: d.find_element(By.ID, "status").get_attribute("data-result")
                    == "refused")
         assert "not_an_approver" in browser.find_element(By.ID, "status").text
@@ -105,13 +120,14 @@ def test_approve_from_the_web_view_resumes_the_run(stack_settings: Settings,
         Select(browser.find_element(By.ID, "user")).select_by_value("U0ALICE")
         wait.until(lambda d: "only visible to you" not in d.find_element(
             By.CSS_SELECTOR, f'.thread[data-thread="{root.ts}"]').text)  # mallory's only
-        _message(browser, posted.ts).find_element(By.CSS_SELECTOR, "button.primary").click()
+        _click(browser, posted.ts, "button.primary")
         wait.until(lambda d: d.find_element(By.ID, "status").get_attribute("data-result")
                    == "accepted")
         thread.join(10)
         assert box.get("result", {}).get("user") == "U0ALICE", box
         wait.until(lambda d: "Approved by @alice" in _message(d, posted.ts).text)
-        assert not _message(browser, posted.ts).find_elements(By.CSS_SELECTOR, "button")
+        wait.until(lambda d: not _message(d, posted.ts).find_elements(By.CSS_SELECTOR,
+                                                                       "button"))
         browser.save_screenshot(str(tmp_path / "web-view.png"))
         assert (tmp_path / "web-view.png").stat().st_size > 10_000
     finally:

@@ -8,8 +8,10 @@ While it waits, a watcher that finds a breach rejects the release itself (exit 5
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -20,7 +22,8 @@ from model_registry.ledger import ReleaseRecord
 from modelship.approvals.server import PrefectRuns
 from modelship.errors import ApprovalDenied
 from modelship.settings import Settings
-from modelship.slack.notifier import NullNotifier
+from modelship.slack.client import SlackClient
+from modelship.slack.notifier import NullNotifier, SlackNotifier
 from tasks.approve import ApprovalChannels, ApprovalRequest, approve, evidence_watch
 from tasks.record import ReleaseJournal
 from tests.integration.test_approvals_security import BOXES, _in_thread, _wait_for
@@ -38,12 +41,15 @@ def approve_flow(key: str, timeout_s: int) -> dict[str, Any]:
     record = ReleaseRecord.start("promote", "approve-stage", requester="U0CAROL")
     record.holder["flow_run_id"] = box["id"]
     record.candidate = {**DIGEST, "manifest_sha256": "00" * 32}
-    journal = ReleaseJournal(record, None, NullNotifier())
-    box["record"] = record
+    notifier = box.get("notifier") or NullNotifier()
+    journal = ReleaseJournal(record, None, notifier)
+    journal.open()  # the release thread, when Slack is there
+    box["record"], box["thread_ts"] = record, journal.thread.ts
     request = ApprovalRequest(required=True, approvers=("U0ALICE",), requester="U0CAROL",
                               timeout_s=timeout_s)
-    channels = ApprovalChannels(notifier=None, resume=box["runs"].resume,
-                                watch=box.get("watch"), watch_interval_s=0.5)
+    channels = ApprovalChannels(notifier=box.get("notifier"), resume=box["runs"].resume,
+                                watch=box.get("watch"), watch_interval_s=0.5,
+                                cleanup=lambda: "nothing loaded on the canary")
     try:
         return approve(request, journal, channels, model="approve-stage", version=2)
     except ApprovalDenied as exc:
@@ -103,6 +109,33 @@ def test_a_breach_while_waiting_rejects_the_release(stack_settings: Settings) ->
     pending = box["record"].approvals[0]
     assert (pending["status"], pending["decided_by"]) == ("rejected", "modelship-watcher")
     assert time.monotonic() - started < 30  # long before the 120 s expiry
+
+
+def test_an_unanswered_request_expires_fails_closed_and_says_so_in_slack(
+        stack_settings: Settings) -> None:
+    assert stack_settings.slack_token is not None
+    slack = SlackClient(str(stack_settings.slack_api_url),
+                        stack_settings.slack_token.get_secret_value(), timeout_s=10)
+    runs = PrefectRuns(stack_settings.prefect_api_url)
+    box: dict[str, Any] = {"runs": runs, "notifier": SlackNotifier(slack, "#approve-stage")}
+    started = time.monotonic()
+    thread = _in_thread(approve_flow, box, str(stack_settings.prefect_api_url), 3)
+    thread.join(60)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    assert box["result"]["exit_code"] == 5 and "expired after 3 s" in box["result"]["denied"]
+    assert time.monotonic() - started < 30
+    pending = box["record"].approvals[0]
+    assert pending["status"] == "expired" and pending["cleanup"]
+    with urllib.request.urlopen(f"{stack_settings.slack_api_url}_emulator/messages?channel="
+                                f"%23approve-stage", timeout=10) as response:
+        messages = json.loads(response.read())["messages"]
+    request = next(m for m in messages if m["ts"] == pending["slack"]["ts"])
+    assert request["thread_ts"] == box["thread_ts"] and request["updated"]
+    assert not [b for b in request["blocks"] if b["type"] == "actions"]  # no more buttons
+    assert "Expired at" in json.dumps(request["blocks"])
+    notice = [m for m in messages if m["thread_ts"] == box["thread_ts"]
+              and "expired" in (m["text"] or "") and m["ts"] != request["ts"]]
+    assert notice and "WARNING" in json.dumps(notice[-1]["blocks"])
 
 
 class _Metrics(BaseHTTPRequestHandler):
