@@ -135,3 +135,31 @@ def approve_when_asked(settings: Any, model: str, *, user: str, since: str,
                         **answer}
         stop.wait(0.5)
     return {"ok": False, "error": "not_asked"}
+
+
+def withdraw_pending(settings: Any, model: str, *, since: str, user: str,
+                     reason: str) -> str | None:
+    """Reject a release of ``model`` that waits for approval, as its requester, through
+    the Prefect API (the fallback channel: the flow checks it like any input). For the
+    demo, so that a failed click ends the release at once instead of at its expiry.
+
+    Returns the release id it withdrew, or None.
+    """
+    from modelship.approvals.server import NotPaused, PrefectRuns
+    from modelship.clients import build_clients
+
+    clients = build_clients(settings)
+    if clients.storage is None:
+        return None
+    for record in Ledger(clients.storage).records(model):
+        pending = pending_entry(record.approvals)
+        if record.id >= since and pending is not None and pending.get("status") == "pending":
+            try:
+                PrefectRuns(settings.prefect_api_url).resume(str(pending["flow_run_id"]), {
+                    "decision": "reject", "user": user, "release_id": record.id,
+                    "digest": pending["digest"], "channel": "prefect-api",
+                    "reason": reason})
+            except NotPaused:
+                return None
+            return record.id
+    return None

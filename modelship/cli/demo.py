@@ -68,7 +68,7 @@ def _quiet_libraries() -> None:
 
 def _approve_in_background(current: Any, since: str, stop: Any, out: dict[str, Any]) -> None:
     """Act as the approver: click Approve as soon as the release asks (a signed click)."""
-    from modelship.approvals.click import approve_when_asked
+    from modelship.approvals.click import approve_when_asked, withdraw_pending
     from modelship.errors import ModelshipError
 
     try:
@@ -76,7 +76,14 @@ def _approve_in_background(current: Any, since: str, stop: Any, out: dict[str, A
                                       stop=stop))
     except ModelshipError as exc:
         out.update(ok=False, error=exc.message)
-        progress(f"the demo could not click Approve: {exc}")
+    if not out.get("ok") and out.get("error") != "not_asked":
+        # fail closed now rather than at the approval's expiry (an hour by default)
+        progress(f"the demo could not click Approve ({out.get('error')}); withdrawing v2")
+        try:
+            withdraw_pending(current, DEMO_MODEL, since=since, user=DEMO_REQUESTER,
+                             reason=f"the demo's approval click failed: {out.get('error')}")
+        except ModelshipError as exc:
+            progress(f"could not withdraw it either ({exc}); it expires on its own")
 
 
 def run_demo(current: Any) -> dict[str, Any]:
