@@ -11,6 +11,7 @@ failures stand out.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,13 @@ def _v(version: Any) -> str:
     return "nothing" if version is None else f"v{version}"
 
 
+def _who(user: Any) -> str:
+    """A Slack user id as a mention (Slack shows the name), anything else as written."""
+    if isinstance(user, str) and re.fullmatch(r"[UW][A-Z0-9]{2,}", user):
+        return f"<@{user}>"
+    return str(user or "unknown")
+
+
 def _cut(text: str) -> str:
     return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 1] + "…"
 
@@ -61,7 +69,7 @@ def parent_blocks(record: Mapping[str, Any]) -> list[dict[str, Any]]:
         MarkdownTextObject(text=f"*Model*\n{record['model']}"),
         MarkdownTextObject(text=f"*Versions*\n{_v(record.get('from_version'))} → "
                            f"{_v(record.get('to_version'))}"),
-        MarkdownTextObject(text=f"*Requested by*\n{record.get('requester') or 'unknown'} "
+        MarkdownTextObject(text=f"*Requested by*\n{_who(record.get('requester'))} "
                            f"({record.get('trigger')})"),
         MarkdownTextObject(text=f"*Status*\n{icon} {record['status']}"),
     ]
@@ -142,7 +150,7 @@ def _approval_head(request: Mapping[str, Any], record: Mapping[str, Any]) -> lis
         MarkdownTextObject(text=f"*Model*\n{digest.get('model')}"),
         MarkdownTextObject(text=f"*Versions*\n{_v(record.get('from_version'))} → "
                            f"{_v(digest.get('version'))}"),
-        MarkdownTextObject(text=f"*Requested by*\n<@{request.get('requester')}>"),
+        MarkdownTextObject(text=f"*Requested by*\n{_who(request.get('requester'))}"),
         MarkdownTextObject(text=f"*Approvers*\n{approvers or 'nobody'}"),
     ]
     gates = record.get("gates") or {}
