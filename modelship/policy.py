@@ -965,8 +965,18 @@ class BakePolicy(_Section):
         default=0.001,
         ge=0,
         le=1,
-        description="Failed requests (client-side or counted by Triton) allowed per request "
-        "in a window; above it the release rolls back. Float in [0, 1]. Default 0.001.",
+        description="The new version's error budget: failed requests (client-side or "
+        "counted by Triton) per request. The release rolls back once the failures since the "
+        "swap show a rate above it with always-valid evidence (see `alpha`); `0` rolls back "
+        "at the first failure. Float in [0, 1]. Default 0.001.",
+    )
+    alpha: float = Field(
+        default=0.01,
+        gt=0,
+        lt=1,
+        description="Chance that the bake rolls back a version whose error rate is within "
+        "`max_error_rate`, over the whole bake however many windows it looks at (an "
+        "e-process, Ville's inequality). Float in (0, 1). Default 0.01.",
     )
     max_latency_increase_pct: float = Field(
         default=50.0,

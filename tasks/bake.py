@@ -7,7 +7,15 @@ every replica. It judges each window against the **pre-swap window**, the same p
 on the production version measured just before the swap:
 
 - **errors**: failed requests seen by the probe plus failures Triton counted for the new
-  version (organic traffic included), against ``bake.max_error_rate``;
+  version (organic traffic included), against ``bake.max_error_rate``. The watch looks
+  after every window, so a per-window threshold would fail a version that is exactly at
+  its budget more and more often the longer it is watched. The rule is the always-valid
+  e-process of :mod:`tasks.sequential` instead (H0: the version's error rate ≤
+  ``max_error_rate``), over all windows so far: it breaches when the evidence reaches
+  ``1 / bake.alpha``, so over the whole bake, however many windows, a version within its
+  budget is rolled back with probability ≤ ``alpha`` (Ville's inequality). The mixing
+  prior is a Beta(1, b) with mean 20 × the budget, so a few errors over a small budget
+  are enough (3 of 160 at 0.1%), and a 50% failure rate breaches in the first window;
 - **latency**: the server-side mean (queue + compute per request, from the metrics, so
   client overhead cannot dilute it) against the pre-swap mean, over
   ``bake.max_latency_increase_pct`` and ``bake.min_latency_effect_us`` for
@@ -20,6 +28,7 @@ The verdict is pure (:func:`judge_windows`); the I/O around it is :func:`measure
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +43,7 @@ from modelship.loadgen import LoadSpec, run_load_sync
 from modelship.policy import BakePolicy
 from modelship.triton.client import TritonServer
 from modelship.triton.metrics import Scrape, delta, mean_compute_us, mean_queue_us, scrape
+from tasks.sequential import log_e_above
 
 Progress = Callable[[str], None]
 Outcome = Literal["passed", "breach", "infrastructure"]
@@ -81,17 +91,36 @@ class BakeVerdict:
         return {"outcome": self.outcome, "reason": self.reason}
 
 
-def judge_window(window: Window, baseline: Window | None, policy: BakePolicy) -> str | None:
-    """Why this window breaches on its own (errors, no evidence), or None. Pure."""
+def judge_window(window: Window) -> str | None:
+    """Why this window is no evidence at all (nothing answered or failed), or None. Pure."""
     if window.requests + window.errors == 0:
         return f"window {window.index}: no request was answered or failed (no evidence)"
-    rate = window.errors / (window.requests + window.errors)
-    if rate > policy.max_error_rate:
-        top = ", ".join(f"{k} ×{v}" for k, v in list(window.error_texts.items())[:3])
-        return (f"window {window.index}: error rate {rate:.2%} ({window.errors} of "
-                f"{window.requests + window.errors}) above the bake's "
-                f"{policy.max_error_rate:.2%}" + (f" ({top})" if top else ""))
     return None
+
+
+def errors_over_budget(windows: Sequence[Window], policy: BakePolicy) -> str | None:
+    """Why the failures so far show an error rate above ``max_error_rate``, or None.
+
+    Always valid at every window (see the module docstring); pure.
+    """
+    failed = sum(w.errors for w in windows)
+    total = failed + sum(w.requests for w in windows)
+    if failed == 0 or total == 0:
+        return None
+    budget = policy.max_error_rate
+    prior_b = max(1.0, 1.0 / (20.0 * budget) - 1.0) if budget > 0 else 1.0
+    log_e = log_e_above(failed, total, budget, 1.0, prior_b)
+    if log_e < math.log(1.0 / policy.alpha):
+        return None
+    texts: dict[str, int] = {}
+    for window in windows:
+        for text, count in window.error_texts.items():
+            texts[text] = texts.get(text, 0) + count
+    top = ", ".join(f"{k} ×{v}" for k, v in list(texts.items())[:3])
+    evidence = "certain" if math.isinf(log_e) else f"e-value {math.exp(min(log_e, 700)):.3g}"
+    return (f"window {windows[-1].index}: error rate {failed / total:.2%} ({failed} of "
+            f"{total} since the swap) is above the bake's {budget:.2%} ({evidence} ≥ "
+            f"1/α = {1 / policy.alpha:g})" + (f" ({top})" if top else ""))
 
 
 def latency_over(window: Window, baseline: Window | None, policy: BakePolicy) -> str | None:
@@ -112,8 +141,9 @@ def judge_windows(windows: Sequence[Window], baseline: Window | None,
                   policy: BakePolicy) -> BakeVerdict:
     """The bake's verdict from its windows so far (pure; worst first).
 
-    An unreachable replica is ``infrastructure``; errors over budget in any window, or
-    ``breach_windows`` latency windows in a row, are a ``breach``; otherwise ``passed``.
+    An unreachable replica is ``infrastructure``; a window with no evidence, errors over
+    budget (always-valid, over all windows so far), or ``breach_windows`` latency windows
+    in a row, are a ``breach``; otherwise ``passed``.
     """
     for window in windows:
         if window.unreachable:
@@ -121,9 +151,12 @@ def judge_windows(windows: Sequence[Window], baseline: Window | None,
             return BakeVerdict("infrastructure",
                                f"window {window.index}: replicas stopped answering ({who})")
     for window in windows:
-        why = judge_window(window, baseline, policy)
+        why = judge_window(window)
         if why:
             return BakeVerdict("breach", why)
+    why = errors_over_budget(windows, policy)
+    if why:
+        return BakeVerdict("breach", why)
     run: list[str] = []
     for window in windows:
         why = latency_over(window, baseline, policy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from model_registry.ledger import (
@@ -113,7 +114,11 @@ def _w(i: int, requests: int = 100, errors: int = 0, us: float | None = 1000.0,
     ([_w(0), _w(1), _w(2)], "passed", "no breach"),
     ([], "passed", "nothing to watch"),
     ([_w(0, errors=1)], "passed", "no breach"),            # 1 of 101 is under 1%
-    ([_w(0, errors=5)], "breach", "error rate"),
+    ([_w(0, errors=5)], "passed", "no breach"),             # 5%, but 5 errors prove little
+    ([_w(0, errors=12)], "breach", "error rate"),
+    ([_w(0, errors=50)], "breach", "since the swap"),
+    ([_w(0, errors=4), _w(1, errors=5), _w(2, errors=6)], "breach", "15 of 315"),
+    ([_w(i, errors=1) for i in range(3)], "passed", "no breach"),  # 1% = the budget
     ([_w(0, requests=0)], "breach", "no evidence"),
     ([_w(0, us=1600.0)], "passed", "no breach"),            # one slow window is not a breach
     ([_w(0, us=1600.0), _w(1, us=1600.0)], "breach", "server-side latency"),
@@ -125,6 +130,30 @@ def _w(i: int, requests: int = 100, errors: int = 0, us: float | None = 1000.0,
 def test_bake_verdict(windows: list[Window], outcome: str, says: str) -> None:
     verdict = judge_windows(windows, BASE, BAKE)
     assert verdict.outcome == outcome and says in verdict.reason
+
+
+def test_bake_errors_at_the_budget_rarely_roll_back_however_long_the_watch() -> None:
+    """The error rule looks after every window; at exactly the budget its false rollbacks
+    over a long watch stay ≤ α (a per-window threshold would fail most such bakes)."""
+    rng = np.random.default_rng(11)
+    policy = BakePolicy(duration_s=60, window_s=2, max_error_rate=0.01, alpha=0.05)
+    false_rollbacks = 0
+    for _ in range(300):
+        windows: list[Window] = []
+        for i in range(30):
+            windows.append(_w(i, requests=100, errors=int(rng.binomial(100, 0.01))))
+            if judge_windows(windows, BASE, policy).outcome == "breach":
+                false_rollbacks += 1
+                break
+    assert false_rollbacks / 300 <= 0.05 + 0.03
+    naive = sum(any(rng.binomial(100, 0.01, size=30) > 1) for _ in range(300)) / 300
+    assert naive > 0.5  # what "above the budget in any window" would have done
+
+
+def test_bake_errors_with_no_budget_roll_back_at_the_first_failure() -> None:
+    strict = BakePolicy(duration_s=6, window_s=2, max_error_rate=0.0)
+    assert judge_windows([_w(0, errors=1)], BASE, strict).outcome == "breach"
+    assert judge_windows([_w(0)], BASE, strict).outcome == "passed"
 
 
 def test_bake_latency_floor_ignores_tiny_models() -> None:
