@@ -247,6 +247,8 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                                 approvers=params.approvers, requester=requester)
     try:
         journal.open()
+        if not params.dry_run:
+            _recover_dead_runs(settings, clients, policy, ledger, journal)
         with journal.stage("resolve") as entry:
             resolved = resolve_task(clients, model, params.version, params.alias)
             record.to_version, record.from_version = resolved["version"], resolved["serving"]
@@ -373,15 +375,107 @@ def _gate_lines(gates: dict[str, Any]) -> list[str]:
     return gate_lines(gates)
 
 
-def _mark_interrupted(ledger: Ledger, model: str, current: str) -> None:
+def _mark_interrupted(ledger: Ledger, model: str, current: str,
+                      only: set[str] | None = None) -> None:
     """Records still ``running`` when this release holds the lock belong to dead runs."""
     for old in ledger.records(model):
         if old.id != current and old.status == "running" and not old.dry_run \
-                and old.kind in ("promote", "swap", "rollback"):
+                and old.kind in ("promote", "swap", "rollback") \
+                and (only is None or old.id in only):
             stage = next((s.name for s in reversed(old.stages)), "start")
             old.finish("interrupted", 1, f"the run stopped during {stage} (its process "
                        f"died); release {current} found it")
             ledger.write(old)
+
+
+# --------------------------------------------------------------------------------------
+# crash safety: a rerun cleans up after a release whose process died
+
+
+def dead_runs(ledger: Ledger, model: str, current: str) -> list[ReleaseRecord]:
+    """Records of ``model`` still ``running`` whose process is gone, newest first.
+
+    Same host: the holder's pid no longer exists. Another host: the record reached the
+    canary, so it held the release lock, which the caller is about to take (a live holder
+    keeps it, and the caller then stops with ReleaseLocked).
+    """
+    import socket
+
+    from modelship.procinfo import process_start_ticks
+
+    here = socket.gethostname()
+    found = []
+    for old in ledger.records(model):
+        if old.id == current or old.status != "running" or old.dry_run \
+                or old.kind not in ("promote", "swap", "rollback"):
+            continue
+        pid = old.holder.get("pid")
+        if old.holder.get("host") == here and isinstance(pid, int):
+            if process_start_ticks(pid) is None:
+                found.append(old)
+        elif old.stage("canary") is not None:
+            found.append(old)
+    return found
+
+
+def loaded_models(server: Any) -> list[str]:
+    """Every model a Triton server has loaded: the repository index lists repository models
+    only, so a trial model loaded from files is found through the statistics of all ready
+    models."""
+    names = {str(m.get("name")) for m in server.repository_index()
+             if m.get("state") in ("READY", "LOADING")}
+    try:
+        stats = server.grpc.get_inference_statistics(as_json=True,
+                                                     client_timeout=server.timeout_s)
+    except Exception as exc:  # noqa: BLE001 - translated: the server did not answer
+        raise InfrastructureError(f"{server.name} did not list its models: {exc}",
+                                  hint="check the canary Triton (`modelship doctor`)") from exc
+    names.update(str(m.get("name")) for m in stats.get("model_stats", []))
+    return sorted(names)
+
+
+@task(name="recover", task_run_name="recover {model}", cache_policy=NO_CACHE,
+      retries=TRANSIENT_RETRIES, retry_condition_fn=retry_transient)
+def recover_task(settings: Settings, clients: Clients, policy: Policy, model: str,
+                 dead: list[ReleaseRecord]) -> dict[str, Any]:
+    """Undo what dead runs left: canary and trial models on the canary Triton, and a fleet
+    they began to swap (back to what served before them, pin included)."""
+    unloaded = []
+    if clients.canary is not None:
+        for name in loaded_models(clients.canary):
+            if name == model or name.startswith(f"_trial_{model}_v"):
+                clients.canary.unload_model(name)
+                unloaded.append(name)
+    fleet_undo = None
+    swapped = [r for r in dead if r.stage("swap") is not None]
+    if swapped:
+        fleet_undo = fleet.undo_swap(settings, clients, policy, model=model,
+                                     previous=swapped[0].from_version,
+                                     progress=get_run_logger().info)
+        if not fleet_undo.get("ok") and swapped[0].from_version is not None:
+            raise InfrastructureError(
+                f"a dead release of {model} left the fleet mid-swap and it could not be "
+                f"put back: {fleet_undo.get('reason')}",
+                hint=f"`modelship status {model}`, then `modelship reconcile {model}`",
+                model=model)
+    return {"interrupted": [r.id for r in dead], "unloaded": unloaded,
+            "fleet": fleet_undo}
+
+
+def _recover_dead_runs(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger,
+                       journal: ReleaseJournal) -> None:
+    """Under the model's lock: mark dead runs interrupted, then clean up after them."""
+    from modelship.locks import release_lock
+
+    record = journal.record
+    dead = dead_runs(ledger, record.model, record.id)
+    if not dead:
+        return
+    with release_lock(record.model, prefect_api_url=settings.prefect_api_url,
+                      home=settings.home, release_id=record.id, kind="promote"):
+        _mark_interrupted(ledger, record.model, record.id, only={r.id for r in dead})
+        with journal.stage("recover") as entry:
+            entry.details.update(recover_task(settings, clients, policy, record.model, dead))
 
 
 def release_plan(settings: Settings, clients: Clients, policy: Policy,
