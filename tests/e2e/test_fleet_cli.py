@@ -4,6 +4,7 @@ session's stack."""
 from __future__ import annotations
 
 import json
+import signal
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from modelship.locks import release_lock
 from modelship.settings import Settings
 from modelship.triton.model_config import from_pbtxt, to_json, with_versions
 from tests import models
-from tests.conftest import run_cli
+from tests.conftest import run_cli, start_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -124,6 +125,20 @@ def test_a_mixed_fleet_is_repaired_by_reconcile_and_by_swap(
     assert [r["replica"] for r in loaded] == [odd]
     status = _json("status", MODEL, settings=stack_settings)
     assert status["consistent"] and status["production_version"] == v1
+
+    # --watch: one JSON document per round until interrupted; a converged fleet is left alone.
+    watching = start_cli("reconcile", MODEL, "--watch", "--interval", "1", "--json",
+                         home=stack_settings.home)
+    try:
+        assert watching.stdout is not None
+        rounds = [json.loads(watching.stdout.readline()) for _ in range(2)]
+        watching.send_signal(signal.SIGINT)
+        watching.communicate(timeout=60)
+    finally:
+        if watching.poll() is None:
+            watching.kill()
+    assert watching.returncode == 0
+    assert [(r["ok"], r["changed"]) for r in rounds] == [(True, 0), (True, 0)]
 
     # The same damage, repaired by a swap: the plan says it converges the fleet.
     _mix(stack_settings, v2)
