@@ -47,7 +47,7 @@ def test_up_status_idempotent_up_and_down_leave_nothing_behind(tmp_path: Path) -
     records = [ProcessRecord.from_dict(p) for p in state["processes"]]
     ports = [p for r in records for p in r.ports]
     assert {r.name for r in records} == {"seaweedfs", "mlflow", "prefect", "slack", "approvals",
-                                         "triton-0", "canary"}
+                                         "webhooks", "triton-0", "canary"}
     assert all(is_alive(r) for r in records)
 
     status = run_cli("stack", "status", "--json", home=home)
