@@ -203,15 +203,27 @@ VERDICT_EXIT = {"passed": 0, "noop": 0, "failed": 4, "inconclusive": 6, "error":
 @app.command("canary")
 def canary(model: ModelArg,
            version: Annotated[int, typer.Option("--version", "-v", help="Candidate version.")],
-           policy: PolicyOpt = None, as_json: JsonOpt = False) -> None:
+           policy: PolicyOpt = None,
+           sequential: Annotated[bool | None, typer.Option(
+               "--sequential/--fixed",
+               help="Watch with always-valid sequential tests and stop as soon as the "
+               "answer is clear, or run the fixed-horizon canary (default: the policy's "
+               "canary.sequential).")] = None,
+           as_json: JsonOpt = False) -> None:
     """Canary the candidate against production on the canary Triton; apply the gates."""
     from flows import fleet
     from modelship.policy import policy_for
 
     def action() -> Any:
-        return with_clients(lambda settings, clients: fleet.canary(
-            settings, clients, policy_for(model, settings.policies_dir, policy), model=model,
-            version=version, progress=progress))
+        def body(settings: Any, clients: Any) -> Any:
+            chosen = policy_for(model, settings.policies_dir, policy)
+            if sequential is not None:
+                chosen = chosen.model_copy(update={"canary": chosen.canary.model_copy(
+                    update={"sequential": sequential})})
+            return fleet.canary(settings, clients, chosen, model=model, version=version,
+                                progress=progress)
+
+        return with_clients(body)
 
     def render(doc: dict[str, Any]) -> str:
         if doc["verdict"] == "noop":
