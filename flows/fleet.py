@@ -60,8 +60,12 @@ def _ledger(clients: Clients) -> Ledger:
 
 def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model: str,
                   target: int, dry_run: bool = False, converge: bool = False,
-                  progress: Progress = _quiet) -> dict[str, Any]:
-    """The fleet swap itself (DESIGN §4); the caller holds the model's release lock."""
+                  progress: Progress = _quiet,
+                  footprint_bytes: int | None = None) -> dict[str, Any]:
+    """The fleet swap itself (DESIGN §4); the caller holds the model's release lock.
+
+    ``footprint_bytes`` is C's GPU footprint measured by the canary, for the headroom
+    preflight (None: estimated from C's initializers)."""
     from tasks.swap import swap_fleet
 
     _require_fleet(clients)
@@ -74,7 +78,7 @@ def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model
         probe_feed=example_request(config), probe_outputs=[o.name for o in config.output],
         signing_key=key_bytes(settings.manifest_signing_key),
         progress=progress, http_timeout_s=settings.http_timeout_s, dry_run=dry_run,
-        converge=converge)
+        converge=converge, gpu=policy.triton.gpu, footprint_bytes=footprint_bytes)
     return report.to_dict()
 
 

@@ -171,10 +171,12 @@ def approve_task(request: ApprovalRequest, journal: ReleaseJournal,
 @task(name="swap", task_run_name="swap {model} v{from_version} -> v{version}",
       cache_policy=NO_CACHE)
 def swap_task(settings: Settings, clients: Clients, policy: Policy, model: str, version: int,
-              from_version: int | None) -> dict[str, Any]:
-    """Every replica to the candidate at once, batching paused (DESIGN §4)."""
+              from_version: int | None, footprint_bytes: int | None = None) -> dict[str, Any]:
+    """Every replica to the candidate at once, batching paused (DESIGN §4); the GPU
+    headroom preflight uses the canary's measured footprint when there is one."""
     return fleet.swap_unlocked(settings, clients, policy, model=model, target=version,
-                               progress=get_run_logger().info)
+                               progress=get_run_logger().info,
+                               footprint_bytes=footprint_bytes)
 
 
 @task(name="baseline", task_run_name="pre-swap window {model} v{version}",
@@ -310,7 +312,8 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                     entry.details.update(baseline.to_dict())
             lock.check()
             with journal.stage("swap") as entry:
-                record.swap = swap_task(settings, clients, policy, model, version, serving)
+                record.swap = swap_task(settings, clients, policy, model, version, serving,
+                                        result.candidate_bytes)
                 entry.details["skew_ms"] = record.swap.get("skew_ms")
             with journal.stage("bake") as entry:
                 _bake(settings, clients, policy, record, payload, baseline, entry.details)
@@ -366,7 +369,8 @@ def _gates_record(ledger: Ledger, record: ReleaseRecord, result: Any) -> dict[st
     return {"verdict": result.verdict, "baseline": result.baseline,
             "candidate": result.candidate, "required_samples": gates.get("required_samples"),
             "results": gates.get("results", []), "report_keys": keys,
-            "load": result.load, "skipped_rules": result.skipped_rules}
+            "load": result.load, "skipped_rules": result.skipped_rules,
+            "gpu": result.gpu.to_dict() if result.gpu is not None else None}
 
 
 def _gate_lines(gates: dict[str, Any]) -> list[str]:

@@ -49,6 +49,7 @@ from pydantic import (
 from modelship.errors import PolicyError
 
 __all__ = [
+    "GPU_METRICS",
     "KNOWN_METRICS",
     "LATENCY_METRICS",
     "TAIL_LATENCY_METRICS",
@@ -576,8 +577,21 @@ KNOWN_METRICS: dict[str, str] = {
     "compute_us_mean": "server-side mean compute time per request of the candidate, µs",
     "server_latency_ratio": "candidate / baseline Triton queue + compute µs per request, "
     "measured on the canary server at the same time (no client overhead)",
+    "gpu_memory_growth_pct": "GPU memory the candidate takes over the baseline's, % of the "
+    "baseline's (the rise of nv_gpu_memory_used_bytes as each loads on the canary GPU)",
+    "gpu_memory_candidate_bytes": "GPU memory the candidate took when it loaded on the "
+    "canary GPU, bytes per GPU",
+    "gpu_utilization": "mean nv_gpu_utilization of the canary GPUs during the load, in [0, 1]",
 }
 """Metric names a gate may use, with their meaning and units."""
+
+GPU_METRICS: tuple[str, ...] = (
+    "gpu_memory_growth_pct",
+    "gpu_memory_candidate_bytes",
+    "gpu_utilization",
+)
+"""Metrics from the canary's ``nv_gpu_*`` gauges: absent on a CPU canary, where rules on
+them are skipped with a note (never failed); judged by ``threshold`` only."""
 
 GateTest = Literal["mann_whitney", "quantile", "server_ratio", "exact_rate", "threshold"]
 

@@ -23,6 +23,10 @@ on the production version measured just before the swap:
 - **a replica that stops answering** (its metrics or its requests) is an infrastructure
   outcome, never a pass.
 
+Each window also records, per replica that exports them (a GPU server), the ``nv_gpu_*``
+gauges at the window's end (memory used and total, utilization, power: see
+:func:`modelship.triton.gpu.summarize`); they are evidence in the record, not a rule.
+
 The verdict is pure (:func:`judge_windows`); the I/O around it is :func:`measure_window`.
 """
 
@@ -42,7 +46,15 @@ from modelship.jsonable import jsonable
 from modelship.loadgen import LoadSpec, run_load_sync
 from modelship.policy import BakePolicy
 from modelship.triton.client import TritonServer
-from modelship.triton.metrics import Scrape, delta, mean_compute_us, mean_queue_us, scrape
+from modelship.triton.gpu import parse_gpu_metrics, summarize
+from modelship.triton.metrics import (
+    Scrape,
+    delta,
+    mean_compute_us,
+    mean_queue_us,
+    parse_metrics,
+    scrape_text,
+)
 from tasks.sequential import log_e_above
 
 Progress = Callable[[str], None]
@@ -64,6 +76,8 @@ class Window:
         server_us: Mean server-side latency per request (queue + compute), in µs; None
             without server-side data.
         unreachable: Replicas whose metrics or requests did not answer, with why.
+        gpu: Per replica exporting ``nv_gpu_*`` (a GPU server), its GPUs at the window's
+            end (:func:`modelship.triton.gpu.summarize`); empty on CPU servers.
     """
 
     index: int
@@ -73,13 +87,15 @@ class Window:
     server_us: float | None
     unreachable: dict[str, str] = field(default_factory=dict)
     error_texts: dict[str, int] = field(default_factory=dict)
+    gpu: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return jsonable({"index": self.index, "seconds": round(self.seconds, 3),
                          "requests": self.requests, "errors": self.errors,
                          "server_us": None if self.server_us is None
                          else round(self.server_us, 1),
-                         "unreachable": self.unreachable, "error_texts": self.error_texts})
+                         "unreachable": self.unreachable, "error_texts": self.error_texts,
+                         **({"gpu": self.gpu} if self.gpu else {})})
 
 
 @dataclass(frozen=True)
@@ -174,34 +190,40 @@ def judge_windows(windows: Sequence[Window], baseline: Window | None,
 
 
 def _scrape_all(replicas: Sequence[TritonServer], timeout_s: float
-                ) -> tuple[dict[str, Scrape], dict[str, str]]:
-    def one(server: TritonServer) -> tuple[str, Scrape | None, str | None]:
+                ) -> tuple[dict[str, Scrape], dict[str, str], dict[str, dict[str, Any]]]:
+    """Every replica's counters, the replicas that did not answer, and the GPUs of those
+    that export ``nv_gpu_*`` (summarized), from one fetch each."""
+    def one(server: TritonServer) -> tuple[str, str | None, str | None]:
         try:
-            return server.name, scrape(server.endpoint.metrics, timeout_s), None
+            return server.name, scrape_text(server.endpoint.metrics, timeout_s), None
         except ModelshipError as exc:
             return server.name, None, exc.message
 
     found: dict[str, Scrape] = {}
     failed: dict[str, str] = {}
+    gpus: dict[str, dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
-        for name, result, error in pool.map(one, replicas):
-            if result is None:
+        for name, text, error in pool.map(one, replicas):
+            if text is None:
                 failed[name] = error or "no answer"
-            else:
-                found[name] = result
-    return found, failed
+                continue
+            found[name] = parse_metrics(text)
+            seen = parse_gpu_metrics(text)
+            if seen:
+                gpus[name] = summarize(seen)
+    return found, failed, gpus
 
 
 def measure_window(replicas: Sequence[TritonServer], *, index: int, model: str,
                    version: int, payload: Mapping[str, np.ndarray], policy: BakePolicy,
                    seconds: float, timeout_s: float) -> Window:
     """Probe the fleet for ``seconds`` and read what Triton counted for ``version``."""
-    before, failed = _scrape_all(replicas, timeout_s)
+    before, failed, _ = _scrape_all(replicas, timeout_s)
     began = time.monotonic()
     spec = LoadSpec(protocol="grpc", rate_rps=policy.probe_rps, duration_s=seconds,
                     warmup_s=0.0, window_s=seconds, timeout_s=timeout_s)
     report = run_load_sync([s.endpoint.grpc for s in replicas], model, payload, spec)
-    after, failed_after = _scrape_all(replicas, timeout_s)
+    after, failed_after, gpus = _scrape_all(replicas, timeout_s)
     failed.update(failed_after)
     for server in replicas:
         row = report.by_server.get(server.endpoint.grpc) or {}
@@ -228,7 +250,7 @@ def measure_window(replicas: Sequence[TritonServer], *, index: int, model: str,
     return Window(index=index, seconds=time.monotonic() - began,
                   requests=int(max(server_requests, report.requests - report.errors)),
                   errors=int(server_failures) + probe_only_errors, server_us=server_us,
-                  unreachable=failed, error_texts=dict(report.error_texts))
+                  unreachable=failed, error_texts=dict(report.error_texts), gpu=gpus)
 
 
 @dataclass

@@ -20,6 +20,14 @@ The run, in order, all inside one ``try`` whose ``finally`` unloads the canary m
    the gates then say inconclusive.
 4. **Scrape** again; per-version deltas give the mean queue and compute µs per request
    (counter resets and vanished series handled in :mod:`modelship.triton.metrics`).
+
+   **GPU evidence**, when the canary exports ``nv_gpu_*`` gauges (a GPU server; see
+   :mod:`modelship.triton.gpu`): a scrape before anything loads, P loaded alone first
+   (then scraped), then ``[P, C]`` (scraped again), so the rises of used memory are P's and
+   C's footprints; the per-second scrapes during the load give utilization and peak
+   memory. ``gpu_memory_growth_pct`` and friends become gate metrics, and C's bytes go to
+   the swap's headroom preflight. On a CPU canary none of this happens: the load order is
+   unchanged and rules on GPU metrics are skipped with a note, never failed.
 5. **Agreement**: for the same row, the candidate's answer against the baseline's (top-1
    label for classifiers, ``|c - b| <= abs_tol + rel_tol * |b|`` for regressors).
 6. **Judge** the :class:`~modelship.measurements.CanarySnapshot` with the pure gates and
@@ -46,9 +54,10 @@ from modelship.clients import Clients
 from modelship.errors import GatesInconclusive, InfrastructureError, ModelshipError, UsageError
 from modelship.loadgen import LoadReport, LoadSpec, RequestRecord, Target, run_load, run_paired
 from modelship.measurements import ArmMeasurements, CanarySnapshot
-from modelship.policy import AgreementPolicy, CanaryPolicy, GateRule, Policy
+from modelship.policy import GPU_METRICS, AgreementPolicy, CanaryPolicy, GateRule, Policy
 from modelship.settings import Settings
 from modelship.triton.client import TritonServer
+from modelship.triton.gpu import GpuEvidence, GpuSample, canary_gpu_evidence, fleet_target
 from modelship.triton.metrics import Scrape
 from tasks.sequential import SequentialCanary, SequentialConfig, SequentialDecision
 
@@ -61,7 +70,8 @@ _BUSY_STATES = frozenset({"READY", "LOADING", "UNLOADING"})
 _MIN_ROUND_S = 0.5
 _ROUND_MARGIN = 1.2
 _SCRAPE_PERIOD_S = 1.0
-_COMPARATIVE_METRICS = frozenset({"agreement", "throughput_ratio", "server_latency_ratio"})
+_COMPARATIVE_METRICS = frozenset({"agreement", "throughput_ratio", "server_latency_ratio",
+                                  "gpu_memory_growth_pct"})
 
 
 def _quiet(_: str) -> None:
@@ -87,7 +97,10 @@ class CanaryResult:
         seconds: Wall time of the whole canary, load and unload included, in s.
         report_paths: Where the markdown, PNG and JSON report were written.
         cleanup: ``unloaded``, or why the canary model could not be unloaded.
-        skipped_rules: Comparative rules not judged on a first release (no baseline).
+        skipped_rules: Comparative rules not judged on a first release (no baseline), and
+            rules on GPU metrics on a canary without GPUs.
+        gpu: The canary GPU's evidence (footprints of P and C, utilization under load);
+            None on a CPU canary.
     """
 
     model: str
@@ -101,6 +114,13 @@ class CanaryResult:
     report_paths: dict[str, str] = field(default_factory=dict)
     cleanup: str = "pending"
     skipped_rules: list[str] = field(default_factory=list)
+    gpu: GpuEvidence | None = None
+
+    @property
+    def candidate_bytes(self) -> int | None:
+        """C's GPU footprint measured on the canary, bytes per GPU (the swap's headroom
+        preflight uses it); None on a CPU canary or when the rise was not measured."""
+        return self.gpu.candidate_bytes if self.gpu is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the verdict first, then the evidence."""
@@ -116,6 +136,8 @@ class CanaryResult:
             "report": self.report_paths,
             "cleanup": self.cleanup,
             "seconds": round(self.seconds, 3),
+            "gpu": _jsonable(self.gpu.to_dict()) if self.gpu is not None else None,
+            "candidate_bytes": self.candidate_bytes,
         }
 
 
@@ -498,6 +520,24 @@ def _arm(version: int, records: Sequence[RequestRecord], measured_s: float,
     )
 
 
+def _metrics_text(server: TritonServer, timeout_s: float, notes: list[str], when: str
+                  ) -> str | None:
+    """Triton's metrics text for the GPU evidence, or None with a note saying when."""
+    from modelship.triton.metrics import scrape_text
+
+    try:
+        return scrape_text(server.endpoint.metrics, timeout_s)
+    except ModelshipError as exc:
+        notes.append(f"could not read Triton's metrics {when} ({exc.message}); GPU figures "
+                     "are missing")
+        return None
+
+
+def gpu_rules_skipped(rules: Sequence[GateRule], *, on_gpu: bool) -> list[str]:
+    """Names of the rules on GPU metrics, when the canary has no GPU to measure (pure)."""
+    return [] if on_gpu else [r.name for r in rules if r.metric in GPU_METRICS]
+
+
 def _scrape(server: TritonServer, timeout_s: float, notes: list[str]) -> Scrape | None:
     """Triton's metrics, or None with a note: server-side figures are extra evidence, and
     their absence makes the rules that use them inconclusive rather than the canary fail."""
@@ -521,6 +561,7 @@ class _MetricsTicker:
 
     def __init__(self, server: TritonServer, timeout_s: float, period_s: float) -> None:
         self.scrapes: list[Scrape] = []
+        self.gpus: list[dict[str, GpuSample]] = []
         self.failures = 0
         self._server = server
         self._timeout_s = timeout_s
@@ -529,13 +570,19 @@ class _MetricsTicker:
         self._thread = threading.Thread(target=self._run, name="canary-metrics", daemon=True)
 
     def _run(self) -> None:
-        from modelship.triton.metrics import scrape
+        from modelship.triton.gpu import parse_gpu_metrics
+        from modelship.triton.metrics import parse_metrics, scrape_text
 
         while not self._stop.wait(self._period_s):
             try:
-                self.scrapes.append(scrape(self._server.endpoint.metrics, self._timeout_s))
+                text = scrape_text(self._server.endpoint.metrics, self._timeout_s)
             except ModelshipError:
                 self.failures += 1
+                continue
+            self.scrapes.append(parse_metrics(text))
+            gpus = parse_gpu_metrics(text)
+            if gpus:
+                self.gpus.append(gpus)
 
     def __enter__(self) -> _MetricsTicker:
         self._thread.start()
@@ -764,15 +811,24 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
                                    repository_prefix=settings.repository_prefix, model=model,
                                    version=candidate, rows=policy.export.golden_max_rows)
     rules = list(policy.gates)
+    notes: list[str] = []
+    empty_text = _metrics_text(server, settings.http_timeout_s, notes, "before the load")
+    on_gpu = empty_text is not None and fleet_target(empty_text) == "gpu"
     skipped = [] if baseline is not None else [r.name for r in rules if is_comparative(r)]
+    no_gpu = [n for n in gpu_rules_skipped(rules, on_gpu=on_gpu) if n not in skipped]
+    skipped += no_gpu
     judged = [r for r in rules if r.name not in skipped]
     paired = baseline is not None
     url = server.endpoint.grpc if canary.protocol == "grpc" else server.endpoint.http
     spec = load_spec(canary, timeout_s=settings.http_timeout_s, keep_outputs=paired)
-    notes: list[str] = []
-    if skipped:
+    if len(skipped) > len(no_gpu):
         notes.append(f"first release of {model}: no baseline, so the comparative rules "
-                     f"({', '.join(skipped)}) were not judged")
+                     f"({', '.join(n for n in skipped if n not in no_gpu)}) were not judged")
+    if no_gpu:
+        notes.append(f"the canary {server.name} reports no GPU (no nv_gpu_* metrics: a CPU "
+                     f"server), so the rules on GPU metrics ({', '.join(no_gpu)}) were not "
+                     "judged")
+    baseline_text = both_text = None
 
     where = f"canary {server.name}"
     progress(f"loading {model} " + (f"v{baseline} (baseline) and " if paired else "")
@@ -782,9 +838,19 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         # Set before the call: a load that times out on our side may still complete on the
         # server, so it must be unloaded too.
         cleanup = "load requested"
+        if on_gpu and baseline is not None:
+            # P alone first, so the rise of GPU memory tells P's footprint from C's.
+            progress(f"GPU canary: loading v{baseline} alone first to measure footprints")
+            server.load_model(model, config_json=to_json(with_versions(config, [baseline])))
+            _wait_ready(server, model, [baseline], settings.control_timeout_s)
+            baseline_text = _metrics_text(server, settings.http_timeout_s, notes,
+                                          f"with v{baseline} loaded")
         server.load_model(model, config_json=to_json(config))
         cleanup = "loaded"
         _wait_ready(server, model, versions, settings.control_timeout_s)
+        if on_gpu:
+            both_text = _metrics_text(server, settings.http_timeout_s, notes,
+                                      "with every version loaded")
         # Time spent loading does not count against the load budget.
         deadline = time.monotonic() + canary.max_duration_s
         warm_records: list[RequestRecord] = []
@@ -837,6 +903,11 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     if cleanup != "unloaded":
         notes.append(f"cleanup: {cleanup}; unload {model} from the {where} by hand")
 
+    gpu = None
+    if on_gpu and empty_text is not None and both_text is not None \
+            and (baseline is None or baseline_text is not None):
+        gpu = canary_gpu_evidence(empty_text, baseline_text, both_text,
+                                  under_load=ticker.gpus)
     arms = {CANDIDATE: candidate, **({BASELINE: baseline} if baseline is not None else {})}
     server_side = _server_side(before, after, model, arms, notes)
     intervals = server_intervals([before, *ticker.scrapes, after], model, arms) \
@@ -865,7 +936,8 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         agreement_kind=kind if kind != "auto" else "classifier",
         window_s=measured.measured_s,
         extra={"server_metrics": server_side, "server_intervals": intervals,
-               "payload_source": source, "notes": notes},
+               "payload_source": source, "notes": notes,
+               "gpu": gpu.metrics() if gpu is not None else None},
     )
     decision = measured.decision
     early_pass = decision is not None and decision.status == "passed" \
@@ -905,7 +977,7 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         model=model, candidate=candidate, baseline=baseline,
         verdict=str(getattr(gate_report.verdict, "value", gate_report.verdict)),
         snapshot=snapshot, gate_report=gate_report, load=load, cleanup=cleanup,
-        skipped_rules=skipped,
+        skipped_rules=skipped, gpu=gpu,
     )
     result.seconds = time.monotonic() - started
     paths = write_canary_report(result, report_dir or _report_dir(settings, model, candidate))

@@ -58,7 +58,7 @@ from modelship.measurements import (
     MeasurementError,
     check_latency,
 )
-from modelship.policy import LATENCY_METRICS, GateRule, _infer_test
+from modelship.policy import GPU_METRICS, LATENCY_METRICS, GateRule, _infer_test
 
 __all__ = [
     "DEFAULT_LOG_SD",
@@ -319,6 +319,15 @@ def metric_value(snapshot: CanarySnapshot, metric: str, *,
         return measured.queue_us_mean, measured.requests
     if metric == "compute_us_mean":
         return measured.compute_us_mean, measured.requests
+    if metric in GPU_METRICS:
+        # The canary GPU's evidence (modelship.triton.gpu.GpuEvidence.metrics): one
+        # measurement of the server, not a sample statistic; the count is the requests
+        # the candidate answered meanwhile.
+        gpu = snapshot.extra.get("gpu") or {}
+        value = gpu.get(metric)
+        if arm != "candidate" or value is None:
+            return None, 0
+        return float(value), measured.requests
     raise ValueError(f"unknown metric {metric!r}")
 
 
@@ -330,7 +339,8 @@ def _judge_threshold(snapshot: CanarySnapshot, rule: GateRule, min_samples: int)
     bound_value = rule.min if rule.max is None else rule.max if rule.min is None else None
     value, n = metric_value(snapshot, rule.metric)
     base_value = (metric_value(snapshot, rule.metric, arm="baseline")[0]
-                  if rule.metric not in ("agreement", "throughput_ratio") else None)
+                  if rule.metric not in ("agreement", "throughput_ratio", *GPU_METRICS)
+                  else None)
     base_n = snapshot.baseline.requests if snapshot.baseline is not None else None
 
     def result(verdict: Verdict, message: str) -> RuleResult:
@@ -341,7 +351,7 @@ def _judge_threshold(snapshot: CanarySnapshot, rule: GateRule, min_samples: int)
     if missing:
         return result(Verdict.INCONCLUSIVE, f"{rule.name}: {missing}")
     assert value is not None
-    if n < min_samples:
+    if n < min_samples and rule.metric not in GPU_METRICS:
         return result(Verdict.INCONCLUSIVE, f"{rule.name}: {_too_few(snapshot, n, min_samples)}")
     shown = _fmt(rule.metric, value)
     if rule.min is not None and value < rule.min:
@@ -1143,6 +1153,13 @@ def _missing_reason(snapshot: CanarySnapshot, metric: str, value: float | None, 
     if metric == "agreement" and value is None:
         return (f"no outputs of {who} were compared with the baseline's "
                 f"({'no baseline' if snapshot.baseline is None else 'no input pairs'})")
+    if metric in GPU_METRICS and value is None:
+        if snapshot.extra.get("gpu") is None:
+            return (f"no GPU evidence from the canary for {who}: its nv_gpu_* metrics were "
+                    "not read (see the notes)")
+        return (f"{metric} of {who} was not measured: "
+                + ("no baseline to compare with" if snapshot.baseline is None
+                   else "GPU memory did not rise when the versions loaded"))
     if metric == "throughput_ratio" and value is None:
         return (f"no throughput to compare: {who} or the baseline reported none"
                 if snapshot.baseline is not None else "no baseline to compare throughput with")
@@ -1172,6 +1189,12 @@ def _fmt(metric: str, value: float | None) -> str:
         return f"{value * 100:.4g}%"
     if metric == "throughput_ratio":
         return f"{value:.3g}×"
+    if metric == "gpu_memory_growth_pct":
+        return f"{value:+.3g}%"
+    if metric == "gpu_memory_candidate_bytes":
+        return f"{value / 2**20:,.0f} MiB"
+    if metric == "gpu_utilization":
+        return f"{value * 100:.3g}%"
     return f"{value:.4g} µs"
 
 

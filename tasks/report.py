@@ -4,7 +4,8 @@ Three files from one result (:func:`write_canary_report`):
 
 - ``canary.md``: the verdict, the gates table (value, baseline, threshold, p-value,
   verdict per rule), client latency percentiles, throughput and errors per version,
-  output agreement, Triton's server-side queue and compute µs, the load, and the plot.
+  output agreement, Triton's server-side queue and compute µs, the load, the plot, and,
+  on a GPU canary, GPU memory (P's and C's footprints, growth) and utilization.
   The same text is the CLI's human output and the Prefect artifact.
 - ``canary.png``: the latency ECDFs of baseline and candidate on a log axis; a shift or a
   fatter tail shows at a glance where a table of percentiles hides it.
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from modelship.measurements import ArmMeasurements, CanarySnapshot
+from modelship.triton.gpu import GpuEvidence
 
 MARKDOWN_NAME = "canary.md"
 PLOT_NAME = "canary.png"
@@ -152,6 +154,24 @@ def agreement_line(snapshot: CanarySnapshot) -> str:
             f"({snapshot.agreement_kind}: {how}).")
 
 
+def gpu_table(gpu: GpuEvidence) -> str:
+    """Per GPU of the canary, with P and C loaded: memory used/total (MiB), utilization."""
+    lines = ["| GPU | used MiB | total MiB | free MiB | utilization | power W |",
+             "|---|---|---|---|---|---|"]
+    for sample in gpu.after.values():
+        cells = [sample.uuid, _mib(sample.memory_used_bytes), _mib(sample.memory_total_bytes),
+                 _mib(sample.free_bytes), _pct(sample.utilization),
+                 _num(sample.power_usage_w)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mib(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "–"
+    return f"{value / 2**20:,.0f}"
+
+
 def render_markdown(result: CanaryReportSource, *, plot_name: str | None = PLOT_NAME) -> str:
     """The whole report as Markdown (pure); ``plot_name`` is linked relative to the file."""
     from tasks.gates import markdown_table
@@ -201,6 +221,10 @@ def render_markdown(result: CanaryReportSource, *, plot_name: str | None = PLOT_
               "windows only). Client overhead = client mean latency − Triton's request "
               "time: the part of the client latency the model version does not cause.", "",
               server_table(snapshot).rstrip(), ""]
+    gpu = getattr(result, "gpu", None)
+    if gpu is not None:
+        lines += ["## GPU (canary server)", "", gpu_table(gpu).rstrip(), "",
+                  *[f"- {line}" for line in gpu.report_lines()], ""]
     notes = snapshot.extra.get("notes") or []
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]

@@ -6,7 +6,15 @@ this module performs its I/O, through the clients passed in:
 1. **Observe** every replica in parallel (live, the versions it reports READY, its live
    config), read C's staged config from ``P/<model>/<C>/config.pbtxt`` and verify C's
    manifest. :func:`~modelship.triton.swap_plan.plan_swap` refuses any surprise here,
-   before anything changes.
+   before anything changes. Then the **GPU headroom**: every replica's metrics are read,
+   and on each GPU C's instances will use, the free memory must hold C's footprint plus
+   ``triton.gpu.headroom_bytes`` next to P (Triton builds C before it drops P). The
+   footprint is the canary's measurement when the caller passes one, else the estimate
+   from C's ONNX initializers; the plan says which (:func:`modelship.triton.gpu.plan_headroom`).
+   Replicas without ``nv_gpu_*`` metrics (CPU servers) are skipped with a plan line. A
+   shortfall refuses the swap with :class:`~modelship.errors.PreflightError` (exit 1) and
+   the numbers; a ``converge`` (repair, rollback) only reports it, since a load that does
+   not fit fails and leaves the replica on what it served.
 2. **Phases**: each runs on every replica in parallel, with the policy's deadline. A load is
    a full-config override over gRPC (RECIPES: overrides replace, HTTP control calls stall
    serving); the replica must then report the expected version READY and, for probed
@@ -38,9 +46,10 @@ from modelship.errors import (
     SwapAborted,
     Unreachable,
 )
-from modelship.policy import SwapPolicy
+from modelship.policy import GpuPolicy, SwapPolicy
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
+from modelship.triton.gpu import check_headroom, initializer_bytes, plan_headroom
 from modelship.triton.infer import GoldenProbe, TritonInference
 from modelship.triton.model_config import (
     ModelConfig,
@@ -154,6 +163,7 @@ class SwapReport:
     dry_run: bool = False
     verify_s: float | None = None
     verified_bytes: int = 0
+    headroom: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,6 +183,7 @@ class SwapReport:
             "reason": self.reason,
             "verify_s": None if self.verify_s is None else round(self.verify_s, 3),
             "verified_bytes": self.verified_bytes,
+            "headroom": self.headroom,
         }
 
 
@@ -552,6 +563,35 @@ def _write_model_config(storage: S3Storage, *, model: str, config: ModelConfig,
     return True
 
 
+def _metrics_texts(replicas: Sequence[TritonServer], timeout_s: float) -> dict[str, str | None]:
+    """Every replica's metrics text, in parallel; None where the scrape failed."""
+    from modelship.triton.metrics import scrape_text
+
+    def one(server: TritonServer) -> str | None:
+        try:
+            return scrape_text(server.endpoint.metrics, timeout_s)
+        except ModelshipError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, len(replicas))) as pool:
+        return dict(zip([s.name for s in replicas], pool.map(one, replicas), strict=True))
+
+
+def _weights_reader(storage: S3Storage, *, model: str, target: int, repository_prefix: str,
+                    config: ModelConfig) -> Callable[[], int]:
+    """Reads C's ONNX initializer bytes from its staged model file (the estimate's input;
+    called only on a GPU fleet without a canary measurement)."""
+    import onnx
+
+    def read() -> int:
+        name = config.default_model_filename or "model.onnx"
+        key = f"{version_prefix(repository_prefix, model, target)}/{name}"
+        graph = onnx.load_from_string(storage.get_bytes(key))
+        return initializer_bytes(graph)
+
+    return read
+
+
 def _states_dict(states: dict[str, ReplicaState]) -> dict[str, dict[str, Any]]:
     return {name: state.to_dict() for name, state in states.items()}
 
@@ -572,6 +612,8 @@ def swap_fleet(
     fault: Fault | None = None,
     dry_run: bool = False,
     converge: bool = False,
+    gpu: GpuPolicy | None = None,
+    footprint_bytes: int | None = None,
 ) -> SwapReport:
     """Serve ``model`` version ``target`` on every replica, or on none of them.
 
@@ -600,6 +642,10 @@ def swap_fleet(
             versions or configs, or some are unreachable) instead of refusing it: every
             reachable replica gets C's full production config and must answer the golden
             probe (plan kind ``converge``; unreachable replicas are listed as skipped).
+        gpu: The policy's GPU settings (``headroom_bytes`` for the headroom preflight);
+            None takes their defaults.
+        footprint_bytes: C's GPU footprint per GPU measured by the canary
+            (``CanaryResult.candidate_bytes``); None: estimate it from C's initializers.
 
     Returns:
         The report; ``kind == "noop"`` when every replica already served C.
@@ -607,7 +653,9 @@ def swap_fleet(
     Raises:
         StagingError: C's manifest is missing, unsigned or forged, a staged byte differs
             from it, or it records no golden probe (exit 3); nothing was changed.
-        PreflightError: a surprise in the fleet; nothing was changed.
+        PreflightError: a surprise in the fleet, or C does not fit next to P on some
+            replica's GPU (exit 1, with every replica's free and needed bytes); nothing was
+            changed.
         SwapAborted: a phase failed or timed out; every replica ran the abort phase. The
             message lists each replica's state; ``details["report"]`` is the report.
     """
@@ -639,10 +687,26 @@ def swap_fleet(
             hint=read.error.hint, model=model, target=target,
             problems=exc.details.get("problems", []),
         ) from read.error
-    for line in plan.describe():
+    headroom = None
+    if plan.kind != "noop":
+        headroom = plan_headroom(
+            model, target, _metrics_texts(replicas, http_timeout_s), cfg=candidate,
+            measured_bytes=footprint_bytes,
+            weights_bytes=_weights_reader(storage, model=model, target=target,
+                                          repository_prefix=repository_prefix,
+                                          config=candidate),
+            headroom_bytes=(gpu or GpuPolicy()).headroom_bytes)
+    plan_lines = [*plan.describe(), *(headroom.lines if headroom is not None else [])]
+    if headroom is not None and not headroom.fits and plan.kind == "converge":
+        plan_lines.append(f"{model}: GPU headroom is short, but a converge goes ahead: a load "
+                     "that does not fit fails and leaves the replica on what it served")
+    for line in plan_lines:
         progress(line)
+    if headroom is not None and headroom.footprint is not None and plan.kind != "converge":
+        check_headroom(model, target, headroom.checks, headroom.footprint)
     report = SwapReport(model, plan.kind, plan.from_version, plan.to_version,
-                        plan.pause_batching, plan=plan.describe(), dry_run=dry_run)
+                        plan.pause_batching, plan=plan_lines, dry_run=dry_run,
+                        headroom=headroom.to_dict() if headroom is not None else None)
     if read.verified is not None:
         report.verify_s = read.verified.seconds
         report.verified_bytes = read.verified.bytes_hashed

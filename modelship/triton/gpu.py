@@ -32,8 +32,8 @@ replica's numbers when C does not fit next to P on every GPU it will use.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -42,7 +42,7 @@ from onnx import TensorProto, helper
 from tritonclient.grpc import model_config_pb2
 
 from modelship.errors import PreflightError
-from modelship.policy import Target
+from modelship.policy import GPU_METRICS, Target
 from modelship.triton.metrics import parse_text
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "GpuEvidence",
     "GpuSample",
     "HeadroomCheck",
+    "HeadroomPlan",
     "canary_gpu_evidence",
     "check_headroom",
     "choose_footprint",
@@ -59,6 +60,8 @@ __all__ = [
     "gpu_memory_growth_pct",
     "headroom_checks",
     "initializer_bytes",
+    "instance_gpus",
+    "plan_headroom",
     "parse_gpu_metrics",
     "summarize",
 ]
@@ -204,6 +207,7 @@ def _tensor_bytes(tensor: TensorProto) -> int:
 
 
 FootprintSource = Literal["measured", "estimated"]
+_MEASURED = "rise of nv_gpu_memory_used_bytes when the candidate loaded on the canary GPU"
 
 
 @dataclass(frozen=True)
@@ -253,8 +257,7 @@ def choose_footprint(measured: int | None, estimated: Footprint) -> Footprint:
     """The canary's measurement when there is one (> 0), else the estimate."""
     if measured is not None and measured > 0:
         return Footprint(int(measured), "measured",
-                         "rise of nv_gpu_memory_used_bytes when the candidate loaded on the "
-                         f"canary GPU (estimate was {estimated.bytes_per_gpu} B)")
+                         f"{_MEASURED} (estimate was {estimated.bytes_per_gpu} B)")
     return estimated
 
 
@@ -287,27 +290,44 @@ class GpuEvidence:
         baseline_bytes: rise of used memory when P loaded (per GPU, bytes), or None.
         candidate_bytes: rise when C loaded next to P, bytes, or None.
         growth_pct: ``100 * (C - P) / P``, the gate metric ``gpu_memory_growth_pct``.
-        after: the GPUs with both loaded, at the end of the measured load.
+        after: the GPUs with both loaded (before the measured load).
+        utilization_mean: mean ``nv_gpu_utilization`` over the scrapes taken during the
+            measured load (fraction 0..1); the ``after`` scrape's when there were none.
+        peak_used_bytes: the most memory used on one GPU in any scrape during the load,
+            bytes (activations and arena growth show here, not in the footprints).
+        load_scrapes: how many scrapes during the load reported GPUs.
     """
 
     baseline_bytes: int | None
     candidate_bytes: int | None
     growth_pct: float | None
     after: dict[str, GpuSample]
+    utilization_mean: float | None = None
+    peak_used_bytes: float | None = None
+    load_scrapes: int = 0
+
+    @property
+    def measured(self) -> bool:
+        """Whether the canary's server reported any GPU at all."""
+        return bool(self.after)
 
     def metrics(self) -> dict[str, float | None]:
-        """Gate metrics (``KNOWN_METRICS`` names): growth %, C's bytes, utilization."""
-        summary = summarize(self.after)
-        return {
+        """Gate metrics (:data:`~modelship.policy.GPU_METRICS`): growth %, C's bytes,
+        utilization under load."""
+        values = {
             "gpu_memory_growth_pct": self.growth_pct,
             "gpu_memory_candidate_bytes": (None if self.candidate_bytes is None
                                            else float(self.candidate_bytes)),
-            "gpu_utilization": summary["utilization_mean"],
+            "gpu_utilization": self.utilization_mean,
         }
+        assert tuple(values) == GPU_METRICS
+        return values
 
     def to_dict(self) -> dict[str, Any]:
         return {"baseline_bytes": self.baseline_bytes, "candidate_bytes": self.candidate_bytes,
                 "growth_pct": self.growth_pct, **summarize(self.after),
+                "utilization_mean": self.utilization_mean,
+                "peak_used_bytes": self.peak_used_bytes, "load_scrapes": self.load_scrapes,
                 "gpus": [g.to_dict() for g in self.after.values()]}
 
     def report_lines(self) -> list[str]:
@@ -316,30 +336,52 @@ class GpuEvidence:
             return ["GPU: none reported by the canary (CPU server): no GPU figures."]
         s = summarize(self.after)
         lines = [f"GPU memory: {_mib(s['memory_used_bytes'])} used of "
-                 f"{_mib(s['memory_total_bytes'])} on {s['gpus']} GPU(s); utilization "
-                 f"{_pct(s['utilization_mean'])}."]
+                 f"{_mib(s['memory_total_bytes'])} on {s['gpus']} GPU(s) with both loaded; "
+                 f"under load utilization {_pct(self.utilization_mean)} (mean of "
+                 f"{self.load_scrapes} scrape(s)), peak {_mib(self.peak_used_bytes)} used "
+                 "on one GPU."]
         lines.append(f"Footprint per GPU: baseline {_mib(self.baseline_bytes)}, candidate "
                      f"{_mib(self.candidate_bytes)} (growth "
                      f"{'n/a' if self.growth_pct is None else f'{self.growth_pct:+.1f}%'}).")
         return lines
 
 
-def canary_gpu_evidence(empty: str, baseline_loaded: str | None, both_loaded: str) -> GpuEvidence:
+def canary_gpu_evidence(empty: str, baseline_loaded: str | None, both_loaded: str, *,
+                        under_load: Sequence[Mapping[str, GpuSample]] = ()) -> GpuEvidence:
     """GPU evidence from three scrapes of the canary's metrics text (pure).
+
+    The footprints come from scrapes taken with no load running, right after each load
+    reported READY (Triton's ``model_warmup`` has run by then), so P and C are measured
+    the same way; what the load adds on top shows in ``peak_used_bytes``.
 
     Args:
         empty: Before the canary loads anything of this model.
         baseline_loaded: After P alone is loaded (None on a first release: no P).
-        both_loaded: After ``[P, C]`` are loaded (or C alone), at the end of the load.
+        both_loaded: After ``[P, C]`` are loaded (or C alone), before the load.
+        under_load: The GPUs of each scrape taken during the measured load
+            (:func:`parse_gpu_metrics` of each), for utilization and peak memory.
     """
     before = parse_gpu_metrics(empty)
     mid = parse_gpu_metrics(baseline_loaded) if baseline_loaded is not None else None
     after = parse_gpu_metrics(both_loaded)
+    loaded = [gpus for gpus in under_load if gpus]
+    utils = [g.utilization for gpus in loaded for g in gpus.values()
+             if g.utilization is not None]
+    if not loaded:
+        utils = [g.utilization for g in after.values() if g.utilization is not None]
+    used = [g.memory_used_bytes for gpus in (*loaded, after) for g in gpus.values()
+            if g.memory_used_bytes is not None]
+    figures: dict[str, Any] = {
+        "utilization_mean": float(np.mean(utils)) if utils else None,
+        "peak_used_bytes": float(max(used)) if used else None,
+        "load_scrapes": len(loaded),
+    }
     if mid is None:
-        return GpuEvidence(None, _rise(before, after), None, after)
+        return GpuEvidence(None, _rise(before, after), None, after, **figures)
     baseline = _rise(before, mid)
     candidate = _rise(mid, after)
-    return GpuEvidence(baseline, candidate, gpu_memory_growth_pct(candidate, baseline), after)
+    return GpuEvidence(baseline, candidate, gpu_memory_growth_pct(candidate, baseline), after,
+                       **figures)
 
 
 # --------------------------------------------------------------------------- headroom
@@ -410,6 +452,89 @@ def check_headroom(model: str, version: int, checks: Sequence[HeadroomCheck],
             model=model, version=version, footprint=footprint.to_dict(),
             replicas=[c.__dict__ for c in checks],
         )
+
+
+def instance_gpus(cfg: model_config_pb2.ModelConfig) -> list[int] | None:
+    """Device indices C's ``KIND_GPU`` instances are pinned to; None: every GPU (pure)."""
+    pinned = sorted({int(i) for g in cfg.instance_group
+                     if g.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU for i in g.gpus})
+    return pinned or None
+
+
+@dataclass(frozen=True)
+class HeadroomPlan:
+    """The swap preflight's GPU headroom decision, before anything changes.
+
+    Attributes:
+        footprint: C's bytes per GPU and whether measured or estimated; None when no
+            replica reported a GPU (nothing to check, and no estimate was computed).
+        checks: One per GPU of each replica that reported GPUs.
+        skipped: Replicas without GPU metrics (a CPU server), with why.
+        lines: Plan lines for the swap's plan and progress.
+    """
+
+    footprint: Footprint | None
+    checks: list[HeadroomCheck] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(c.fits for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"footprint": self.footprint.to_dict() if self.footprint else None,
+                "checks": [c.__dict__ for c in self.checks], "skipped": self.skipped,
+                "fits": self.fits}
+
+
+def plan_headroom(model: str, version: int, replicas: Mapping[str, str | None], *,
+                  cfg: model_config_pb2.ModelConfig, measured_bytes: int | None,
+                  weights_bytes: Callable[[], int], headroom_bytes: int) -> HeadroomPlan:
+    """Decide the GPU headroom preflight of a swap (pure but for ``weights_bytes``).
+
+    Args:
+        replicas: Replica name to its metrics text, scraped with P serving; None when the
+            scrape failed.
+        cfg: C's staged config (instance count, ``gpus``, TensorRT workspace).
+        measured_bytes: C's footprint measured by the canary, or None.
+        weights_bytes: Reads C's ONNX initializer bytes; called only when there is a GPU
+            to check and no measurement (the estimate's input).
+        headroom_bytes: What must stay free (policy ``triton.gpu.headroom_bytes``).
+
+    A replica without ``nv_gpu_*`` gauges is skipped with a line (a CPU server: nothing to
+    hold). A replica whose scrape failed is skipped too when no replica reports a GPU,
+    and does not fit when others do: on a GPU fleet it cannot show that C fits.
+    """
+    gpu_texts = {name: text for name, text in replicas.items()
+                 if text is not None and fleet_target(text) == "gpu"}
+    skipped: dict[str, str] = {}
+    for name, text in replicas.items():
+        if name in gpu_texts:
+            continue
+        skipped[name] = ("its metrics could not be read" if text is None
+                         else "no nv_gpu_* metrics (a CPU server)")
+    if not gpu_texts:
+        lines = [f"{model}: GPU headroom: skipped on {name}: {why}"
+                 for name, why in skipped.items()]
+        return HeadroomPlan(None, [], skipped, lines)
+    footprint = (Footprint(int(measured_bytes), "measured", _MEASURED)
+                 if measured_bytes is not None and measured_bytes > 0
+                 else estimate_footprint(weights_bytes(), cfg))
+    checks = headroom_checks(gpu_texts, footprint, headroom_bytes=headroom_bytes,
+                             gpus=instance_gpus(cfg))
+    need = footprint.bytes_per_gpu + headroom_bytes
+    for name, why in list(skipped.items()):
+        if why.startswith("its metrics"):
+            checks.append(HeadroomCheck(name, None, None, need, False))
+            del skipped[name]
+    lines = [f"{model}: GPU headroom for v{version}: footprint "
+             f"{_mib(footprint.bytes_per_gpu)} per GPU ({footprint.source}: "
+             f"{footprint.detail}) + {_mib(headroom_bytes)} headroom"]
+    lines += [f"{model}: GPU headroom: {c.describe()}" for c in checks]
+    lines += [f"{model}: GPU headroom: skipped on {name}: {why}"
+              for name, why in skipped.items()]
+    return HeadroomPlan(footprint, checks, skipped, lines)
 
 
 def _mib(value: float | None) -> str:

@@ -213,8 +213,11 @@ def parse_metrics(text: str) -> Scrape:
     return out
 
 
-def scrape(metrics_url: str, timeout_s: float) -> Scrape:
-    """Fetch and parse a Triton metrics endpoint (``http://host:port/metrics``).
+def scrape_text(metrics_url: str, timeout_s: float) -> str:
+    """Fetch a Triton metrics endpoint (``http://host:port/metrics``) as exposition text.
+
+    One fetch serves both readers: :func:`parse_metrics` (per-version counters) and
+    :func:`modelship.triton.gpu.parse_gpu_metrics` (the ``nv_gpu_*`` gauges).
 
     Raises:
         Unreachable: The endpoint did not answer within ``timeout_s``.
@@ -227,7 +230,12 @@ def scrape(metrics_url: str, timeout_s: float) -> Scrape:
             hint="start tritonserver with --allow-metrics=true and check the metrics port",
             endpoint=metrics_url, status=status,
         )
-    return parse_metrics(body.decode("utf-8", errors="replace"))
+    return body.decode("utf-8", errors="replace")
+
+
+def scrape(metrics_url: str, timeout_s: float) -> Scrape:
+    """Fetch and parse a Triton metrics endpoint (see :func:`scrape_text`)."""
+    return parse_metrics(scrape_text(metrics_url, timeout_s))
 
 
 # --------------------------------------------------------------------------- differences
