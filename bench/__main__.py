@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["bench.stack_startup", "bench.staging", "bench.judge", "bench.loadgen", "bench.swap"]
+BENCHMARKS = ["bench.stack_startup", "bench.staging", "bench.judge", "bench.loadgen", "bench.swap",
+              "bench.e2e"]
 
 
 def main() -> None:
