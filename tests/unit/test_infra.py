@@ -47,11 +47,12 @@ FLEET_SERVICE = "triton"
 CANARY_SERVICE = "triton-canary"
 TRITON_DEPLOYMENTS = ("triton", "triton-canary")
 SETTINGS_CONFIGMAP = "modelship-settings"
-MODELSHIP_DEPLOYMENTS = ("modelship-worker", "modelship-approvals")
+MODELSHIP_DEPLOYMENTS = ("modelship-worker", "modelship-approvals", "modelship-webhooks")
 EXTERNAL_SECRETS = {
     "modelship-s3": {"access-key-id", "secret-access-key"},
     "modelship-slack": {"bot-token", "signing-secret"},
     "modelship-postgres": {"username", "password"},
+    "modelship-mlflow-webhook": {"secret"},
 }
 """Secrets created outside git (infra/README.md), with the keys the pods may read."""
 
@@ -147,6 +148,8 @@ def test_infra_has_the_expected_objects() -> None:
         ("RoleBinding", "modelship-discovery"), ("ConfigMap", SETTINGS_CONFIGMAP),
         ("Deployment", "modelship-worker"), ("Deployment", "modelship-approvals"),
         ("Service", "modelship-approvals"), ("HTTPRoute", "modelship-approvals"),
+        ("Deployment", "modelship-webhooks"), ("Service", "modelship-webhooks"),
+        ("HTTPRoute", "modelship-webhooks"),
     } <= kinds
     assert len(kinds) == len(documents()), "two objects share a kind and a name"
 
@@ -599,6 +602,36 @@ def test_approvals_url_is_routed_to_the_approvals_service() -> None:
                        pod_labels(one("Deployment", "modelship-approvals")))
 
 
+def test_webhooks_url_reaches_the_receiver() -> None:
+    """MODELSHIP_WEBHOOKS_URL (what `webhooks register` gives MLflow) is the Service's
+    address and the receiver's path, the Service reaches the container's port, the
+    container listens where its args say, and the HTTPRoute routes exactly that path."""
+    from modelship.webhooks.server import WEBHOOK_PATH
+
+    url = urlsplit(settings_from_configmap().webhooks_url or "")
+    service = one("Service", "modelship-webhooks")
+    deployment = one("Deployment", "modelship-webhooks")
+    assert url.hostname == f"{service['metadata']['name']}.{NAMESPACE}.svc"
+    assert url.path == WEBHOOK_PATH
+    (port,) = service["spec"]["ports"]
+    assert (url.port or 80) == port["port"]
+    assert selects(service["spec"]["selector"], pod_labels(deployment))
+    (container,) = containers(deployment)
+    assert container["command"] == ["modelship", "webhooks", "serve"]
+    args = dict(a.removeprefix("--").partition("=")[::2] for a in container["args"])
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(args["port"]) == named[port["targetPort"]]
+    assert args["host"] == "0.0.0.0" and "register" not in args
+    state = Path(args["state-file"]).parent
+    assert str(state) in {m["mountPath"] for m in container["volumeMounts"]}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    route = one("HTTPRoute", "modelship-webhooks")
+    (rule,) = route["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "Exact", "value": WEBHOOK_PATH}}]
+    assert rule["backendRefs"][0]["name"] == "modelship-webhooks"
+    assert rule["backendRefs"][0]["port"] == port["port"]
+
+
 @pytest.mark.parametrize("name", MODELSHIP_DEPLOYMENTS)
 def test_modelship_pods_read_settings_and_secrets(name: str) -> None:
     known = settings_env_names()
@@ -730,6 +763,8 @@ def test_every_overlay_renders_the_whole_stack(overlay: str) -> None:
         ("Deployment", "prefect-server"), ("Service", "prefect-server"),
         ("Deployment", "modelship-worker"), ("Deployment", "modelship-approvals"),
         ("HTTPRoute", "modelship-approvals"), ("ServiceMonitor", "tritonserver"),
+        ("Deployment", "modelship-webhooks"), ("Service", "modelship-webhooks"),
+        ("HTTPRoute", "modelship-webhooks"), ("NetworkPolicy", "webhooks-from-mlflow"),
         ("NetworkPolicy", "default-deny-ingress"), ("ConfigMap", "prefect"),
     } <= kinds
     triton = next(d for d in rendered(overlay) if d["kind"] == "Deployment"
@@ -840,6 +875,20 @@ def test_network_policies_cover_every_pod() -> None:
         [("namespaceSelector", {"kubernetes.io/metadata.name": "gateway-system"})]]
     route = one("HTTPRoute", "modelship-approvals")
     assert route["spec"]["parentRefs"][0]["namespace"] == "gateway-system"
+    # The webhook receiver: MLflow in the namespace, or the gateway; nobody else.
+    webhooks = pod_labels(one("Deployment", "modelship-webhooks"))
+    rules = _policies_admitting(webhooks, "http")
+    assert [_peer_labels(r) for r in rules] == [
+        [("podSelector", {"app.kubernetes.io/name": "mlflow"}),
+         ("namespaceSelector", {"kubernetes.io/metadata.name": "gateway-system"})]]
+    assert one("HTTPRoute", "modelship-webhooks")["spec"]["parentRefs"][0]["namespace"] == (
+        "gateway-system")
+    # Both services that create or resume flow runs reach the Prefect API.
+    prefect = pod_labels(one("Deployment", "prefect-server"))
+    admitted = [labels for r in _policies_admitting(prefect, "http")
+                for _, labels in _peer_labels(r)]
+    for name in ("modelship-approvals", "modelship-webhooks"):
+        assert any(selects(a, pod_labels(one("Deployment", name))) for a in admitted), name
     # Every named port a policy opens exists on the pods it selects.
     for policy in docs_of("NetworkPolicy"):
         target = policy["spec"]["podSelector"].get("matchLabels", {})
