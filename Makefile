@@ -23,10 +23,19 @@ browser:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; }
 
+# torch for the dev extra: the CPU build, from a folder of wheels when it exists (these
+# machines keep torch 2.13.0+cpu in /opt/wheels; uv does not look there by itself). Without
+# the pin a resolver picks a multi-GB CUDA build. Override both for another machine, e.g.
+# `make install TORCH_WHEELS=~/wheels`.
+TORCH ?= torch==2.13.0+cpu
+TORCH_WHEELS ?= /opt/wheels
+TORCH_FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)/torch-*.whl),--find-links $(TORCH_WHEELS))
+
 $(VENV)/.installed: pyproject.toml
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
 	@test -x $(BIN)/python || $(UV) venv -q --python $(PYTHON) $(VENV)
-	@$(UV) pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]'
+	@$(UV) pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]' '$(TORCH)' \
+	  $(TORCH_FIND_LINKS)
 	@# PYTHONDONTWRITEBYTECODE may be set on these machines: without .pyc files every
 	@# process compiles mlflow/GX/skl2onnx again (~10 s). Compile once, here.
 	@$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
