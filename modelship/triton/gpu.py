@@ -24,9 +24,16 @@ so every replica must hold both for a moment):
   bytes times instances per GPU times :data:`ESTIMATE_FACTOR` (weights plus activation and
   arena growth), plus the TensorRT workspace (:func:`estimate_footprint`).
 
-:func:`choose_footprint` takes the measurement when there is one and says which it used;
-:func:`check_headroom` raises :class:`~modelship.errors.PreflightError` (exit 1) with every
-replica's numbers when C does not fit next to P on every GPU it will use.
+:func:`plan_headroom` (the swap preflight, ``tasks/swap.py``) takes the measurement when
+the canary handed one over, else the estimate, says which, and skips replicas without GPU
+gauges with a plan line; :func:`check_headroom` raises
+:class:`~modelship.errors.PreflightError` (exit 1) with every replica's numbers when C does
+not fit next to P on every GPU it will use.
+
+The only I/O around this module: ``tasks/canary.py`` scrapes the canary (before loading,
+after P, after P and C, and every second under load), ``tasks/bake.py`` every replica per
+window, ``tasks/swap.py`` every replica before the swap, all through
+:func:`modelship.triton.metrics.scrape_text`.
 """
 
 from __future__ import annotations
