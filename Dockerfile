@@ -5,9 +5,21 @@
 #   docker build -t modelship:0.1.0 .
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# Extras of the wheel to install: k8s (the Kubernetes worker, Postgres for MLflow), plus
+# pytorch where flow runs export mlflow.pytorch models. With pytorch, pin the torch build in
+# TORCH (e.g. torch==2.13.0+cpu, found on the index in TORCH_INDEX): unpinned, a resolver
+# picks a CUDA build of several GB, which the export (it runs on the CPU) does not need.
+#   docker build --build-arg EXTRAS=k8s,pytorch --build-arg TORCH=torch==2.13.0+cpu \
+#     --build-arg TORCH_INDEX=<PyTorch's CPU wheel index URL> -t modelship:0.1.0-torch .
+ARG EXTRAS=k8s
+ARG TORCH=
+ARG TORCH_INDEX=
 
 # ---- build: the wheel, then a venv with it and its dependencies --------------------
 FROM ${PYTHON_IMAGE} AS build
+ARG EXTRAS
+ARG TORCH
+ARG TORCH_INDEX
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1
 RUN pip install uv==0.9.*
 WORKDIR /src
@@ -19,7 +31,8 @@ COPY model_registry ./model_registry
 RUN uv build --wheel --out-dir /dist \
  && uv venv /opt/venv --python /usr/local/bin/python3 \
  && uv pip install --python /opt/venv/bin/python --compile-bytecode \
-      "$(ls /dist/modelship-*.whl)[k8s]"
+      "$(ls /dist/modelship-*.whl)[${EXTRAS}]" ${TORCH:+"$TORCH"} \
+      ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
 
 # ---- runtime: the venv, the policies, nothing else ---------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
