@@ -27,7 +27,14 @@ def test_demo_releases_v1_then_v2_through_the_promote_flow(stack_settings: Setti
     if second["status"] == "released":
         assert status["production_version"] == second["to_version"] == \
             status["aliases"]["production"]
+        # v2 went through an approval: carol asked, alice's signed click approved it
+        request = second["approvals"][0]
+        assert (request["requester"], request["decided_by"], request["channel"]) == (
+            "U0CAROL", "U0ALICE", "slack")
+        assert doc["approval_click"]["status"] == "approved"
     else:  # the gates stopped v2: production still serves v1
         assert status["production_version"] == first["to_version"]
     assert doc["look"]["slack_messages"].endswith("/_emulator/messages")
+    assert doc["look"]["slack_web_view"].endswith("/") and "approvals click" in \
+        doc["look"]["approve_by_hand"]
     assert "history demo-fraud" in doc["look"]["history"]
