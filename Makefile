@@ -34,8 +34,8 @@ TORCH_FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)/torch-*.whl),--find-links $(
 $(VENV)/.installed: pyproject.toml
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
 	@test -x $(BIN)/python || $(UV) venv -q --python $(PYTHON) $(VENV)
-	@$(UV) pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]' '$(TORCH)' \
-	  $(TORCH_FIND_LINKS)
+	@$(UV) pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]' \
+	  $(if $(TORCH),'$(TORCH)') $(TORCH_FIND_LINKS)
 	@# PYTHONDONTWRITEBYTECODE may be set on these machines: without .pyc files every
 	@# process compiles mlflow/GX/skl2onnx again (~10 s). Compile once, here.
 	@$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
