@@ -34,7 +34,9 @@ from modelship.settings import Settings
 from tests import models
 from tests.conftest import ROOT, RUNTIME_VENV, run_cli
 
-pytestmark = pytest.mark.e2e
+# Six killed runs, three lease expiries (~60-75 s each) and a full release: past the 600 s
+# default on a busy machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 MODEL = "crash-matrix"
 POLICY: dict[str, Any] = {
