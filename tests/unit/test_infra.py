@@ -632,6 +632,20 @@ def test_webhooks_url_reaches_the_receiver() -> None:
     assert rule["backendRefs"][0]["port"] == port["port"]
 
 
+def test_the_approvals_service_can_read_the_pending_approval_in_s3() -> None:
+    """A click is checked against the pending approval in the release record (S3), so the
+    service needs the S3 credentials and MinIO must admit it."""
+    (container,) = containers(one("Deployment", "modelship-approvals"))
+    secrets = {v["name"]: v["valueFrom"]["secretKeyRef"]["name"] for v in container["env"]
+               if "secretKeyRef" in (v.get("valueFrom") or {})}
+    assert secrets["AWS_ACCESS_KEY_ID"] == secrets["AWS_SECRET_ACCESS_KEY"] == "modelship-s3"
+    labels = pod_labels(one("Deployment", "modelship-approvals"))
+    minio = one("NetworkPolicy", "minio-clients")
+    assert any(selects(peer["podSelector"]["matchLabels"], labels)
+               for rule in minio["spec"]["ingress"] for peer in rule["from"]
+               if "podSelector" in peer)
+
+
 @pytest.mark.parametrize("name", MODELSHIP_DEPLOYMENTS)
 def test_modelship_pods_read_settings_and_secrets(name: str) -> None:
     known = settings_env_names()
