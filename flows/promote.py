@@ -279,6 +279,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
             version=version)
         with release_lock(model, prefect_api_url=settings.prefect_api_url, home=settings.home,
                           release_id=record.id, kind="promote") as lock:
+            _note_takeover(journal, lock)
             _mark_interrupted(ledger, model, record.id)
             with journal.stage("canary") as entry:
                 result: Any = canary_task(settings, clients, policy, model, version,
@@ -466,6 +467,12 @@ def recover_task(settings: Settings, clients: Clients, policy: Policy, model: st
             "fleet": fleet_undo}
 
 
+def _note_takeover(journal: ReleaseJournal, lock: Any) -> None:
+    if lock.took_over is not None:
+        journal.note(f"took over the release lock of {lock.took_over.describe()}: its "
+                     "process on this host is gone")
+
+
 def _recover_dead_runs(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger,
                        journal: ReleaseJournal) -> None:
     """Under the model's lock: mark dead runs interrupted, then clean up after them."""
@@ -476,7 +483,8 @@ def _recover_dead_runs(settings: Settings, clients: Clients, policy: Policy, led
     if not dead:
         return
     with release_lock(record.model, prefect_api_url=settings.prefect_api_url,
-                      home=settings.home, release_id=record.id, kind="promote"):
+                      home=settings.home, release_id=record.id, kind="promote") as lock:
+        _note_takeover(journal, lock)
         _mark_interrupted(ledger, record.model, record.id, only={r.id for r in dead})
         with journal.stage("recover") as entry:
             entry.details.update(recover_task(settings, clients, policy, record.model, dead))

@@ -232,6 +232,8 @@ class ReleaseLock:
         self.holder = holder
         self.store = store
         self.lost: str | None = None
+        #: The dead holder (same host, process gone) whose lock this one took over.
+        self.took_over: LockHolder | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -269,7 +271,12 @@ class ReleaseLock:
 def release_lock(model: str, *, prefect_api_url: str | None, home: Path,
                  release_id: str = "-", kind: str = "release") -> Iterator[ReleaseLock]:
     """Hold the model's release lock for the body; ReleaseLocked (exit 1, naming the
-    holder and since when) if another run holds it."""
+    holder and since when) if another run holds it.
+
+    A holder that ran on this host and whose process is gone (a SIGKILLed CLI) is taken
+    over at once rather than after its lease (``lock.took_over`` says whom); a holder on
+    another host is only ever freed by its lease or by ``modelship unlock``.
+    """
     now = _now()
     holder = LockHolder(model=model, release_id=release_id, kind=kind,
                         host=socket.gethostname(), pid=os.getpid(),
@@ -280,9 +287,20 @@ def release_lock(model: str, *, prefect_api_url: str | None, home: Path,
         return
     store = _PrefectLocks(prefect_api_url)
     lease_id = store.acquire(model)
+    took_over = None
     if lease_id is None:
-        raise _locked(model, store.read_holder(model))
+        stale = store.read_holder(model)
+        if stale is None or stale.host != holder.host or _alive(stale):
+            raise _locked(model, stale)
+        # The holder ran on this host and its process is gone (pid and start time say so):
+        # its lease would only keep a dead run's slot for up to LEASE_S more. Free it now.
+        _free(store, stale)
+        lease_id = store.acquire(model)
+        if lease_id is None:  # another run took the freed slot first
+            raise _locked(model, store.read_holder(model))
+        took_over = stale
     lock = ReleaseLock(replace(holder, lease_id=lease_id), store)
+    lock.took_over = took_over
     try:
         store.write_holder(lock.holder)
         lock.start()
@@ -386,13 +404,18 @@ def break_lock(model: str, release_id: str, *, prefect_api_url: str | None,
             hint="wait for the release to finish, or stop that process first",
             model=model, holder=holder.to_dict())
     if prefect_api_url:
-        store = _PrefectLocks(prefect_api_url)
-        if holder.lease_id:
-            try:
-                store.release(holder.lease_id)
-            except InfrastructureError:
-                pass  # the lease had already expired: the slot is free
-        store.clear_holder(model, release_id)
+        _free(_PrefectLocks(prefect_api_url), holder)
     else:
         (home / "locks" / f"{model}.holder.json").unlink(missing_ok=True)
     return holder
+
+
+def _free(store: _PrefectLocks, holder: LockHolder) -> None:
+    """Release a gone holder's lease and forget it as the holder."""
+    if holder.lease_id:
+        try:
+            store.release(holder.lease_id)
+        except InfrastructureError:
+            pass  # the lease had already expired: the slot is free
+    store.clear_holder(holder.model, holder.release_id)
+
