@@ -304,6 +304,17 @@ def up(
             write_state(state_path, state)  # so `down` can clean up even if `up` dies now
         return proc, record
 
+    stopped: list[bool] = []
+
+    def stop_children() -> None:
+        if stopped:
+            return
+        stopped.append(True)
+        progress("startup failed; stopping what was started")
+        for proc, record in children:
+            stop_process(record)
+            reap(proc)
+
     def await_ready(proc: Any, record: ProcessRecord, check: Callable[[], bool]) -> None:
         waited = wait_ready(record, proc, check, deadline_s=READY_DEADLINE_S)
         with lock:
@@ -389,13 +400,18 @@ def up(
                     await_ready, *proc_rec,
                     _triton_ready_check(endpoints[name]["http"], grpc_p),
                 ))
-            for future in waits:
-                future.result()
+            try:
+                for future in waits:
+                    future.result()
+            except BaseException:
+                # Stop everything now, inside the pool: the other readiness waits then see
+                # their process gone and end at once, instead of `with` joining them for up
+                # to their whole deadline (long enough for a caller's timeout to SIGKILL us
+                # and orphan every server started so far).
+                stop_children()
+                raise
     except BaseException:
-        progress("startup failed; stopping what was started")
-        for proc, record in children:
-            stop_process(record)
-            reap(proc)
+        stop_children()
         state_path.unlink(missing_ok=True)
         raise
     report.total_s = round(time.monotonic() - started, 2)
