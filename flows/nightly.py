@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from flows.promote import PromoteParams, promote_flow
 from modelship.clients import Clients, build_clients, notifier_for
 from modelship.errors import ModelshipError, UsageError
-from modelship.policy import Policy, policy_for
+from modelship.policy import NightlyPolicy, Policy, policy_for
 from modelship.settings import Settings, load_settings
 from tasks import train as training
 from tasks.retry import TRANSIENT_RETRIES, retry_transient
@@ -45,14 +45,18 @@ class NightlyParams(BaseModel):
     seed: int | None = Field(default=None, description="Tonight's data seed; default: the "
                              "day number (UTC), so successive nights differ.")
     rows: int = Field(default=3000, ge=50, description="Training rows to generate.")
-    metric: Literal["accuracy", "f1_macro"] = Field(
-        default="accuracy", description="Held-out metric compared (higher is better).")
+    metric: Literal["accuracy", "f1_macro"] | None = Field(
+        default=None, description="Held-out metric compared (higher is better); default: "
+        "the policy's nightly.metric.")
     min_absolute_change: float | None = Field(
-        default=0.01, ge=0, description="Promote only when the challenger beats the champion "
-        "by at least this much (metric units).")
+        default=None, ge=0, description="Promote only when the challenger beats the champion "
+        "by at least this much (metric units); default: the policy's "
+        "nightly.min_absolute_change.")
     min_relative_change: float | None = Field(
-        default=None, ge=0, description="... or by at least this fraction of the champion.")
-    threshold: float | None = Field(default=None, description="Absolute floor of the metric.")
+        default=None, ge=0, description="... or by at least this fraction of the champion; "
+        "default: the policy's nightly.min_relative_change.")
+    threshold: float | None = Field(default=None, description="Absolute floor of the metric; "
+                                    "default: the policy's nightly.threshold.")
     policy_file: str | None = Field(default=None, description="Release policy YAML for the "
                                     "promotion; default policies/MODEL.nightly.yaml, else "
                                     "policies/MODEL.yaml, else the defaults.")
@@ -60,11 +64,18 @@ class NightlyParams(BaseModel):
     dry_run: bool = Field(default=False, description="Train, register and compare; never "
                           "promote and post nothing.")
 
-    def rule(self) -> training.ComparisonRule:
-        return training.ComparisonRule(metric=self.metric,
-                                       min_absolute_change=self.min_absolute_change,
-                                       min_relative_change=self.min_relative_change,
-                                       threshold=self.threshold)
+    def rule(self, policy: NightlyPolicy | None = None) -> training.ComparisonRule:
+        """The policy's ``nightly`` rule, with what these parameters set overriding it."""
+        base = policy or NightlyPolicy()
+        return training.ComparisonRule(
+            metric=self.metric or base.metric,
+            min_absolute_change=_first(self.min_absolute_change, base.min_absolute_change),
+            min_relative_change=_first(self.min_relative_change, base.min_relative_change),
+            threshold=_first(self.threshold, base.threshold))
+
+
+def _first(override: float | None, default: float | None) -> float | None:
+    return default if override is None else override
 
 
 def nightly_policy_file(params: NightlyParams, policies_dir: Path) -> str | None:
@@ -176,8 +187,8 @@ def nightly_flow(params: NightlyParams) -> dict[str, Any]:
         registered = register_task(uri, model_uri, params.model)
         version, run_id = int(registered["version"]), str(registered["run_id"])
         with tempfile.TemporaryDirectory(prefix="modelship-nightly-") as tmp:
-            comparison = compare_task(uri, params.model, version, run_id, params.rule(),
-                                      Path(tmp))
+            comparison = compare_task(uri, params.model, version, run_id,
+                                      params.rule(policy.nightly), Path(tmp))
         record_comparison_task(uri, params.model, version, run_id, comparison)
         logger.info(f"nightly {params.model} v{version}: {comparison.verdict}: "
                     f"{comparison.reason}")

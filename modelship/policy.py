@@ -1016,6 +1016,34 @@ class BakePolicy(_Section):
 # the policy
 
 
+class NightlyPolicy(_Section):
+    """The nightly retrain's rule: when tonight's challenger counts as better than the
+    champion in production (MLflow's ``MetricThreshold`` fields), so it is promoted."""
+
+    metric: Literal["accuracy", "f1_macro"] = Field(
+        default="accuracy",
+        description="Held-out metric compared, higher is better: `accuracy` or `f1_macro`. "
+        "Default `accuracy`.",
+    )
+    min_absolute_change: float | None = Field(
+        default=0.01,
+        ge=0,
+        description="Promote only when the challenger beats the champion by at least this "
+        "much, in metric units; `null`: no absolute margin. Float ≥ 0 or null. Default 0.01.",
+    )
+    min_relative_change: float | None = Field(
+        default=None,
+        ge=0,
+        description="... or by at least this fraction of the champion's value; `null`: none. "
+        "Float ≥ 0 or null. Default null.",
+    )
+    threshold: float | None = Field(
+        default=None,
+        description="A floor the challenger's metric must reach whatever the champion's; "
+        "`null`: none. Float or null. Default null.",
+    )
+
+
 class Policy(_Section):
     """The release policy of one model. ``Policy()`` is the documented default."""
 
@@ -1050,6 +1078,10 @@ class Policy(_Section):
     )
     notifications: NotificationsPolicy = Field(
         default_factory=NotificationsPolicy, description="Slack notifications."
+    )
+    nightly: NightlyPolicy = Field(
+        default_factory=NightlyPolicy,
+        description="The nightly retrain: when a challenger beats the champion.",
     )
 
     @model_validator(mode="after")

@@ -74,9 +74,11 @@ def nightly(
     train: Annotated[str | None, typer.Option(
         help="Training entry point module:function (default: the built-in trainer).")]
     = None,
-    min_improvement: Annotated[float, typer.Option(
-        help="Promote only if the held-out metric improves by at least this much.")] = 0.01,
-    metric: Annotated[str, typer.Option(help="accuracy or f1_macro.")] = "accuracy",
+    min_improvement: Annotated[float | None, typer.Option(
+        help="Promote only if the held-out metric improves by at least this much (default: "
+        "the policy's nightly.min_absolute_change, 0.01).")] = None,
+    metric: Annotated[str | None, typer.Option(
+        help="accuracy or f1_macro (default: the policy's nightly.metric).")] = None,
     policy: PolicyOpt = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Train, register and compare; never promote.")] = False,
@@ -94,6 +96,7 @@ def nightly(
                 "model": model, "drift": drift, "seed": seed, "metric": metric,
                 "min_absolute_change": min_improvement, "dry_run": dry_run,
                 "policy_file": str(policy) if policy else None}
+            fields = {k: v for k, v in fields.items() if v is not None}
             if train:
                 fields["train"] = train
             params = NightlyParams.model_validate(fields)

@@ -119,6 +119,17 @@ def test_nightly_params_refuse_negative_drift_and_tiny_data() -> None:
     assert NightlyParams(min_absolute_change=0.02).rule().min_absolute_change == 0.02
 
 
+def test_the_margin_is_the_policys_unless_a_parameter_overrides_it() -> None:
+    from modelship.policy import NightlyPolicy
+
+    policy = NightlyPolicy(metric="f1_macro", min_absolute_change=0.05, threshold=0.7)
+    rule = NightlyParams().rule(policy)
+    assert (rule.metric, rule.min_absolute_change, rule.threshold) == ("f1_macro", 0.05, 0.7)
+    rule = NightlyParams(min_absolute_change=0.0, metric="accuracy").rule(policy)
+    assert (rule.metric, rule.min_absolute_change, rule.threshold) == ("accuracy", 0.0, 0.7)
+    assert NightlyParams().rule().min_absolute_change == 0.01  # the documented default
+
+
 def test_prefect_yaml_nightly_deployment() -> None:
     doc = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     pools = {p["name"] for p in doc["definitions"]["work_pools"].values()}
