@@ -84,9 +84,10 @@ def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model
 
 def undo_swap(settings: Settings, clients: Clients, policy: Policy, *, model: str,
               previous: int | None, progress: Progress = _quiet) -> dict[str, Any]:
-    """Put every reachable replica back on ``previous`` (the bake's rollback)."""
+    """Put every reachable replica back on ``previous`` (the bake's rollback); on a first
+    release, back on nothing (:func:`withdraw`)."""
     if previous is None:
-        return {"ok": False, "reason": "nothing served before: the fleet keeps the candidate"}
+        return withdraw(settings, clients, model=model, progress=progress)
     try:
         report = swap_unlocked(settings, clients, policy, model=model, target=previous,
                                converge=True, progress=progress)
@@ -94,6 +95,27 @@ def undo_swap(settings: Settings, clients: Clients, policy: Policy, *, model: st
         return {"ok": False, "to_version": previous, "reason": exc.message}
     return {"ok": True, "to_version": previous, "kind": report.get("kind"),
             "total_s": report.get("total_s")}
+
+
+def withdraw(settings: Settings, clients: Clients, *, model: str,
+             progress: Progress = _quiet) -> dict[str, Any]:
+    """Undo a first release: no replica serves ``model``, and its production pin is gone,
+    so reconcile (and a restarted replica) cannot load the withdrawn version back."""
+    from tasks.stage import CONFIG_NAME, model_prefix
+
+    failed: dict[str, str] = {}
+    for replica in clients.replicas:
+        try:
+            replica.unload_model(model)
+            progress(f"{model}: unloaded from {replica.name} (nothing served before)")
+        except ModelshipError as exc:
+            failed[replica.name] = exc.message
+    if clients.storage is not None:
+        pin = f"{model_prefix(settings.repository_prefix, model)}/{CONFIG_NAME}"
+        if clients.storage.exists(pin):
+            clients.storage.delete_key(pin)
+    reason = "; ".join(f"{name}: {why}" for name, why in failed.items()) or None
+    return {"ok": not failed, "to_version": None, "kind": "withdraw", "reason": reason}
 
 
 def _move_aliases(clients: Clients, model: str, *, to: int, served: int | None) -> None:

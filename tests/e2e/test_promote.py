@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -196,12 +198,12 @@ def poison_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
                                    n_features=n_features)
 
 
-def _send_poison(http_url: str) -> bool:
+def _send_poison(http_url: str, model: str = MODEL) -> bool:
     """One poisoned request; True when Triton answered it with an error."""
     row = [POISON] + [0.0] * (models.N_FEATURES - 1)
     body = {"inputs": [{"name": "input", "shape": [1, models.N_FEATURES],
                         "datatype": "FP32", "data": row}]}
-    request = urllib.request.Request(f"{http_url}/v2/models/{MODEL}/infer",
+    request = urllib.request.Request(f"{http_url}/v2/models/{model}/infer",
                                      data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
     try:
@@ -213,9 +215,48 @@ def _send_poison(http_url: str) -> bool:
         return False
 
 
-def _start_promote(settings: Settings, policy: Path, version: int) -> subprocess.Popen[str]:
-    return start_cli("promote", MODEL, "--version", str(version), "--policy", str(policy),
+def _start_promote(settings: Settings, policy: Path, version: int,
+                   model: str = MODEL) -> subprocess.Popen[str]:
+    return start_cli("promote", model, "--version", str(version), "--policy", str(policy),
                      "--json", home=settings.home)
+
+
+def _poison_during_bake(settings: Settings, process: subprocess.Popen[str], model: str,
+                        version: int) -> tuple[int, Any]:
+    """Once every replica serves ``version``, flood it with poisoned rows until the release
+    ends.
+
+    This CPU runtime (ONNX Runtime behind pytriton's backend stub) does not count a backend
+    error in ``nv_inference_request_failure``, so the bake sees the breach the way its probe
+    does: the dynamic batcher puts probe rows in the same batch as poisoned ones, and the
+    whole batch fails. Four senders per replica keep poisoned rows in most batches.
+    """
+    clients = build_clients(settings)
+    counts = {"sent": 0, "failed": 0}
+    lock = threading.Lock()
+
+    def flood(url: str) -> None:
+        while process.poll() is None:
+            failed = _send_poison(url, model)
+            with lock:
+                counts["sent"] += 1
+                counts["failed"] += failed
+
+    try:
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline and not all(
+                r.is_model_ready(model, str(version)) for r in clients.replicas):
+            time.sleep(0.05)
+        urls = [r.endpoint.http for r in clients.replicas for _ in range(4)]
+        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+            list(pool.map(flood, urls))
+        result = _finished(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        clients.close()
+    assert counts["failed"] > 0, f"no poisoned request reached v{version} ({counts})"
+    return result
 
 
 def _finished(process: subprocess.Popen[str], timeout: float = 600) -> tuple[int, Any]:
@@ -235,26 +276,11 @@ def test_a_bake_breach_rolls_back_by_itself(stack_settings: Settings,
     policy = models.write_policy(tmp_path / "bake.yaml", {
         **POLICY, "bake": {**POLICY["bake"], "duration_s": 20.0}})
 
-    process = _start_promote(stack_settings, policy, poison)
-    clients = build_clients(stack_settings)
-    sent = failed = 0
-    try:
-        deadline = time.monotonic() + 300
-        # The swap is done when every replica serves the poisoned version; then the bake
-        # watches it, and real traffic that trips it arrives.
-        while process.poll() is None and time.monotonic() < deadline:
-            if all(r.is_model_ready(MODEL, str(poison)) for r in clients.replicas):
-                for replica in clients.replicas:
-                    sent += 1
-                    failed += _send_poison(replica.endpoint.http)
-            time.sleep(0.05)
-        code, record = _finished(process)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        clients.close()
-    assert failed > 0, f"no poisoned request reached v{poison} ({sent} sent)"
-    assert code == 4, record
+    # The swap is done when every replica serves the poisoned version; then the bake
+    # watches it, and real traffic that trips it arrives.
+    code, record = _poison_during_bake(stack_settings, _start_promote(stack_settings, policy,
+                                                                      poison), MODEL, poison)
+    assert code == 4, record.get("bake")
     assert record["status"] == "rolled_back" and record["bake"]["outcome"] == "breach"
     assert "error rate" in record["bake"]["reason"]
     assert record["bake"]["rolled_back"]
@@ -290,3 +316,25 @@ def test_two_concurrent_promotions_of_one_model_one_proceeds(stack_settings: Set
     assert done[winner][1]["id"] in lost["reason"]  # told who holds it
     status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
     assert status["consistent"] and status["production_version"] == winner
+
+
+def test_a_first_release_that_breaches_its_bake_is_withdrawn(stack_settings: Settings,
+                                                             tmp_path: Path) -> None:
+    """Nothing served before, so the rollback is to nothing: every replica unloads the
+    model and the production pin goes, so reconcile cannot bring the candidate back."""
+    model = "cli-promote-first"
+    uri = str(stack_settings.mlflow_tracking_uri)
+    poison = models.register_onnx(uri, model, poison_onnx_graph())
+    policy = models.write_policy(tmp_path / "bake.yaml", {
+        **POLICY, "bake": {**POLICY["bake"], "duration_s": 20.0}})
+    code, record = _poison_during_bake(
+        stack_settings, _start_promote(stack_settings, policy, poison, model), model, poison)
+    assert code == 4, record
+    assert record["from_version"] is None and record["bake"]["rolled_back"]["ok"]
+    assert record["bake"]["rolled_back"]["kind"] == "withdraw"
+    status = json.loads(run_cli("status", model, "--json", home=stack_settings.home).stdout)
+    assert status["production_version"] is None and not status["served"]
+    assert [r["ready_versions"] for r in status["replicas"]] == [[], []]
+    healed = json.loads(run_cli("reconcile", model, "--json",
+                                home=stack_settings.home).stdout)
+    assert healed["changed"] == 0 and "no production recorded" in healed["models"][0]["status"]
