@@ -990,26 +990,50 @@ class BakePolicy(_Section):
         lt=1,
         description="Chance that the bake rolls back a version whose error rate is within "
         "`max_error_rate`, over the whole bake however many windows it looks at (an "
-        "e-process, Ville's inequality). Float in (0, 1). Default 0.01.",
+        "e-process, Ville's inequality); the latency rules together get the same chance for "
+        "a version within the latency tolerance (half for the pre-swap reference bound, half "
+        "for the looks). Float in (0, 1). Default 0.01.",
     )
     max_latency_increase_pct: float = Field(
-        default=50.0,
+        default=25.0,
         gt=0,
-        description="Server-side latency (queue + compute per request, from Triton's "
-        "metrics) allowed above the pre-swap window, in percent. Float > 0. Default 50.",
+        description="Latency tolerance after the swap, in percent of the pre-swap window: a "
+        "probe request counts as slow when it takes longer than the pre-swap quantile (see "
+        "`latency_quantiles`) times 1 + this / 100, and the release rolls back once slow "
+        "requests are more frequent than before the swap with always-valid evidence (an "
+        "e-process over every window; false rollbacks ≤ `alpha` in all). Float > 0. "
+        "Default 25 (×1.5 is caught within a few windows).",
+    )
+    latency_quantiles: list[float] = Field(
+        default_factory=lambda: [0.5, 0.9],
+        description="Quantiles of the probe's per-request latency judged after the swap, "
+        "one always-valid rule each (`alpha` split evenly between them): 0.5 for the "
+        "typical request, 0.9 for the tail (a higher one needs a longer `baseline_s`: the "
+        "pre-swap window must put enough requests above it). Each in (0, 1); `[]` turns "
+        "the latency rules off. Default `[0.5, 0.9]`.",
     )
     min_latency_effect_us: float = Field(
         default=300.0,
         ge=0,
-        description="A latency increase smaller than this many µs never breaches (noise "
-        "floor on small models). Float ≥ 0. Default 300.",
+        description="A latency increase smaller than this many µs never counts as slow "
+        "(noise floor on small models): the slow limit is at least the pre-swap quantile "
+        "plus this. Float ≥ 0. Default 300.",
     )
     breach_windows: int = Field(
         default=2,
         ge=1,
-        description="Consecutive windows over the latency limit that make a breach (errors "
-        "breach at once). Integer ≥ 1. Default 2.",
+        description="Deprecated and ignored: the latency rule no longer needs windows in a "
+        "row (it is always-valid over every window). Accepted so older policies still load. "
+        "Integer ≥ 1. Default 2.",
     )
+
+    @field_validator("latency_quantiles")
+    @classmethod
+    def _quantiles_inside(cls, value: list[float]) -> list[float]:
+        bad = [q for q in value if not 0.0 < q < 1.0]
+        if bad:
+            raise ValueError(f"latency quantiles must be in (0, 1), got {bad}")
+        return sorted(set(value))
 
 
 # --------------------------------------------------------------------------------------

@@ -16,10 +16,40 @@ on the production version measured just before the swap:
   budget is rolled back with probability ≤ ``alpha`` (Ville's inequality). The mixing
   prior is a Beta(1, b) with mean 20 × the budget, so a few errors over a small budget
   are enough (3 of 160 at 0.1%), and a 50% failure rate breaches in the first window;
-- **latency**: the server-side mean (queue + compute per request, from the metrics, so
-  client overhead cannot dilute it) against the pre-swap mean, over
-  ``bake.max_latency_increase_pct`` and ``bake.min_latency_effect_us`` for
-  ``bake.breach_windows`` windows in a row;
+- **latency**, one rule per quantile ``q`` of ``bake.latency_quantiles`` (p50 for the
+  typical request, p90 for the tail by default). The pre-swap window's per-request probe
+  latencies are the reference sample: ``τ`` is its ``k``-th order statistic,
+  ``k = ⌈q·n⌉``, and ``θ0 = P(latency > τ)`` before the swap is bounded above, exactly and
+  for any latency distribution, by the Clopper-Pearson bound at level ``α_q / 2`` on the
+  ``n - k`` reference requests above ``τ`` (``1 - F(X_(k))`` is Beta(n-k+1, k): the
+  distribution-free tolerance limit of Wilks, 1941; ``scipy.stats.beta``). After the
+  swap, each answered probe request is a Bernoulli trial, "slower than
+  ``max(τ·r, τ + min_latency_effect_us)``" with ``r = 1 + max_latency_increase_pct/100``,
+  and the one-sided Bernoulli mixture e-process :func:`tasks.sequential.log_e_above`
+  tests H0 ``P(trial) ≤ θ0`` over all windows so far; it breaches at ``2 / α_q``. By
+  Ville's inequality (and Howard, Ramdas, McAuliffe and Sekhon, "Time-uniform,
+  nonparametric, nonasymptotic confidence sequences", Ann. Statist. 2021, for the
+  time-uniform view) the e-process crosses with probability ≤ ``α_q / 2`` under H0 at any
+  window, so a version whose latency, divided by the tolerance, is no worse than before
+  the swap is rolled back with probability ≤ ``α_q`` (``α_q / 2`` for the reference bound,
+  ``α_q / 2`` for the looks) however many windows are watched, and the latency rules
+  together at most ``alpha`` (``α_q = alpha / len(latency_quantiles)``). This is the
+  quantile-exceedance form of Lindon, Sanden and Shirikian, "Rapid Regression Detection in
+  Software Deployments through Sequential Testing" (KDD 2022, arXiv:2205.14762): a mixture
+  likelihood ratio on counts, valid at every look. The old rule (the server-side mean
+  over a limit for ``breach_windows`` windows in a row) looked at every window with a
+  fixed threshold, so its false rollbacks grew with the bake's length; ``breach_windows``
+  is deprecated and ignored.
+
+  The per-request samples are the probe's **client-side** latencies: Triton's metrics
+  only give sums per scrape (one mean per window, no quantiles, and too few windows for a
+  test), while the probe gives every request's latency. The pre-swap and post-swap
+  windows send the same golden rows at the same rate through the same client path to the
+  same replicas, so the client overhead is on both sides of the comparison and dilutes a
+  relative regression (the tolerance applies to the whole latency) rather than creating
+  one; like any before/after comparison, it assumes the machine's load did not change
+  across the swap. The server-side mean per window (queue + compute, from the metrics)
+  stays in every window's record and in the breach reason as evidence;
 - **a replica that stops answering** (its metrics or its requests) is an infrastructure
   outcome, never a pass.
 
@@ -55,7 +85,7 @@ from modelship.triton.metrics import (
     parse_metrics,
     scrape_text,
 )
-from tasks.sequential import log_e_above
+from tasks.sequential import log_e_above, log_e_over_budget, quantile_bound
 
 Progress = Callable[[str], None]
 Outcome = Literal["passed", "breach", "infrastructure"]
@@ -78,6 +108,8 @@ class Window:
         unreachable: Replicas whose metrics or requests did not answer, with why.
         gpu: Per replica exporting ``nv_gpu_*`` (a GPU server), its GPUs at the window's
             end (:func:`modelship.triton.gpu.summarize`); empty on CPU servers.
+        latencies_ms: Client-side latency of each answered probe request, in ms (the
+            latency rules' samples; summarized, not listed, in ``to_dict``).
     """
 
     index: int
@@ -88,14 +120,21 @@ class Window:
     unreachable: dict[str, str] = field(default_factory=dict)
     error_texts: dict[str, int] = field(default_factory=dict)
     gpu: dict[str, dict[str, Any]] = field(default_factory=dict)
+    latencies_ms: tuple[float, ...] = field(default=(), repr=False)
 
     def to_dict(self) -> dict[str, Any]:
+        probe: dict[str, Any] = {}
+        if self.latencies_ms:
+            values = np.asarray(self.latencies_ms)
+            probe = {"probe_ms": {"answered": int(values.size),
+                                  **{f"p{q:g}": round(float(np.percentile(values, q)), 3)
+                                     for q in (50, 90, 99)}}}
         return jsonable({"index": self.index, "seconds": round(self.seconds, 3),
                          "requests": self.requests, "errors": self.errors,
                          "server_us": None if self.server_us is None
                          else round(self.server_us, 1),
                          "unreachable": self.unreachable, "error_texts": self.error_texts,
-                         **({"gpu": self.gpu} if self.gpu else {})})
+                         **probe, **({"gpu": self.gpu} if self.gpu else {})})
 
 
 @dataclass(frozen=True)
@@ -124,8 +163,7 @@ def errors_over_budget(windows: Sequence[Window], policy: BakePolicy) -> str | N
     if failed == 0 or total == 0:
         return None
     budget = policy.max_error_rate
-    prior_b = max(1.0, 1.0 / (20.0 * budget) - 1.0) if budget > 0 else 1.0
-    log_e = log_e_above(failed, total, budget, 1.0, prior_b)
+    log_e = log_e_over_budget(failed, total, budget)
     if log_e < math.log(1.0 / policy.alpha):
         return None
     texts: dict[str, int] = {}
@@ -139,18 +177,89 @@ def errors_over_budget(windows: Sequence[Window], policy: BakePolicy) -> str | N
             f"1/α = {1 / policy.alpha:g})" + (f" ({top})" if top else ""))
 
 
-def latency_over(window: Window, baseline: Window | None, policy: BakePolicy) -> str | None:
-    """Why this window's server-side latency is over the limit, or None. Pure."""
-    if baseline is None or baseline.server_us is None or window.server_us is None:
+@dataclass(frozen=True)
+class LatencyReference:
+    """One latency rule's reference, fixed from the pre-swap window (pure data).
+
+    Attributes:
+        quantile: The rule's quantile ``q`` (0.5 for p50).
+        tau_ms: The pre-swap sample's ``⌈q·n⌉``-th order statistic, in ms.
+        limit_ms: What a post-swap request must exceed to count:
+            ``max(τ·r, τ + min_latency_effect_us)``, in ms.
+        theta0: Exact upper bound (level ``α_q / 2``) of P(latency > τ) before the swap.
+        samples: Size of the pre-swap sample.
+        alpha: The rule's ``α_q`` (half for the bound, half for the e-process).
+    """
+
+    quantile: float
+    tau_ms: float
+    limit_ms: float
+    theta0: float
+    samples: int
+    alpha: float
+
+    @property
+    def name(self) -> str:
+        return f"latency_p{self.quantile * 100:g}"
+
+
+def latency_references(baseline: Window | None, policy: BakePolicy
+                       ) -> list[LatencyReference]:
+    """Each latency rule's reference from the pre-swap window's probe latencies (pure).
+
+    Empty without a pre-swap window or with fewer than two answered probe requests in it
+    (nothing to compare with: the latency rules are skipped, the errors rule still runs).
+    """
+    if baseline is None or len(baseline.latencies_ms) < 2 or not policy.latency_quantiles:
+        return []
+    reference = np.asarray(baseline.latencies_ms, dtype=float)
+    alpha_q = policy.alpha / len(policy.latency_quantiles)
+    ratio = 1.0 + policy.max_latency_increase_pct / 100.0
+    floor_ms = policy.min_latency_effect_us / 1000.0
+    found = []
+    for q in policy.latency_quantiles:
+        tau, theta0 = quantile_bound(reference, q, alpha_q / 2)
+        found.append(LatencyReference(quantile=q, tau_ms=tau,
+                                      limit_ms=max(tau * ratio, tau + floor_ms),
+                                      theta0=theta0, samples=int(reference.size),
+                                      alpha=alpha_q))
+    return found
+
+
+def latency_over(windows: Sequence[Window], baseline: Window | None,
+                 policy: BakePolicy) -> str | None:
+    """Why the probe latencies since the swap show a regression beyond the tolerance at one
+    of the policy's quantiles, or None.
+
+    Always valid at every window (see the module docstring); pure.
+    """
+    refs = latency_references(baseline, policy)
+    if not refs or not windows:
         return None
-    limit = baseline.server_us * (1 + policy.max_latency_increase_pct / 100)
-    limit = max(limit, baseline.server_us + policy.min_latency_effect_us)
-    if window.server_us <= limit:
+    after = np.concatenate([np.asarray(w.latencies_ms, dtype=float) for w in windows])
+    if after.size == 0:
         return None
-    return (f"window {window.index}: server-side latency {window.server_us:.0f} µs per "
-            f"request against {baseline.server_us:.0f} µs before the swap (limit "
-            f"{limit:.0f} µs: +{policy.max_latency_increase_pct:g}%, at least "
-            f"+{policy.min_latency_effect_us:g} µs)")
+    for ref in refs:
+        slow = int(np.count_nonzero(after > ref.limit_ms))
+        log_e = log_e_above(slow, int(after.size), ref.theta0)
+        bound = 2.0 / ref.alpha
+        if log_e < math.log(bound):
+            continue
+        server = ""
+        last = windows[-1]
+        before_us = baseline.server_us if baseline is not None else None
+        if last.server_us is not None and before_us is not None:
+            server = (f"; server-side {last.server_us:.0f} µs per request in the last "
+                      f"window against {before_us:.0f} µs before the swap")
+        evidence = "certain" if math.isinf(log_e) else f"e-value {math.exp(min(log_e, 700)):.3g}"
+        return (f"window {last.index}: {ref.name}: {slow} of {after.size} probe requests "
+                f"since the swap ({slow / after.size:.0%}) took longer than "
+                f"{ref.limit_ms:.3g} ms (the pre-swap p{ref.quantile * 100:g} "
+                f"{ref.tau_ms:.3g} ms +{policy.max_latency_increase_pct:g}%, at least "
+                f"+{policy.min_latency_effect_us:g} µs), against at most "
+                f"{ref.theta0:.0%} before the swap ({evidence} ≥ {bound:g}: α_q = "
+                f"{ref.alpha:g} over every window){server}")
+    return None
 
 
 def judge_windows(windows: Sequence[Window], baseline: Window | None,
@@ -158,8 +267,8 @@ def judge_windows(windows: Sequence[Window], baseline: Window | None,
     """The bake's verdict from its windows so far (pure; worst first).
 
     An unreachable replica is ``infrastructure``; a window with no evidence, errors over
-    budget (always-valid, over all windows so far), or ``breach_windows`` latency windows
-    in a row, are a ``breach``; otherwise ``passed``.
+    budget or latency over the tolerance at one of the quantiles (both always-valid, over
+    all windows so far) are a ``breach``; otherwise ``passed``.
     """
     for window in windows:
         if window.unreachable:
@@ -173,12 +282,9 @@ def judge_windows(windows: Sequence[Window], baseline: Window | None,
     why = errors_over_budget(windows, policy)
     if why:
         return BakeVerdict("breach", why)
-    run: list[str] = []
-    for window in windows:
-        why = latency_over(window, baseline, policy)
-        run = [*run, why] if why else []
-        if len(run) >= policy.breach_windows:
-            return BakeVerdict("breach", "; ".join(run))
+    why = latency_over(windows, baseline, policy)
+    if why:
+        return BakeVerdict("breach", why)
     if not windows:
         return BakeVerdict("passed", "nothing to watch (bake.duration_s is 0)")
     served = sum(w.requests for w in windows)
@@ -247,10 +353,12 @@ def measure_window(replicas: Sequence[TritonServer], *, index: int, model: str,
     # Triton counts the probe's requests too: the server's count covers them, and failures
     # it did not count (wrong shapes, refused connections) come from the probe.
     probe_only_errors = max(0, report.errors - int(server_failures))
+    latencies = tuple(float(r.latency_ms) for r in report.measured_records() if r.ok)
     return Window(index=index, seconds=time.monotonic() - began,
                   requests=int(max(server_requests, report.requests - report.errors)),
                   errors=int(server_failures) + probe_only_errors, server_us=server_us,
-                  unreachable=failed, error_texts=dict(report.error_texts), gpu=gpus)
+                  unreachable=failed, error_texts=dict(report.error_texts), gpu=gpus,
+                  latencies_ms=latencies)
 
 
 @dataclass

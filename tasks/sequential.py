@@ -57,7 +57,7 @@ from typing import Any, Literal
 import numpy as np
 from scipy import special, stats
 
-from modelship.measurements import check_latency
+from modelship.measurements import MeasurementError, check_latency
 
 __all__ = [
     "SequentialCanary",
@@ -65,6 +65,8 @@ __all__ = [
     "SequentialDecision",
     "log_e_above",
     "log_e_below",
+    "log_e_over_budget",
+    "quantile_bound",
 ]
 
 Status = Literal["continue", "failed", "passed", "inconclusive"]
@@ -98,6 +100,39 @@ def _log_beta_sf(x: float, a: float, b: float) -> float:
 def log_e_below(k: int, n: int, theta1: float, a: float = 1.0, b: float = 1.0) -> float:
     """log E for H0' ``θ ≥ θ1``: the mirror of :func:`log_e_above` (prior on ``(0, θ1)``)."""
     return log_e_above(n - k, n, 1.0 - theta1, b, a)
+
+
+def log_e_over_budget(failed: int, total: int, budget: float) -> float:
+    """log E for H0 "the error rate ≤ ``budget``" after ``failed`` of ``total`` requests.
+
+    :func:`log_e_above` with a Beta(1, b) prior of mean 20 × the budget (b ≥ 1), so a few
+    errors over a small budget are evidence (3 of 160 at 0.1%) and a 50% failure rate is
+    certain at once. The bake's error rule and the approval wait's watch of production
+    use it, at ``1 / α``.
+    """
+    prior_b = max(1.0, 1.0 / (20.0 * budget) - 1.0) if budget > 0 else 1.0
+    return log_e_above(failed, total, budget, 1.0, prior_b)
+
+
+def quantile_bound(reference: np.ndarray, q: float, alpha: float) -> tuple[float, float]:
+    """A reference sample's q-quantile ``τ`` and an exact upper bound of ``P(X > τ)``.
+
+    ``τ`` is the ``k``-th order statistic, ``k = ⌈q·n⌉`` (at least 1). For a continuous
+    distribution ``P(X > X_(k))`` is Beta(n-k+1, k) whatever the distribution (Wilks'
+    distribution-free tolerance limits, 1941), so its ``1 - alpha`` quantile bounds it
+    with probability ``1 - alpha``: the Clopper-Pearson upper bound on the ``n - k``
+    reference values above ``τ``. Ties only make ``P(X > τ)`` smaller.
+
+    Raises:
+        MeasurementError: A latency is non-finite or negative, or there is none.
+    """
+    values = np.sort(check_latency(reference, "the reference sample"))
+    n = int(values.size)
+    if n == 0:
+        raise MeasurementError("the reference sample has no latencies, so no quantile can "
+                               "be fixed from it")
+    k = min(max(math.ceil(q * n), 1), n)
+    return float(values[k - 1]), float(stats.beta.ppf(1.0 - alpha, n - k + 1, k))
 
 
 @dataclass(frozen=True)
