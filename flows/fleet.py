@@ -61,11 +61,13 @@ def _ledger(clients: Clients) -> Ledger:
 def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model: str,
                   target: int, dry_run: bool = False, converge: bool = False,
                   progress: Progress = _quiet,
-                  footprint_bytes: int | None = None) -> dict[str, Any]:
+                  footprint_bytes: int | None = None,
+                  footprint_detail: str | None = None) -> dict[str, Any]:
     """The fleet swap itself (DESIGN §4); the caller holds the model's release lock.
 
     ``footprint_bytes`` is C's GPU footprint measured by the canary, for the headroom
-    preflight (None: estimated from C's initializers)."""
+    preflight (None: estimated from C's initializers); ``footprint_detail`` says where it
+    was read (a release record)."""
     from tasks.swap import swap_fleet
 
     _require_fleet(clients)
@@ -78,8 +80,21 @@ def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model
         probe_feed=example_request(config), probe_outputs=[o.name for o in config.output],
         signing_key=key_bytes(settings.manifest_signing_key),
         progress=progress, http_timeout_s=settings.http_timeout_s, dry_run=dry_run,
-        converge=converge, gpu=policy.triton.gpu, footprint_bytes=footprint_bytes)
+        converge=converge, gpu=policy.triton.gpu, footprint_bytes=footprint_bytes,
+        footprint_detail=footprint_detail)
     return report.to_dict()
+
+
+def _recorded_footprint(records: list[ReleaseRecord], digest: dict[str, Any],
+                        progress: Progress) -> dict[str, Any]:
+    """C's canary-measured GPU footprint from the ledger, for the headroom preflight of a
+    swap or rollback outside a release (``swap_unlocked``'s footprint keywords)."""
+    from tasks.swap import recorded_footprint
+
+    found = recorded_footprint(records, digest=digest)
+    progress(f"GPU footprint for the headroom preflight: {found.detail}")
+    return {"footprint_bytes": found.bytes_per_gpu, "footprint_detail": found.detail,
+            "evidence": found.to_dict()}
 
 
 def undo_swap(settings: Settings, clients: Clients, policy: Policy, *, model: str,
@@ -177,10 +192,12 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
     converge = _converge_needed(doc)
     evidence = require_evidence(records, model=model, digest=digest, serving=serving,
                                 force=force)
+    footprint = _recorded_footprint(records, digest, progress)
+    sized = {k: footprint[k] for k in ("footprint_bytes", "footprint_detail")}
     if dry_run:
         report = swap_unlocked(settings, clients, policy, model=model, target=target,
-                               dry_run=True, converge=converge, progress=progress)
-        return {**report, "evidence": evidence}
+                               dry_run=True, converge=converge, progress=progress, **sized)
+        return {**report, "evidence": evidence, "footprint": footprint["evidence"]}
     record = ReleaseRecord.start("swap", model, requester=requester, from_version=serving,
                                  to_version=target, candidate=digest,
                                  forced=evidence["basis"] == "forced")
@@ -190,8 +207,8 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
         ledger.write(record)
         try:
             report = swap_unlocked(settings, clients, policy, model=model, target=target,
-                                   converge=converge, progress=progress)
-            record.swap = report
+                                   converge=converge, progress=progress, **sized)
+            record.swap = {**report, "footprint": footprint["evidence"]}
             if clients.registry is not None and report.get("kind") != "noop":
                 _move_aliases(clients, model, to=target, served=serving)
         except ModelshipError as exc:
@@ -199,7 +216,8 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
             raise
     _finish(ledger, record, "noop" if report.get("kind") == "noop" else "released", 0,
             None)
-    return {**report, "release_id": record.id, "evidence": evidence}
+    return {**report, "release_id": record.id, "evidence": evidence,
+            "footprint": footprint["evidence"]}
 
 
 def status(clients: Clients, *, model: str) -> dict[str, Any]:
@@ -272,15 +290,18 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
             hint=f"release it with `modelship promote {model} --version {to}`, which checks "
             "and canaries it, or pass --force (recorded)", model=model, version=to)
     converge = _converge_needed(doc)
+    digest = read_candidate_digest(clients.storage, repository_prefix=settings.repository_prefix,
+                                   model=model, version=to)
+    footprint = _recorded_footprint(records, digest, progress)
+    sized = {k: footprint[k] for k in ("footprint_bytes", "footprint_detail")}
     if dry_run:
         report = swap_unlocked(settings, clients, policy, model=model, target=to,
-                               dry_run=True, converge=converge, progress=progress)
+                               dry_run=True, converge=converge, progress=progress, **sized)
         return {"model": model, "from_version": current, "to_version": to, "dry_run": True,
-                "swap": report}
+                "swap": {**report, "footprint": footprint["evidence"]}}
     record = ReleaseRecord.start("rollback", model, requester=requester, from_version=current,
                                  to_version=to, forced=force and not served_before(records, to))
-    record.candidate = read_candidate_digest(
-        clients.storage, repository_prefix=settings.repository_prefix, model=model, version=to)
+    record.candidate = digest
     old_production = aliases.get(PRODUCTION_ALIAS)
     with release_lock(model, prefect_api_url=settings.prefect_api_url, home=settings.home,
                       release_id=record.id, kind="rollback"):
@@ -288,8 +309,9 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
         progress(f"moving alias {PRODUCTION_ALIAS} of {model} to v{to} (first)")
         clients.registry.set_alias(model, PRODUCTION_ALIAS, to)
         try:
-            report = swap_unlocked(settings, clients, policy, model=model, target=to,
-                                   converge=converge, progress=progress)
+            report = {**swap_unlocked(settings, clients, policy, model=model, target=to,
+                                      converge=converge, progress=progress, **sized),
+                      "footprint": footprint["evidence"]}
         except BaseException as exc:
             if old_production is not None:
                 progress(f"rollback failed: putting alias {PRODUCTION_ALIAS} back on "
@@ -366,7 +388,9 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
             if path and Path(path).exists()}
     gates = result.gate_report.to_dict()
     record.gates = {"verdict": result.verdict, "baseline": baseline, "candidate": version,
-                    "results": gates.get("results", []), "report_keys": keys}
+                    "results": gates.get("results", []), "report_keys": keys,
+                    # C's measured GPU footprint: a later `swap --to V` sizes its headroom by it
+                    "gpu": result.gpu.to_dict() if result.gpu is not None else None}
     record.candidate["canary_report_id"] = record.id
     code = {"passed": 0, "failed": 4, "inconclusive": 6}.get(result.verdict, 1)
     _finish(ledger, record, "passed" if code == 0 else "rejected", code, None)

@@ -59,6 +59,7 @@ from modelship.settings import Settings
 from modelship.triton.client import TritonServer
 from modelship.triton.gpu import GpuEvidence, GpuSample, canary_gpu_evidence, fleet_target
 from modelship.triton.metrics import Scrape
+from modelship.triton.target import render_for_servers
 from tasks.sequential import SequentialCanary, SequentialConfig, SequentialDecision
 
 Progress = Callable[[str], None]
@@ -814,6 +815,9 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     notes: list[str] = []
     empty_text = _metrics_text(server, settings.http_timeout_s, notes, "before the load")
     on_gpu = empty_text is not None and fleet_target(empty_text) == "gpu"
+    # The staged config in the canary's form (CPU derivation of a GPU config on a CPU canary)
+    config, _ = render_for_servers(config, [server], timeout_s=settings.http_timeout_s,
+                                   texts={server.name: empty_text})
     skipped = [] if baseline is not None else [r.name for r in rules if is_comparative(r)]
     no_gpu = [n for n in gpu_rules_skipped(rules, on_gpu=on_gpu) if n not in skipped]
     skipped += no_gpu

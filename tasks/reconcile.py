@@ -9,8 +9,10 @@ Same shape as the swap (:mod:`modelship.triton.swap_plan` + :mod:`tasks.swap`):
 
 - :func:`plan_reconcile` is pure: per replica, ``ok`` (serves exactly V with the pin's
   serving digest), ``load`` (anything else) or ``skip`` (unreachable);
-- :func:`reconcile` reads the pin, verifies V (signed manifest, every byte hashed),
-  observes the fleet, and performs the ``load`` steps in parallel: a full-config override
+- :func:`reconcile` reads the pin, renders it in the fleet's form (the CPU form of a GPU
+  config on CPU servers, :mod:`modelship.triton.target`; a no-op for the pins the swap
+  writes, which are already in that form), verifies V (signed manifest, every byte
+  hashed), observes the fleet, and performs the ``load`` steps in parallel: a full-config override
   (never unload-then-load), V ready, and the golden probe answered with the outputs
   recorded at staging. It reports what it changed.
 
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from modelship.errors import ModelshipError, StagingError
@@ -31,6 +33,7 @@ from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
 from modelship.triton.model_config import ModelConfig, from_pbtxt, serving_digest, to_pbtxt
 from modelship.triton.swap_plan import ReplicaView
+from modelship.triton.target import render_for_servers
 from tasks.stage import CONFIG_NAME, model_prefix, read_verified
 from tasks.swap import PIN_SIGNATURE_METADATA, apply_config, observe_fleet, pin_signature
 
@@ -171,6 +174,11 @@ def _reconcile_model(replicas: Sequence[TritonServer], *, model: str, storage: S
         return result
     result["version"] = pin.version
     observed = observe_fleet(replicas, model)
+    # The pin is written in the fleet's form by the swap; rendering it again is a no-op then,
+    # and turns a GPU pin into its CPU form on a CPU fleet (a pin from before issue 13).
+    config, form = render_for_servers(pin.config, replicas, timeout_s=probe_timeout_s)
+    pin = replace(pin, config=config)
+    result["serving_form"] = form.to_dict()
     plan = plan_reconcile(pin, [o.view for o in observed])
     for line in plan.describe():
         progress(line)

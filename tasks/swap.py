@@ -14,7 +14,11 @@ this module performs its I/O, through the clients passed in:
    Replicas without ``nv_gpu_*`` metrics (CPU servers) are skipped with a plan line. A
    shortfall refuses the swap with :class:`~modelship.errors.PreflightError` (exit 1) and
    the numbers; a ``converge`` (repair, rollback) only reports it, since a load that does
-   not fit fails and leaves the replica on what it served.
+   not fit fails and leaves the replica on what it served. The same scrape tells the
+   fleet's **serving form**: C's staged config (rendered for the policy's target, say
+   ``KIND_GPU`` with accelerators and warmup) is loaded in the fleet's form, its CPU
+   derivation on CPU servers (:mod:`modelship.triton.target`), and the plan compares the
+   replicas' live configs with that form.
 2. **Phases**: each runs on every replica in parallel, with the policy's deadline. A load is
    a full-config override over gRPC (RECIPES: overrides replace, HTTP control calls stall
    serving); the replica must then report the expected version READY and, for probed
@@ -22,8 +26,9 @@ this module performs its I/O, through the clients passed in:
 3. **Abort** on any failure or timeout: the abort phase runs on every replica in parallel
    and each is checked back on P; :class:`~modelship.errors.SwapAborted` lists every
    replica's state. Never unload-then-load: that is an outage (RECIPES).
-4. **Record**: after success ``P/<model>/config.pbtxt`` becomes C's production config, so a
-   later plain load (which drops any override) serves what the swap left serving.
+4. **Record**: after success ``P/<model>/config.pbtxt`` becomes C's production config in
+   the fleet's form, so a later plain load (which drops any override), a restarted replica
+   and reconcile load what the swap left serving.
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ import hashlib
 import hmac
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from model_registry.ledger import ReleaseRecord, same_candidate, sort_newest_first
 from modelship.errors import (
     ModelshipError,
     PreflightError,
@@ -78,6 +84,7 @@ from modelship.triton.swap_plan import (
     replica_states,
     start,
 )
+from modelship.triton.target import render_for_servers
 from tasks.stage import (
     CONFIG_NAME,
     SHA256_METADATA,
@@ -88,8 +95,8 @@ from tasks.stage import (
 )
 
 __all__ = ["PIN_SIGNATURE_METADATA", "Fault", "Observed", "PhaseReport", "Progress",
-           "SwapReport", "apply_config", "fleet_status", "observe_fleet", "pin_signature",
-           "ready_versions", "swap_fleet"]
+           "RecordedFootprint", "SwapReport", "apply_config", "fleet_status", "observe_fleet",
+           "pin_signature", "ready_versions", "recorded_footprint", "swap_fleet"]
 
 Progress = Callable[[str], None]
 Fault = Callable[[str, str], None]
@@ -145,6 +152,10 @@ class SwapReport:
         verify_s: Preflight time spent verifying C (signature, streamed sha256 of every
             staged file), in s; None when C was not verified (a no-op).
         verified_bytes: Bytes of C streamed and hashed by the preflight.
+        headroom: The GPU headroom preflight (footprint, measured or estimated, and every
+            replica's check); None for a no-op.
+        serving_form: The form C was loaded and pinned in (``target``, ``source``, per
+            replica what its metrics said).
     """
 
     model: str
@@ -164,6 +175,7 @@ class SwapReport:
     verify_s: float | None = None
     verified_bytes: int = 0
     headroom: dict[str, Any] | None = None
+    serving_form: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -184,6 +196,7 @@ class SwapReport:
             "verify_s": None if self.verify_s is None else round(self.verify_s, 3),
             "verified_bytes": self.verified_bytes,
             "headroom": self.headroom,
+            "serving_form": self.serving_form,
         }
 
 
@@ -592,6 +605,74 @@ def _weights_reader(storage: S3Storage, *, model: str, target: int, repository_p
     return read
 
 
+@dataclass(frozen=True)
+class RecordedFootprint:
+    """C's GPU footprint for the headroom preflight of a swap outside a release.
+
+    Attributes:
+        bytes_per_gpu: What C's canary measured (rise of ``nv_gpu_memory_used_bytes`` when
+            C loaded next to P), bytes; None: the swap estimates it from C's initializers.
+        source: ``canary`` (read from a release record) or ``estimate``.
+        release_id: The release record the measurement was read from.
+        detail: Why, in words (which record, or why none was usable).
+    """
+
+    bytes_per_gpu: int | None
+    source: Literal["canary", "estimate"]
+    release_id: str | None
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes_per_gpu": self.bytes_per_gpu, "source": self.source,
+                "release_id": self.release_id, "detail": self.detail}
+
+
+def _measured_bytes(record: ReleaseRecord) -> int | None:
+    gpu = (record.gates or {}).get("gpu") or {}
+    value = gpu.get("candidate_bytes") if isinstance(gpu, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        return None
+    return int(value)
+
+
+def recorded_footprint(records: Iterable[ReleaseRecord], *,
+                       digest: Mapping[str, Any]) -> RecordedFootprint:
+    """C's footprint as its canary measured it, from the release ledger (pure).
+
+    Takes the newest record of C (same model and version) whose canary measured a GPU
+    footprint (``gates.gpu.candidate_bytes`` > 0; a CPU canary measures none), whatever
+    its verdict: a measurement is a fact about C's bytes. It is used only when that
+    record's candidate digest is the staged one (:func:`model_registry.ledger.same_candidate`,
+    manifest sha256 included): a re-staged version is other bytes, so the swap estimates.
+
+    Args:
+        records: The model's ledger records (any order).
+        digest: C's staged digest (:func:`tasks.evidence.read_candidate_digest`).
+    """
+    model, version = digest.get("model"), digest.get("version")
+    for entry in sort_newest_first(records):
+        bytes_ = _measured_bytes(entry)
+        candidate = entry.candidate or {}
+        if bytes_ is None or candidate.get("model") != model \
+                or candidate.get("version") != version:
+            continue
+        if not same_candidate(candidate, dict(digest)):
+            return RecordedFootprint(
+                None, "estimate", None,
+                f"the newest canary measurement of {model} v{version} (release {entry.id}, "
+                f"{bytes_} B) is of other bytes (manifest "
+                f"{str(candidate.get('manifest_sha256'))[:12]}, staged "
+                f"{str(digest.get('manifest_sha256'))[:12]}): estimated from the initializers")
+        return RecordedFootprint(
+            bytes_, "canary", entry.id,
+            f"measured by the canary of release {entry.id} (rise of nv_gpu_memory_used_bytes "
+            f"when v{version} loaded; manifest {str(digest.get('manifest_sha256'))[:12]})")
+    return RecordedFootprint(None, "estimate", None,
+                             f"no canary of {model} v{version} measured a GPU footprint (none "
+                             "on record, or it ran on a CPU canary): estimated from the "
+                             "initializers")
+
+
 def _states_dict(states: dict[str, ReplicaState]) -> dict[str, dict[str, Any]]:
     return {name: state.to_dict() for name, state in states.items()}
 
@@ -614,6 +695,7 @@ def swap_fleet(
     converge: bool = False,
     gpu: GpuPolicy | None = None,
     footprint_bytes: int | None = None,
+    footprint_detail: str | None = None,
 ) -> SwapReport:
     """Serve ``model`` version ``target`` on every replica, or on none of them.
 
@@ -645,7 +727,14 @@ def swap_fleet(
         gpu: The policy's GPU settings (``headroom_bytes`` for the headroom preflight);
             None takes their defaults.
         footprint_bytes: C's GPU footprint per GPU measured by the canary
-            (``CanaryResult.candidate_bytes``); None: estimate it from C's initializers.
+            (``CanaryResult.candidate_bytes``, or read back from the ledger by
+            :func:`recorded_footprint`); None: estimate it from C's initializers.
+        footprint_detail: Where ``footprint_bytes`` comes from, for the plan and report.
+
+    C's staged config is loaded (and pinned) in the fleet's form: the CPU form of a GPU
+    config on a CPU fleet (:func:`modelship.triton.target.render_for_servers`); the report's
+    ``serving_form`` says which and how it was decided. A fleet of GPU and CPU servers is
+    refused (PreflightError) before anything changes.
 
     Returns:
         The report; ``kind == "noop"`` when every replica already served C.
@@ -662,10 +751,16 @@ def swap_fleet(
     swap_start = time.monotonic()
     progress(f"{model}: observing {len(replicas)} replica(s) and candidate v{target}")
     observed = observe_fleet(replicas, model)
+    # One scrape per replica: it tells the fleet's form (cpu/gpu) and feeds the headroom.
+    texts = _metrics_texts(replicas, http_timeout_s)
     progress(f"{model}: verifying v{target} (manifest signature, sha256 of every staged byte)")
     read = _read_candidate(storage, model=model, target=target,
                            repository_prefix=repository_prefix, signing_key=signing_key)
-    candidate = read.config
+    # What the fleet serves and what gets pinned is the staged config in the fleet's form,
+    # so digests compare like with like (a no-op stays a no-op) and a restarted replica
+    # loads what it can run.
+    candidate, form = render_for_servers(read.config, replicas, timeout_s=http_timeout_s,
+                                         texts=texts)
     production = next((o.live_config for o in observed if o.live_config is not None), None)
     try:
         plan = plan_swap(model, [o.view for o in observed], target=target,
@@ -690,13 +785,14 @@ def swap_fleet(
     headroom = None
     if plan.kind != "noop":
         headroom = plan_headroom(
-            model, target, _metrics_texts(replicas, http_timeout_s), cfg=candidate,
-            measured_bytes=footprint_bytes,
+            model, target, texts, cfg=candidate, measured_bytes=footprint_bytes,
+            measured_detail=footprint_detail,
             weights_bytes=_weights_reader(storage, model=model, target=target,
                                           repository_prefix=repository_prefix,
                                           config=candidate),
             headroom_bytes=(gpu or GpuPolicy()).headroom_bytes)
-    plan_lines = [*plan.describe(), *(headroom.lines if headroom is not None else [])]
+    plan_lines = [*plan.describe(), f"{model}: {form.describe()}",
+                  *(headroom.lines if headroom is not None else [])]
     if headroom is not None and not headroom.fits and plan.kind == "converge":
         plan_lines.append(f"{model}: GPU headroom is short, but a converge goes ahead: a load "
                      "that does not fit fails and leaves the replica on what it served")
@@ -706,7 +802,8 @@ def swap_fleet(
         check_headroom(model, target, headroom.checks, headroom.footprint)
     report = SwapReport(model, plan.kind, plan.from_version, plan.to_version,
                         plan.pause_batching, plan=plan_lines, dry_run=dry_run,
-                        headroom=headroom.to_dict() if headroom is not None else None)
+                        headroom=headroom.to_dict() if headroom is not None else None,
+                        serving_form=form.to_dict())
     if read.verified is not None:
         report.verify_s = read.verified.seconds
         report.verified_bytes = read.verified.bytes_hashed

@@ -22,6 +22,7 @@ from modelship.policy import ParityPolicy
 from modelship.triton.client import TritonServer
 from modelship.triton.infer import TritonInference
 from modelship.triton.model_config import ModelConfig, to_json
+from modelship.triton.target import render_for_servers
 
 
 def scratch_name(model: str, version: int) -> str:
@@ -86,10 +87,13 @@ def trial_load(
     feed: Mapping[str, np.ndarray],
     parity: ParityPolicy,
 ) -> dict[str, Any]:
-    """Load under a scratch name, answer the golden rows, compare, always unload."""
+    """Load under a scratch name, answer the golden rows, compare, always unload.
+
+    ``config`` is loaded in the canary's form (:mod:`modelship.triton.target`): a GPU
+    config is trial-loaded as its CPU derivation on a CPU canary, as is on a GPU one.
+    """
     name = scratch_name(model, version)
-    scratch = ModelConfig()
-    scratch.CopyFrom(config)
+    scratch, _ = render_for_servers(config, [canary], timeout_s=canary.timeout_s)
     scratch.name = name
     scratch.version_policy.Clear()
     scratch.version_policy.specific.versions.append(1)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelship.errors import InfrastructureError, Unreachable
 from modelship.http import expect_ok
+from modelship.policy import Target
 from modelship.settings import TritonEndpoint
 
 if TYPE_CHECKING:
@@ -25,6 +26,10 @@ class TritonServer:
         endpoint: Its HTTP, gRPC and metrics endpoints.
         timeout_s: Timeout of one health or inference request, in seconds.
         control_timeout_s: Deadline of one load or unload, in seconds.
+
+    Attributes:
+        target: ``cpu`` or ``gpu`` once :func:`modelship.triton.target.detect_targets`
+            read it from the server's metrics; None until then.
     """
 
     def __init__(
@@ -35,6 +40,7 @@ class TritonServer:
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
         self._grpc: grpcclient.InferenceServerClient | None = None
+        self.target: Target | None = None
 
     @property
     def grpc(self) -> grpcclient.InferenceServerClient:

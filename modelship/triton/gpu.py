@@ -497,7 +497,8 @@ class HeadroomPlan:
 
 def plan_headroom(model: str, version: int, replicas: Mapping[str, str | None], *,
                   cfg: model_config_pb2.ModelConfig, measured_bytes: int | None,
-                  weights_bytes: Callable[[], int], headroom_bytes: int) -> HeadroomPlan:
+                  weights_bytes: Callable[[], int], headroom_bytes: int,
+                  measured_detail: str | None = None) -> HeadroomPlan:
     """Decide the GPU headroom preflight of a swap (pure but for ``weights_bytes``).
 
     Args:
@@ -508,6 +509,8 @@ def plan_headroom(model: str, version: int, replicas: Mapping[str, str | None], 
         weights_bytes: Reads C's ONNX initializer bytes; called only when there is a GPU
             to check and no measurement (the estimate's input).
         headroom_bytes: What must stay free (policy ``triton.gpu.headroom_bytes``).
+        measured_detail: Where the measurement comes from (e.g. the release record it was
+            read from), for the plan line; default: the canary's memory rise.
 
     A replica without ``nv_gpu_*`` gauges is skipped with a line (a CPU server: nothing to
     hold). A replica whose scrape failed is skipped too when no replica reports a GPU,
@@ -525,7 +528,7 @@ def plan_headroom(model: str, version: int, replicas: Mapping[str, str | None], 
         lines = [f"{model}: GPU headroom: skipped on {name}: {why}"
                  for name, why in skipped.items()]
         return HeadroomPlan(None, [], skipped, lines)
-    footprint = (Footprint(int(measured_bytes), "measured", _MEASURED)
+    footprint = (Footprint(int(measured_bytes), "measured", measured_detail or _MEASURED)
                  if measured_bytes is not None and measured_bytes > 0
                  else estimate_footprint(weights_bytes(), cfg))
     checks = headroom_checks(gpu_texts, footprint, headroom_bytes=headroom_bytes,
