@@ -13,7 +13,8 @@ stage stopped the release and why. The ``production`` alias moves **last**, afte
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +38,14 @@ from modelship.errors import (
 from modelship.policy import Policy, policy_for
 from modelship.settings import Settings, load_settings
 from tasks import bake as baking
-from tasks.approve import ApprovalChannels, ApprovalRequest, approval_request, approve, channels_for
+from tasks.approve import (
+    ApprovalChannels,
+    ApprovalRequest,
+    approval_request,
+    approve,
+    canary_cleanup,
+    channels_for,
+)
 from tasks.evidence import read_candidate_digest
 from tasks.record import ReleaseJournal
 from tasks.retry import TRANSIENT_RETRIES, retry_transient
@@ -127,12 +135,14 @@ def stage_task(settings: Settings, clients: Clients, policy: Policy, report: Che
 @task(name="canary", task_run_name="canary {model} v{candidate} vs {baseline}",
       cache_policy=NO_CACHE)
 def canary_task(settings: Settings, clients: Clients, policy: Policy, model: str,
-                candidate: int, baseline: int | None) -> Any:
-    """The candidate next to production on the canary Triton, under load."""
+                candidate: int, baseline: int | None, keep_loaded: bool = False) -> Any:
+    """The candidate next to production on the canary Triton, under load; with
+    ``keep_loaded`` (approval required) it stays loaded for the approval wait's watcher."""
     from tasks.canary import run_canary
 
     return run_canary(settings, clients, policy, model=model, candidate=candidate,
-                      baseline=baseline, progress=get_run_logger().info)
+                      baseline=baseline, progress=get_run_logger().info,
+                      keep_loaded=keep_loaded)
 
 
 @task(name="gates", task_run_name="gates {model} v{candidate}", cache_policy=NO_CACHE)
@@ -278,12 +288,13 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
             clients.storage, repository_prefix=settings.repository_prefix, model=model,
             version=version)
         with release_lock(model, prefect_api_url=settings.prefect_api_url, home=settings.home,
-                          release_id=record.id, kind="promote") as lock:
+                          release_id=record.id, kind="promote") as lock, \
+                _unload_kept_canary(clients, journal, keep=approval.required):
             _note_takeover(journal, lock)
             _mark_interrupted(ledger, model, record.id)
             with journal.stage("canary") as entry:
                 result: Any = canary_task(settings, clients, policy, model, version,
-                                          serving)
+                                          serving, approval.required)
                 record.gates = _gates_record(ledger, record, result)
                 record.candidate["canary_report_id"] = record.id
                 entry.details["verdict"] = result.verdict
@@ -300,7 +311,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                     candidate=record.candidate, notifier=journal.thread.notifier,
                     plot=Path(result.report_paths.get("png") or "") if
                     result.report_paths.get("png") else None, timeout_s=approval.timeout_s,
-                    max_error_rate=policy.bake.max_error_rate)
+                    max_error_rate=policy.bake.max_error_rate, policy=policy)
                 entry.details.update(approve_task(approval, journal, channels, model,
                                                   version))
             payload, _ = load_payload(clients.storage, clients.registry,
@@ -358,6 +369,21 @@ def _bake(settings: Settings, clients: Clients, policy: Policy, record: ReleaseR
         f"{report.verdict.reason}; rolled back to {where} on the replicas that answer",
         hint=f"restart the replica that stopped, then `modelship reconcile {record.model}` "
         f"and `modelship status {record.model}`", model=record.model)
+
+
+@contextmanager
+def _unload_kept_canary(clients: Clients, journal: ReleaseJournal, *,
+                        keep: bool) -> Iterator[None]:
+    """When the canary keeps the candidate loaded for the approval wait, make sure it is
+    unloaded on every path: the approve stage unloads it on its own paths; this covers a
+    failure between the canary and the wait (failed gates, an unwritable record)."""
+    try:
+        yield
+    finally:
+        if keep:
+            done = canary_cleanup(clients, journal.record.model)
+            if done not in ("nothing loaded on the canary", "no canary server"):
+                journal.note(f"canary kept for the approval wait: {done}")
 
 
 def _gates_record(ledger: Ledger, record: ReleaseRecord, result: Any) -> dict[str, Any]:

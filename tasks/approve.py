@@ -14,24 +14,44 @@ When the policy (or ``--require-approval``) asks for it:
    UI form is the fallback channel. Every input is checked again here with the same rules
    (:func:`modelship.approvals.rules.check_decision`): a refused input is recorded and the
    run pauses again for the time left.
-4. While it waits, a watcher re-checks the canary's evidence (the fleet still serves the
-   baseline the canary compared against, the candidate's staged bytes are unchanged, the
-   canary server is alive) and rejects the release itself on a breach, with the reason.
-5. On expiry the release fails closed (exit 5), the canary is cleaned up and the message
-   is marked expired.
+4. While it waits, the candidate stays loaded on the canary Triton (the canary stage keeps
+   it when approval is required) and a watcher keeps measuring it, every
+   ``WATCH_INTERVAL_S``, with the **same always-valid tests as the sequential canary**:
+   - a light paired probe (``PROBE_S`` of golden rows at ``PROBE_RPS`` pairs per second,
+     like the canary's load) to the candidate and to the baseline on the canary, fed to
+     :class:`tasks.sequential.SequentialCanary` (its errors and latency e-processes, with
+     the policy's gates' tolerances and α); a breach is the e-process crossing its bound,
+     so watching for hours never inflates false rejections (Ville's inequality; Lindon,
+     Sanden and Shirikian, KDD 2022, arXiv:2205.14762);
+   - production's own error rate on every replica (Triton's counters since the wait
+     began) through the bake's e-process (:func:`tasks.sequential.log_e_over_budget`,
+     H0 "rate ≤ ``bake.max_error_rate``", bound ``1 / bake.alpha``);
+   - what the approval rests on: every replica still serves the baseline, the staged
+     manifest is unchanged, the canary server answers.
+
+   A statistical breach rejects the release at once (exit 5). A check of the evidence or
+   of the infrastructure must fail twice in a row (a blip is not a reason); a changed
+   baseline or manifest rejects (exit 5), while an unanswering canary (or both arms
+   failing alike) is an infrastructure failure (exit 1), never a gate breach.
+5. On every path out of the wait (approved, rejected, expired, the watcher, an error) the
+   watcher stops and the candidate is unloaded from the canary (``cleanup``); on expiry
+   the release fails closed (exit 5) and the message is marked expired.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
+
+import numpy as np
 
 from model_registry.ledger import now_iso
 from modelship.approvals.rules import (
@@ -47,16 +67,42 @@ from modelship.errors import (
     InfrastructureError,
     ModelshipError,
 )
-from modelship.policy import ApprovalPolicy
+from modelship.loadgen import LoadReport, LoadSpec, Target, run_load, run_paired
+from modelship.policy import ApprovalPolicy, Policy
 from modelship.slack import blocks
+from modelship.triton.metrics import Scrape, delta
+from tasks.sequential import SequentialCanary, SequentialConfig, log_e_over_budget
 
 #: Seconds between two checks of "has the run been resumed?" (Prefect's default is 10 s).
 POLL_INTERVAL_S = 1
 #: The watcher's period, in seconds.
 WATCH_INTERVAL_S = 5.0
+#: Seconds of paired probe load per look, and its rate in pairs per second: light, so a
+#: long wait costs the canary server little (≈ PROBE_S·PROBE_RPS pairs per look).
+PROBE_S = 1.0
+PROBE_RPS = 20.0
 WATCHER = "modelship-watcher"
+BASELINE, CANDIDATE = "baseline", "candidate"
 
-Check = Callable[[], str | None]
+Kind = Literal["breach", "evidence", "infrastructure"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Why the watcher stops the wait.
+
+    Attributes:
+        kind: ``breach`` (an always-valid test crossed its bound: exit 5), ``evidence``
+            (what the approval rests on changed: the baseline, the staged bytes; exit 5)
+            or ``infrastructure`` (the canary or a replica stopped answering: exit 1).
+        reason: One sentence with the numbers.
+    """
+
+    kind: Kind
+    reason: str
+
+
+Check = Callable[[], str | Finding | None]
 
 
 @dataclass(frozen=True)
@@ -168,10 +214,28 @@ def approve(request: ApprovalRequest, journal: Any, channels: ApprovalChannels, 
     watcher = _Watcher(channels, pending, journal)
     watcher.start()
     try:
-        decided = _wait(request, journal, channels, pending, watcher)
+        return _wait(request, journal, channels, pending, watcher)
     finally:
         watcher.stop()
-    return decided
+        _cleanup(journal, channels, pending)
+
+
+def _cleanup(journal: Any, channels: ApprovalChannels, pending: dict[str, Any]) -> None:
+    """Unload the candidate from the canary, once, on every path out of the wait (after
+    the watcher stopped probing it); never raises over the outcome."""
+    if channels.cleanup is None or "cleanup" in pending:
+        return
+    try:
+        pending["cleanup"] = channels.cleanup()
+    except Exception as exc:  # noqa: BLE001 - reported; the wait's outcome wins
+        pending["cleanup"] = f"canary cleanup failed: {type(exc).__name__}: {exc}"
+    if "failed" in pending["cleanup"]:
+        journal.note(f"after the approval wait: {pending['cleanup']}; unload it from the "
+                     "canary by hand (`modelship doctor` shows what is loaded)")
+    try:
+        journal.save()
+    except ModelshipError as exc:
+        journal.note(f"the record could not be saved after the canary cleanup: {exc.message}")
 
 
 def _post_request(journal: Any, channels: ApprovalChannels, pending: dict[str, Any]) -> None:
@@ -236,14 +300,22 @@ def _wait(request: ApprovalRequest, journal: Any, channels: ApprovalChannels,
                 f"{model} v{version} could not wait for its approval: {exc}",
                 hint="production is unchanged; check the Prefect server, then promote "
                 "again", model=model, version=version) from exc
-        if watcher.breach is not None:
+        finding = watcher.finding
+        if finding is not None:
             _decide(journal, channels, pending, "rejected", WATCHER, "watcher",
-                    watcher.breach)
+                    f"{finding.kind}: {finding.reason}")
             _notice(journal, channels, f"the watcher rejected {model} v{version} while it "
-                    f"waited for approval: {watcher.breach}", "critical")
+                    f"waited for approval ({finding.kind}): {finding.reason}", "critical")
+            if finding.kind == "infrastructure":
+                raise InfrastructureError(
+                    f"the watcher stopped {model} v{version} while it waited for approval: "
+                    f"{finding.reason}", hint="production is unchanged; the candidate was "
+                    "not judged by this: fix the canary Triton or the replica named above "
+                    "(`modelship doctor`), then promote again", model=model, version=version,
+                    reason="infrastructure")
             raise ApprovalDenied(
                 f"the watcher rejected {model} v{version} while it waited for approval: "
-                f"{watcher.breach}", hint="production is unchanged; look at the fleet and "
+                f"{finding.reason}", hint="production is unchanged; look at the fleet and "
                 "the canary, then promote again", model=model, version=version)
         allowed, unresolved = resolve_approvers(pending["approvers"], channels.resolve_group)
         verdict = check_decision(pending, decision=got.decision, user=got.user,
@@ -281,8 +353,6 @@ def _decide(journal: Any, channels: ApprovalChannels, pending: dict[str, Any], s
     who = "the watcher" if user == WATCHER else f"<@{user}>"
     outcome = f"{verb} by {who} at {at} (via {channel})" + (f": {reason}" if reason else "")
     _show(journal, channels, pending, outcome)
-    if status == "rejected" and channels.cleanup is not None:
-        pending["cleanup"] = channels.cleanup()
     journal.save()
 
 
@@ -300,8 +370,6 @@ def _expire(journal: Any, channels: ApprovalChannels, pending: dict[str, Any],
     _show(journal, channels, pending, f"Expired at {pending['decided_at']}: {why}")
     _notice(journal, channels, f"the approval of {model} v{version} expired: {why}",
             "warning")
-    if channels.cleanup is not None:
-        pending["cleanup"] = channels.cleanup()
     journal.save()
     raise ApprovalDenied(f"{model} v{version} was not released: {why}",
                          hint="production is unchanged; promote again and ask an approver "
@@ -335,18 +403,27 @@ def _show(journal: Any, channels: ApprovalChannels, pending: dict[str, Any],
 
 
 class _Watcher:
-    """While the run waits: re-check the evidence, ping the thread, reject on a breach."""
+    """While the run waits: look at the evidence, ping the thread, reject on a finding.
+
+    A watch that raises is a failed look: twice in a row is an infrastructure finding.
+    """
 
     def __init__(self, channels: ApprovalChannels, pending: dict[str, Any],
                  journal: Any) -> None:
         self.channels = channels
         self.pending = pending
         self.journal = journal
-        self.breach: str | None = None
+        self.finding: Finding | None = None
+        self.looks = 0
         self._stop = threading.Event()
         self._context = contextvars.copy_context()  # Prefect's settings (API URL)
         self._thread = threading.Thread(target=lambda: self._context.run(self._run),
                                         name="approval-watcher", daemon=True)
+
+    @property
+    def breach(self) -> str | None:
+        """The finding's reason, or None."""
+        return self.finding.reason if self.finding is not None else None
 
     def start(self) -> None:
         if self.channels.watch is not None or self.channels.reminder_s:
@@ -355,10 +432,11 @@ class _Watcher:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=10 + PROBE_S)
 
     def _run(self) -> None:
         last_ping = time.monotonic()
+        failed_looks = 0
         while not self._stop.wait(self.channels.watch_interval_s):
             reminder = self.channels.reminder_s
             if reminder and time.monotonic() - last_ping >= reminder:
@@ -367,14 +445,18 @@ class _Watcher:
             if self.channels.watch is None:
                 continue
             try:
-                breach = self.channels.watch()
-            except Exception as exc:  # noqa: BLE001 - a watch that cannot look is a breach
-                breach = f"the watch itself failed: {type(exc).__name__}: {exc}"
-            if breach is None:
+                found = self.channels.watch()
+                failed_looks = 0
+            except Exception as exc:  # noqa: BLE001 - a watch that cannot look is a finding
+                failed_looks += 1
+                found = Finding("infrastructure", "the watch failed twice in a row: "
+                                f"{type(exc).__name__}: {exc}") if failed_looks >= 2 else None
+            self.looks += 1
+            if found is None:
                 continue
-            self.breach = breach
+            self.finding = found if isinstance(found, Finding) else Finding("breach", found)
             if self.channels.resume is not None:
-                self._reject(breach)
+                self._reject(self.finding)
             return
 
     def _remind(self) -> None:
@@ -389,15 +471,17 @@ class _Watcher:
         except ModelshipError:
             pass  # a lost ping changes nothing
 
-    def _reject(self, breach: str) -> None:
-        assert self.channels.resume is not None
+    def _reject(self, finding: Finding) -> None:
+        resume = self.channels.resume
+        if resume is None:
+            return
         for _ in range(30):  # the run may be between two pauses: retry for a while
             try:
-                self.channels.resume(self.pending["flow_run_id"], {
+                resume(self.pending["flow_run_id"], {
                     "decision": "reject", "user": WATCHER,
                     "release_id": self.pending["release_id"],
                     "digest": self.pending["digest"], "channel": "watcher",
-                    "reason": breach, "at": now_iso()})
+                    "reason": f"{finding.kind}: {finding.reason}", "at": now_iso()})
                 return
             except Exception:  # noqa: BLE001 - not paused yet; try again
                 if self._stop.wait(1.0):
@@ -406,11 +490,17 @@ class _Watcher:
 
 def channels_for(settings: Any, clients: Any, *, model: str, version: int,
                  baseline: int | None, candidate: dict[str, Any], notifier: Any,
-                 plot: Path | None, timeout_s: int,
-                 max_error_rate: float = 0.01) -> ApprovalChannels:
-    """The approval's channels from settings and clients (the wiring, at the edge)."""
+                 plot: Path | None, timeout_s: int, max_error_rate: float = 0.01,
+                 policy: Policy | None = None) -> ApprovalChannels:
+    """The approval's channels from settings and clients (the wiring, at the edge).
+
+    With ``policy``, the watch takes its tests from it: the sequential canary's settings
+    from ``gates`` (as :func:`tasks.canary.sequential_config` builds them for the canary),
+    production's error budget and α from ``bake``, the probe's rows from ``export``.
+    """
     from modelship.approvals.server import PrefectRuns
     from modelship.approvals.slack_api import ApprovalSlack
+    from tasks.canary import sequential_config
 
     resolve: GroupResolver | None = None
     if settings.slack_api_url and settings.slack_token is not None:
@@ -418,111 +508,305 @@ def channels_for(settings: Any, clients: Any, *, model: str, version: int,
                               timeout_s=settings.http_timeout_s)
         resolve = slack.group_members
     runs = PrefectRuns(settings.prefect_api_url)
+    judge = EvidenceJudge(
+        sequential_config(policy.gates) if policy is not None else SequentialConfig(),
+        max_error_rate=policy.bake.max_error_rate if policy is not None else max_error_rate,
+        alpha=policy.bake.alpha if policy is not None else 0.01)
     return ApprovalChannels(
         notifier=notifier, resolve_group=resolve, resume=runs.resume,
         watch=evidence_watch(settings, clients, model=model, version=version,
-                             baseline=baseline, candidate=candidate,
-                             max_error_rate=max_error_rate),
+                             baseline=baseline, candidate=candidate, judge=judge,
+                             rows=policy.export.golden_max_rows if policy is not None
+                             else 64),
         cleanup=lambda: canary_cleanup(clients, model), plot=plot,
         reminder_s=max(30.0, timeout_s / 4))
 
 
-def error_rate_breach(before: Any, after: Any, *, model: str, version: int, max_rate: float,
-                      where: str, min_requests: int = 20) -> str | None:
-    """Why the version's server-side error rate between two scrapes breaches ``max_rate``,
-    or None (pure; too few requests to judge is not a breach)."""
-    from modelship.triton.metrics import delta
+# --------------------------------------------------------------------------------------
+# the watch: pure judgement, then the I/O around it
 
+
+@dataclass(frozen=True)
+class ProbeBatch:
+    """One look's paired probe on the canary, as the client saw it.
+
+    Attributes:
+        baseline_ms: Latencies of the baseline's answered requests, ms, in completion
+            order (paired by position with the candidate's, as the canary pairs them).
+        candidate_ms: The candidate's, ms.
+        baseline_errors: Failed baseline requests.
+        candidate_errors: Failed candidate requests.
+        first_error: One error text, for the reason.
+    """
+
+    baseline_ms: np.ndarray
+    candidate_ms: np.ndarray
+    baseline_errors: int = 0
+    candidate_errors: int = 0
+    first_error: str | None = None
+
+    @property
+    def sent(self) -> int:
+        return (self.baseline_ms.size + self.candidate_ms.size + self.baseline_errors
+                + self.candidate_errors)
+
+    @property
+    def answered(self) -> int:
+        return int(self.baseline_ms.size + self.candidate_ms.size)
+
+
+def probe_batch(records: Sequence[Any]) -> ProbeBatch:
+    """A load report's measured records as one look (pure): untagged records (a first
+    release, no baseline) are the candidate's."""
+    arms: dict[str, list[float]] = {BASELINE: [], CANDIDATE: []}
+    errors = {BASELINE: 0, CANDIDATE: 0}
+    first: str | None = None
+    for r in records:
+        arm = r.tag or CANDIDATE
+        if r.ok:
+            arms[arm].append(float(r.latency_ms))
+        else:
+            errors[arm] += 1
+            first = first or r.error
+    return ProbeBatch(np.asarray(arms[BASELINE], dtype=float),
+                      np.asarray(arms[CANDIDATE], dtype=float),
+                      errors[BASELINE], errors[CANDIDATE], first)
+
+
+class EvidenceJudge:
+    """The approval wait's verdict, look by look (pure: no I/O).
+
+    - :meth:`probe` feeds the canary probe to a :class:`SequentialCanary` (errors and
+      latency e-processes); ``failed`` is a breach, ``inconclusive`` (both arms fail
+      alike) and a look where nothing answered are infrastructure reasons;
+    - :meth:`production` accumulates production's failures and requests since the wait
+      began, judged by :func:`log_e_over_budget` at ``1 / alpha``;
+    - :meth:`conclude` turns the look's reasons into a finding: a breach at once; an
+      evidence or infrastructure reason only when the previous look had one too.
+
+    Args:
+        config: The sequential canary's rules and α (from the policy's gates).
+        max_error_rate: Production's error budget (``bake.max_error_rate``).
+        alpha: Production's error rule's level over the whole wait (``bake.alpha``).
+    """
+
+    def __init__(self, config: SequentialConfig | None = None, *,
+                 max_error_rate: float = 0.001, alpha: float = 0.01) -> None:
+        self.canary = SequentialCanary(config or SequentialConfig())
+        self.max_error_rate = max_error_rate
+        self.alpha = alpha
+        self.failed = 0.0
+        self.total = 0.0
+        self.looks = 0
+        self._streak: list[tuple[Kind, str]] = []
+
+    def probe(self, batch: ProbeBatch) -> tuple[Kind, str] | None:
+        """Ingest one look's probe; why it stops the wait, or None."""
+        if batch.sent and not batch.answered:
+            return ("infrastructure", f"none of the {batch.sent} probe requests to the "
+                    "canary was answered" + (f" ({batch.first_error})"
+                                             if batch.first_error else ""))
+        if not batch.sent:
+            return ("infrastructure", "the probe sent nothing to the canary")
+        decision = self.canary.update(batch.baseline_ms, batch.candidate_ms,
+                                      baseline_errors=batch.baseline_errors,
+                                      candidate_errors=batch.candidate_errors)
+        if decision.status == "failed":
+            return ("breach", f"the candidate on the canary: {decision.reason}")
+        if decision.status == "inconclusive":
+            return ("infrastructure", f"the canary probe: {decision.reason}")
+        return None
+
+    def production(self, failures: float, requests: float, *, model: str,
+                   version: int) -> tuple[Kind, str] | None:
+        """Add production's failures and answered requests since the last look; why its
+        error rate is above the budget with always-valid evidence, or None."""
+        self.failed += max(0.0, failures)
+        self.total += max(0.0, failures) + max(0.0, requests)
+        failed, total = int(self.failed), int(self.total)
+        if failed == 0 or total == 0:
+            return None
+        log_e = log_e_over_budget(failed, total, self.max_error_rate)
+        if log_e < math.log(1.0 / self.alpha):
+            return None
+        evidence = "certain" if math.isinf(log_e) else f"e-value {math.exp(min(log_e, 700)):.3g}"
+        return ("breach", f"production {model} v{version} failed {failed} of {total} "
+                f"requests while the release waited ({failed / total:.2%} > "
+                f"{self.max_error_rate:.2%}: {evidence} ≥ 1/α = {1 / self.alpha:g}): the "
+                "canary's baseline no longer holds")
+
+    def conclude(self, reasons: Sequence[tuple[Kind, str] | None]) -> Finding | None:
+        """The look's finding from its reasons (in order of precedence)."""
+        self.looks += 1
+        found = [r for r in reasons if r is not None]
+        for kind, reason in found:
+            if kind == "breach":
+                return Finding(kind, reason)
+        if not found:
+            self._streak.clear()
+            return None
+        seen_before = bool(self._streak)
+        self._streak = found
+        if seen_before:
+            kind, reason = found[0]
+            return Finding(kind, f"{reason} (two looks in a row)")
+        return None
+
+
+def production_change(before: Mapping[str, Scrape], after: Mapping[str, Scrape], *,
+                      model: str, version: int) -> tuple[float, float]:
+    """Production's (failures, successes) between two scrapes of every replica (pure; a
+    replica first seen now contributes nothing; counter resets count from zero)."""
+    failures = successes = 0.0
+    for name, now in after.items():
+        if name not in before:
+            continue
+        change = delta(before[name], now).get((model, str(version)))
+        if change is not None:
+            failures += change.failures
+            successes += change.requests
+    return failures, successes
+
+
+def error_rate_breach(before: Any, after: Any, *, model: str, version: int, max_rate: float,
+                      where: str, alpha: float = 0.01) -> str | None:
+    """Why the version's failures between two scrapes show, with always-valid evidence
+    (:func:`log_e_over_budget` at ``1 / alpha``), an error rate above ``max_rate``, or
+    None (pure; no earlier scrape or no traffic is no breach)."""
     if before is None:
         return None
-    change = delta(before, after).get((model, str(version)))
-    if change is None:
-        return None
-    total = change.requests + change.failures
-    if total < min_requests:
-        return None
-    rate = change.failures / total
-    if rate <= max_rate:
-        return None
-    return (f"{model} v{version} on {where} failed {change.failures:.0f} of {total:.0f} "
-            f"requests ({rate:.1%} > {max_rate:.1%}) while the release waited: the canary's "
-            "baseline no longer holds")
+    judge = EvidenceJudge(max_error_rate=max_rate, alpha=alpha)
+    failures, successes = production_change({where: before}, {where: after}, model=model,
+                                            version=version)
+    found = judge.production(failures, successes, model=model, version=version)
+    return None if found is None else f"on {where}: {found[1]}"
+
+
+def _probe(url: str, model: str, version: int, baseline: int | None,
+           payload: Mapping[str, np.ndarray], *, seconds: float, rps: float,
+           timeout_s: float) -> LoadReport:
+    """Paired golden rows to the baseline and the candidate on the canary (the candidate
+    alone on a first release), like the canary's load."""
+    spec = LoadSpec(protocol="grpc", rate_rps=rps, duration_s=seconds, warmup_s=0.0,
+                    window_s=seconds, timeout_s=timeout_s, max_duration_s=seconds + 5)
+    if baseline is None:
+        report: LoadReport = asyncio.run(run_load([url], model, payload, spec,
+                                                  version=str(version)))
+        return report
+    report = asyncio.run(run_paired(Target(url, model, str(baseline)),
+                                    Target(url, model, str(version)), payload, spec,
+                                    tags=(BASELINE, CANDIDATE)))
+    return report
 
 
 def evidence_watch(settings: Any, clients: Any, *, model: str, version: int,
                    baseline: int | None, candidate: dict[str, Any],
-                   max_error_rate: float = 0.01) -> Check:
-    """A check of what the canary's verdict rests on; a breach must be seen twice in a row.
+                   max_error_rate: float = 0.001, judge: EvidenceJudge | None = None,
+                   payload: Mapping[str, np.ndarray] | None = None, rows: int = 64,
+                   probe_s: float = PROBE_S, probe_rps: float = PROBE_RPS) -> Check:
+    """One look at what the approval rests on, each time it is called (the I/O; the
+    verdict is :class:`EvidenceJudge`'s).
 
-    - production's error rate on every replica (Triton's counters between two looks) stays
-      within ``max_error_rate`` (the bake's limit);
-    - every replica still serves the baseline the canary compared against;
-    - the candidate's staged manifest is unchanged (same sha256: the approved bytes);
-    - the canary server answers.
+    Each look: production's counters on every replica, the paired probe of the candidate
+    and the baseline on the canary (when there is a canary), whether every replica still
+    serves the baseline, the staged manifest, the canary's liveness.
+
+    Args:
+        judge: The always-valid tests (default: the sequential canary's defaults and
+            ``max_error_rate``).
+        payload: Rows to probe with; default the candidate's golden rows, loaded at the
+            first look.
     """
     from modelship.triton.metrics import scrape
     from tasks.evidence import read_candidate_digest
+    from tasks.payload import load_payload
 
-    seen: list[str] = []
-    before: dict[str, Any] = {}
+    judge = judge or EvidenceJudge(max_error_rate=max_error_rate)
+    before: dict[str, Scrape] = {}
+    rows_box: dict[str, Mapping[str, np.ndarray]] = {}
+    if payload is not None:
+        rows_box["rows"] = payload
 
-    def metrics() -> str | None:
-        """Production's own error rate since the last look (Triton's counters)."""
+    def production() -> tuple[Kind, str] | None:
         if baseline is None:
             return None
+        now: dict[str, Scrape] = {}
         for replica in clients.replicas:
-            now = scrape(replica.endpoint.metrics, settings.http_timeout_s)
-            found = error_rate_breach(before.get(replica.name), now, model=model,
-                                      version=baseline, max_rate=max_error_rate,
-                                      where=replica.name)
-            before[replica.name] = now
-            if found:
-                return found
-        return None
+            try:
+                now[replica.name] = scrape(replica.endpoint.metrics, settings.http_timeout_s)
+            except ModelshipError as exc:
+                return ("infrastructure", f"{replica.name}'s metrics did not answer: "
+                        f"{exc.message}")
+        failures, successes = production_change(before, now, model=model, version=baseline)
+        before.update(now)
+        return judge.production(failures, successes, model=model, version=baseline)
 
-    def look() -> str | None:
-        if breach := metrics():
-            return breach
+    def probe() -> tuple[Kind, str] | None:
+        canary = clients.canary
+        if canary is None or (probe_s <= 0 or probe_rps <= 0):
+            return None
+        if "rows" not in rows_box:
+            if clients.storage is None:
+                return None
+            rows_box["rows"], _ = load_payload(
+                clients.storage, getattr(clients, "registry", None),
+                repository_prefix=settings.repository_prefix, model=model, version=version,
+                rows=rows)
+        report = _probe(canary.endpoint.grpc, model, version, baseline, rows_box["rows"],
+                        seconds=probe_s, rps=probe_rps, timeout_s=settings.http_timeout_s)
+        return judge.probe(probe_batch(report.measured_records()))
+
+    def evidence() -> tuple[Kind, str] | None:
         if baseline is not None:
             for replica in clients.replicas:
                 if not replica.is_model_ready(model, str(baseline)):
-                    return (f"{replica.name} no longer serves {model} v{baseline}, the "
-                            "baseline the canary compared against")
+                    return ("evidence", f"{replica.name} no longer serves {model} "
+                            f"v{baseline}, the baseline the canary compared against")
         if clients.storage is not None:
             digest = read_candidate_digest(clients.storage,
                                            repository_prefix=settings.repository_prefix,
                                            model=model, version=version)
             if digest.get("manifest_sha256") != candidate.get("manifest_sha256"):
-                return (f"the staged {model} v{version} changed after its canary (manifest "
-                        f"{str(digest.get('manifest_sha256'))[:12]}, canary saw "
-                        f"{str(candidate.get('manifest_sha256'))[:12]})")
+                return ("evidence", f"the staged {model} v{version} changed after its "
+                        f"canary (manifest {str(digest.get('manifest_sha256'))[:12]}, "
+                        f"canary saw {str(candidate.get('manifest_sha256'))[:12]})")
+        return None
+
+    def alive() -> tuple[Kind, str] | None:
         if clients.canary is not None:
             try:
                 clients.canary.ping()
             except ModelshipError as exc:
-                return f"the canary server stopped answering: {exc.message}"
+                return ("infrastructure", f"the canary server stopped answering: "
+                        f"{exc.message}")
         return None
 
-    def check() -> str | None:
-        found = look()
-        if found is None:
-            seen.clear()
-            return None
-        seen.append(found)
-        return found if len(seen) >= 2 else None
+    def check() -> Finding | None:
+        down = alive()
+        return judge.conclude([production(), down, None if down else probe(), evidence()])
 
     return check
 
 
-def canary_cleanup(clients: Any, model: str) -> str:
-    """Unload the model from the canary server if anything of it is still loaded there."""
+def canary_cleanup(clients: Any, model: str, *, wait_s: float = 10.0) -> str:
+    """Unload the model from the canary server if anything of it is still loaded there, and
+    wait until no version of it is left (the next canary must not race it)."""
     canary = clients.canary
     if canary is None:
         return "no canary server"
     try:
-        if not canary.is_model_ready(model):
+        loaded = [m for m in canary.repository_index() if m.get("name") == model
+                  and m.get("state") in ("READY", "LOADING", "UNLOADING")]
+        if not loaded:
             return "nothing loaded on the canary"
         canary.unload_model(model)
+        end = time.monotonic() + wait_s
+        while any(m.get("name") == model and m.get("state") in ("READY", "LOADING",
+                                                                 "UNLOADING")
+                  for m in canary.repository_index()):
+            if time.monotonic() > end:
+                return f"canary cleanup failed: {model} still loaded {wait_s:g} s after the unload"
+            time.sleep(0.1)
         return "unloaded from the canary"
     except ModelshipError as exc:
         return f"canary cleanup failed: {exc.message}"

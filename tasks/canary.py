@@ -75,6 +75,10 @@ _COMPARATIVE_METRICS = frozenset({"agreement", "throughput_ratio", "server_laten
                                   "gpu_memory_growth_pct"})
 
 
+#: ``CanaryResult.cleanup`` when ``run_canary(keep_loaded=True)`` left the versions loaded.
+KEPT_LOADED = "kept loaded"
+
+
 def _quiet(_: str) -> None:
     """The default progress sink: say nothing."""
 
@@ -751,7 +755,8 @@ def _report_dir(settings: Settings, model: str, candidate: int) -> Path:
 
 def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: str,
                candidate: int, baseline: int | None,
-               progress: Progress = _quiet, report_dir: Path | None = None) -> CanaryResult:
+               progress: Progress = _quiet, report_dir: Path | None = None,
+               keep_loaded: bool = False) -> CanaryResult:
     """Run the canary of ``candidate`` against ``baseline`` and judge it with the gates.
 
     Args:
@@ -773,7 +778,12 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     An infrastructure failure is never a gate failure: it is raised, never returned as a
     verdict. The candidate is unloaded on every path (also when the load call itself
     raised, since a timed-out load may still complete on the server), and a failed
-    cleanup is added to the error's message and ``details["cleanup"]``.
+    cleanup is added to the error's message and ``details["cleanup"]``. With
+    ``keep_loaded`` (a release that waits for an approval: the watcher keeps probing the
+    candidate), a measurement that completed leaves both versions loaded (``cleanup`` is
+    ``kept loaded``) and the caller must unload them on every path after it, this
+    function raising included (:func:`tasks.approve.canary_cleanup`); a failure before the
+    measurement completed still unloads here.
 
     Raises:
         UsageError: No canary Triton or S3 repository is configured, or baseline == candidate.
@@ -902,10 +912,14 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
             f"the canary of {model} v{candidate} broke: {type(exc).__name__}: {exc}",
             hint="the candidate was not judged; check the canary Triton and run again",
             model=model, candidate=candidate, cleanup=cleanup) from exc
-    progress(f"unloading {model} from the {where}")
-    cleanup = _unload(server, model, progress)
-    if cleanup != "unloaded":
-        notes.append(f"cleanup: {cleanup}; unload {model} from the {where} by hand")
+    if keep_loaded:
+        cleanup = KEPT_LOADED
+        progress(f"keeping {model} loaded on the {where} for the approval wait")
+    else:
+        progress(f"unloading {model} from the {where}")
+        cleanup = _unload(server, model, progress)
+        if cleanup != "unloaded":
+            notes.append(f"cleanup: {cleanup}; unload {model} from the {where} by hand")
 
     gpu = None
     if on_gpu and empty_text is not None and both_text is not None \

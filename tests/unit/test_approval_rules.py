@@ -221,21 +221,24 @@ def _scrape(success: int, failure: int) -> Any:
 
 @pytest.mark.parametrize(("before", "after", "breach"), [
     (None, (100, 50), False),  # the first look has nothing to compare
-    ((100, 0), (110, 9), False),  # 19 requests: too few to judge
+    ((100, 0), (110, 9), True),  # 9 of 19 at a 1% budget: few requests, certain evidence
     ((100, 0), (1090, 10), False),  # exactly 1%
-    ((100, 0), (1089, 11), True),  # 1.1%
+    ((100, 0), (1089, 11), False),  # 1.1%: above, but not with always-valid evidence
+    ((100, 0), (1060, 40), True),  # 4% of 1000
     ((1000, 10), (50, 40), True),  # counters reset by a reload: the after values count
     ((100, 0), (100, 0), False),  # no traffic is no breach
 ])
 def test_error_rate_breach(before: tuple[int, int] | None, after: tuple[int, int],
                            breach: bool) -> None:
+    """Production's error rule during the wait is the bake's e-process (H0: rate ≤ the
+    budget), so it can look at every scrape without a "twice in a row" crutch."""
     from tasks.approve import error_rate_breach
 
     found = error_rate_breach(_scrape(*before) if before else None, _scrape(*after),
                               model="m", version=1, max_rate=0.01, where="triton-0")
     assert (found is not None) == breach
     if found:
-        assert "m v1 on triton-0" in found
+        assert "on triton-0: production m v1 failed" in found and "1/α = 100" in found
 
 
 @pytest.mark.parametrize(("in_file", "override", "ok"), [
