@@ -10,12 +10,22 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from modelship.errors import StackError
-from modelship.loadgen import LoadSpec, Target, run_load, run_paired
+from modelship.loadgen import (
+    LoadSpec,
+    RequestFailed,
+    Target,
+    _GrpcTransport,
+    _RawGrpcTransport,
+    _transport,
+    run_load,
+    run_paired,
+)
 from modelship.stack.local_triton import LocalTriton, local_tritonserver, mlp_classifier_onnx
 from modelship.stack.triton_runtime import find_triton_runtime
 
@@ -238,3 +248,62 @@ def test_stop_event_ends_a_run_early(server: LocalTriton, payload: dict[str, np.
 
     elapsed_s, stopped = asyncio.run(scenario())
     assert stopped and elapsed_s < 3.0
+
+
+def test_raw_grpc_answers_match_tritonclient(
+    server: LocalTriton, payload: dict[str, np.ndarray]
+) -> None:
+    # gRPC load takes the raw HTTP/2 transport; every answer it keeps must be what
+    # tritonclient's own client gets for the same row from the same version.
+    import tritonclient.grpc as grpcclient
+
+    targets = [Target(server.grpc_url, MODEL, "1")]
+    spec = _fixed(concurrency=4, duration_s=0.8, warmup_s=0.0, keep_outputs=True)
+    assert isinstance(_transport(targets, payload, spec), _RawGrpcTransport)
+    report = asyncio.run(run_load([server.grpc_url], MODEL, payload, spec, version="1"))
+    assert report.errors == 0 and len(report.records) > 20, report.error_texts
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        expected = {}
+        for row in sorted({r.row for r in report.records}):
+            item = grpcclient.InferInput("input", [1, N_FEATURES], "FP32")
+            item.set_data_from_numpy(payload["input"][row : row + 1])
+            result = client.infer(MODEL, [item], model_version="1", client_timeout=5.0)
+            expected[row] = {o: result.as_numpy(o) for o in ("label", "probabilities")}
+    finally:
+        client.close()
+    for record in report.records:
+        assert record.model_version == "1" and record.outputs is not None
+        assert set(record.outputs) == {"label", "probabilities"}
+        want = expected[record.row]
+        np.testing.assert_array_equal(record.outputs["label"], want["label"])
+        assert record.outputs["probabilities"].dtype == want["probabilities"].dtype
+        # Dynamic batching may group rows differently: equal up to float rounding.
+        np.testing.assert_allclose(record.outputs["probabilities"], want["probabilities"],
+                                   rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["unknown model", "wrong shape"])
+def test_raw_grpc_errors_read_as_grpc_aio_errors(server: LocalTriton, case: str) -> None:
+    # The error texts users see (and the canary counts) do not depend on the transport.
+    model, rows = (("no_such_model", np.zeros((4, N_FEATURES), dtype=np.float32))
+                   if case == "unknown model"
+                   else (MODEL, np.zeros((4, N_FEATURES + 1), dtype=np.float32)))
+    spec = _fixed(concurrency=1)
+    targets = [Target(server.grpc_url, model)]
+
+    async def first_error(kind: Any) -> str:
+        transport = kind(targets, {"input": rows}, spec)  # channels need the running loop
+        try:
+            await transport.send(0, 0)
+        except RequestFailed as exc:
+            return str(exc)
+        finally:
+            await transport.close()
+        raise AssertionError("the request did not fail")
+
+    raw = asyncio.run(first_error(_RawGrpcTransport))
+    aio = asyncio.run(first_error(_GrpcTransport))
+    assert raw == aio
+    assert raw.startswith("NOT_FOUND" if case == "unknown model" else "INVALID_ARGUMENT"), raw
