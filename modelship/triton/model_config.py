@@ -21,7 +21,10 @@ backend), which :func:`from_live_json` and the digests account for:
 
 One staged version, two kinds of fleet (CPU stack, GPU production): **the staged config is
 rendered for the policy's declared target** (``triton.target``), and a CPU fleet serves
-its derivation :func:`for_target` ``(cfg, "cpu")``. Why this way round:
+its derivation :func:`for_target` ``(cfg, "cpu")``. Which form a server loads is decided
+where it is loaded, from the server's own metrics, by one helper
+(:func:`modelship.triton.target.render_for_servers`: the canary, the swap and its pin,
+reconcile, the trial load). Why this way round:
 
 - What serves in production is what was staged, hashed into ``release.json`` and linted at
   check time: no re-rendering at swap time from a policy file that may have changed since.
@@ -452,7 +455,9 @@ def from_live_json(obj: Mapping[str, Any]) -> ModelConfig:
     - ``platform`` when ``backend`` is set (derived from the backend);
     - ``default_model_filename`` when it is the backend's default ``model.onnx``;
     - instance group names Triton generated (``MODEL_0``, ``MODEL_1``, ...);
-    - the ``optimization`` block when it equals the one Triton fills in by default.
+    - the pinned input/output memory settings Triton fills in by default (``enable:
+      true``), and the ``optimization`` block when nothing else is left in it (a GPU
+      config keeps its execution accelerators).
 
     Raises:
         ValidationFailed: the document is not a ModelConfig.
@@ -473,8 +478,14 @@ def from_live_json(obj: Mapping[str, Any]) -> ModelConfig:
     for i, group in enumerate(cfg.instance_group):
         if group.name == f"{cfg.name}_{i}":
             group.ClearField("name")
-    if cfg.HasField("optimization") and cfg.optimization == _DEFAULT_OPTIMIZATION:
-        cfg.ClearField("optimization")
+    if cfg.HasField("optimization"):
+        # Triton's pinned-memory defaults, also next to the GPU accelerators we render, so a
+        # GPU config and its live copy digest alike
+        for name in ("input_pinned_memory", "output_pinned_memory"):
+            if getattr(cfg.optimization, name) == getattr(_DEFAULT_OPTIMIZATION, name):
+                cfg.optimization.ClearField(name)
+        if not cfg.optimization.ListFields():
+            cfg.ClearField("optimization")
     return cfg
 
 

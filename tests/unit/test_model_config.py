@@ -223,6 +223,22 @@ def test_from_live_json_keeps_non_default_choices() -> None:
     assert cfg.instance_group[0].name == "gpu_pool"
 
 
+def test_a_gpu_config_and_its_live_copy_digest_alike() -> None:
+    """Triton adds its pinned-memory defaults next to the accelerators we render: a GPU
+    fleet serving the staged config is a no-op swap, not a reload every time."""
+    cfg = render_gpu(instance_group={"count": 1, "gpus": [0]}, gpu={"accelerator": "tensorrt"})
+    live = json.loads(to_json(cfg))
+    live["optimization"].update({"priority": "PRIORITY_DEFAULT",
+                                 "input_pinned_memory": {"enable": True},
+                                 "output_pinned_memory": {"enable": True},
+                                 "gather_kernel_buffer_threshold": 0, "eager_batching": False})
+    live["instance_group"][0]["name"] = "fraud_0"
+    back = from_live_json({**live, "runtime": "model.py", "platform": "onnxruntime_onnx"})
+    assert _accelerators(back) == _accelerators(cfg) and back.model_warmup == cfg.model_warmup
+    assert serving_digest(back) == serving_digest(cfg)
+    assert config_digest(back) == config_digest(cfg)
+
+
 def test_from_live_json_rejects_garbage() -> None:
     with pytest.raises(ValidationFailed):
         from_live_json({"max_batch_size": "many"})
