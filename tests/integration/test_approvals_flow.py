@@ -3,29 +3,49 @@
 The Prefect UI form resumes a paused run without passing through the Slack endpoint, so
 the stage re-checks every input with the same rules: the requester's approval and a stale
 digest are refused and recorded, and the run pauses again until a valid approver decides.
-While it waits, a watcher that finds a breach rejects the release itself (exit 5).
+While it waits, a watcher that finds a breach rejects the release itself (exit 5). With
+approval required the candidate stays loaded on the canary Triton during the wait, the
+watcher's paired probe reaches it (Triton's inference count rises), and it is unloaded
+after an approval, a rejection or an expiry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+import pytest
 from prefect import flow
 from prefect.context import FlowRunContext
 
+from flows.check import run_check
 from model_registry.ledger import ReleaseRecord
 from modelship.approvals.server import PrefectRuns
+from modelship.clients import Clients, build_clients
 from modelship.errors import ApprovalDenied
+from modelship.policy import Policy
 from modelship.settings import Settings
 from modelship.slack.client import SlackClient
 from modelship.slack.notifier import NullNotifier, SlackNotifier
-from tasks.approve import ApprovalChannels, ApprovalRequest, approve, evidence_watch
+from tasks.approve import (
+    ApprovalChannels,
+    ApprovalRequest,
+    EvidenceJudge,
+    approve,
+    canary_cleanup,
+    evidence_watch,
+)
+from tasks.canary import KEPT_LOADED, run_canary, sequential_config
+from tasks.evidence import read_candidate_digest
 from tasks.record import ReleaseJournal
+from tests import models
 from tests.integration.test_approvals_security import BOXES, _in_thread, _wait_for
 
 DIGEST = {"model": "approve-stage", "version": 2, "onnx_sha256": "ef" * 32,
@@ -174,13 +194,18 @@ class _Clients:
         self.canary = None
 
 
-def test_the_evidence_watch_needs_a_breach_twice_in_a_row(stack_settings: Settings) -> None:
+def test_the_evidence_watch_judges_production_with_an_e_process_and_evidence_twice(
+        stack_settings: Settings) -> None:
+    """A real metrics endpoint the test moves: production within its budget never breaches,
+    a certain excess breaches at the look that shows it, and a replica that stops serving
+    the baseline is an evidence finding only on the second look in a row."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         clients = _Clients(f"http://127.0.0.1:{server.server_address[1]}/metrics")
         check = evidence_watch(stack_settings, clients, model="m", version=2, baseline=1,
-                               candidate={}, max_error_rate=0.01)
+                               candidate={}, judge=EvidenceJudge(max_error_rate=0.01,
+                                                                 alpha=0.01))
         replica, counts = clients.replicas[0], _Metrics.counts
         assert check() is None
         replica.serves = False
@@ -190,17 +215,139 @@ def test_the_evidence_watch_needs_a_breach_twice_in_a_row(stack_settings: Settin
         replica.serves = False
         assert check() is None
         found = check()
-        assert found is not None and "no longer serves m v1" in found
+        assert found is not None and found.kind == "evidence"
+        assert "no longer serves m v1" in found.reason
         replica.serves = True
         assert check() is None
-        counts["success"] += 990
-        counts["failure"] += 5  # 0.5%: within the limit
-        assert check() is None
-        for _ in range(2):  # production starts failing while the release waits
-            counts["success"] += 90
+        for _ in range(5):  # exactly at the budget, look after look
+            counts["success"] += 990
             counts["failure"] += 10
-            found = check()
-        assert found is not None and "failed 10 of 100 requests (10.0% > 1.0%)" in found
+            assert check() is None
+        counts["success"] += 60
+        counts["failure"] += 40  # production starts failing while the release waits
+        found = check()
+        assert found is not None and found.kind == "breach"
+        assert "production m v1 failed 90 of 5100 requests" in found.reason
     finally:
         server.shutdown()
         server.server_close()
+
+
+# --------------------------------------------------------------------------------------
+# the candidate stays loaded on the canary while the release waits, and is probed
+
+WATCHED = "approve_watch"
+WATCH_POLICY: dict[str, Any] = {
+    "canary": {"warmup_s": 0.5, "window_s": 1.0, "max_duration_s": 2.0, "min_samples": 20},
+    "gates": [{"name": "error_rate", "metric": "error_rate", "test": "exact_rate",
+               "max_rate": 0.05}],
+}
+
+
+@pytest.fixture(scope="module")
+def watched(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[Clients, int, int]]:
+    """Two staged versions of one model (the same sklearn model registered twice)."""
+    clients = build_clients(stack_settings)
+    uri = str(stack_settings.mlflow_tracking_uri)
+    staged = []
+    for _ in range(2):
+        version = models.register_sklearn(uri, WATCHED, seed=0)
+        report = run_check(stack_settings, clients, Policy(), model=WATCHED, version=version,
+                           workdir=tmp_path_factory.mktemp(f"watch{version}"), stage=True)
+        assert report.verdict == "passed", report
+        staged.append(version)
+    yield clients, staged[0], staged[1]
+    canary_cleanup(clients, WATCHED)
+    clients.close()
+
+
+def _loaded(clients: Clients) -> list[str]:
+    assert clients.canary is not None
+    return sorted(str(m.get("version")) for m in clients.canary.repository_index()
+                  if m.get("name") == WATCHED and m.get("state") in ("READY", "LOADING",
+                                                                      "UNLOADING"))
+
+
+def _inferences(clients: Clients, version: int) -> int:
+    """Triton's successful inference count of ``version`` on the canary."""
+    assert clients.canary is not None
+    stats = clients.canary.grpc.get_inference_statistics(
+        model_name=WATCHED, model_version=str(version), as_json=True)
+    found = stats.get("model_stats") or [{}]
+    return int(found[0].get("inference_stats", {}).get("success", {}).get("count", 0))
+
+
+@flow(name="approve-watched")
+def watched_flow(key: str, timeout_s: int) -> dict[str, Any]:
+    box = BOXES[key]
+    context = FlowRunContext.get()
+    assert context is not None and context.flow_run is not None
+    box["id"] = str(context.flow_run.id)
+    record = ReleaseRecord.start("promote", WATCHED, requester="U0CAROL")
+    record.holder["flow_run_id"] = box["id"]
+    record.candidate = {**box["digest"], "canary_report_id": "canary-w"}
+    journal = ReleaseJournal(record, None, NullNotifier())
+    journal.open()
+    box["record"] = record
+    request = ApprovalRequest(required=True, approvers=("U0ALICE",), requester="U0CAROL",
+                              timeout_s=timeout_s)
+    channels = ApprovalChannels(notifier=None, resume=box["runs"].resume,
+                                watch=box["watch"], watch_interval_s=0.5,
+                                cleanup=box["cleanup"])
+    try:
+        return approve(request, journal, channels, model=WATCHED, version=box["version"])
+    except ApprovalDenied as exc:
+        return {"denied": exc.message, "exit_code": exc.exit_code}
+
+
+@pytest.mark.parametrize("outcome", ["approve", "reject", "expire"])
+def test_the_candidate_stays_loaded_and_probed_while_waiting_then_is_unloaded(
+        stack_settings: Settings, watched: tuple[Clients, int, int], tmp_path: Path,
+        outcome: str) -> None:
+    clients, baseline, candidate = watched
+    policy = Policy.model_validate(WATCH_POLICY)
+    result = run_canary(stack_settings, clients, policy, model=WATCHED, candidate=candidate,
+                        baseline=baseline, report_dir=tmp_path / "report", keep_loaded=True)
+    assert result.cleanup == KEPT_LOADED
+    assert _loaded(clients) == sorted([str(baseline), str(candidate)])
+    assert clients.storage is not None
+    digest = read_candidate_digest(clients.storage,
+                                   repository_prefix=stack_settings.repository_prefix,
+                                   model=WATCHED, version=candidate)
+    # The replicas do not serve this model: the watch looks at the canary only.
+    canary_only = dataclasses.replace(clients, replicas=[])
+    runs = PrefectRuns(stack_settings.prefect_api_url)
+    box: dict[str, Any] = {
+        "runs": runs, "digest": digest, "version": candidate,
+        "watch": evidence_watch(stack_settings, canary_only, model=WATCHED, version=candidate,
+                                baseline=baseline, candidate=digest, rows=16, probe_s=0.5,
+                                judge=EvidenceJudge(sequential_config(policy.gates))),
+        "cleanup": lambda: canary_cleanup(clients, WATCHED)}
+    before = _inferences(clients, candidate)
+    thread = _in_thread(watched_flow, box, str(stack_settings.prefect_api_url),
+                        8 if outcome == "expire" else 120)
+    try:
+        _wait_for(lambda: "id" in box and runs.state(box["id"]) == "PAUSED", 60, "the pause")
+        _wait_for(lambda: _inferences(clients, candidate) >= before + 10, 30,
+                  "probe traffic to the candidate on the canary")
+        assert _loaded(clients) == sorted([str(baseline), str(candidate)])
+        if outcome != "expire":
+            runs.resume(box["id"], {"release_id": box["record"].id, "channel": "prefect-ui",
+                                    "digest": {k: box["record"].candidate[k] for k in (
+                                        "model", "version", "onnx_sha256",
+                                        "canary_report_id")},
+                                    "decision": outcome, "user": "U0ALICE"})
+        thread.join(60)
+    finally:
+        if thread.is_alive():
+            runs.resume(box["id"], {"decision": "reject", "user": "cleanup",
+                                    "release_id": "x", "digest": {}})
+            thread.join(10)
+    assert "error" not in box, box.get("error")
+    pending = box["record"].approvals[0]
+    expected = {"approve": "approved", "reject": "rejected", "expire": "expired"}[outcome]
+    assert pending["status"] == expected, box["result"]
+    assert pending["cleanup"] == "unloaded from the canary"
+    assert _loaded(clients) == []
+    assert box["record"].approvals[0].get("decided_by") in ("U0ALICE", None)
