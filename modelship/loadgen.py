@@ -606,6 +606,8 @@ _H2_DEFAULT_WINDOW = 65_535
 _H2_DEFAULT_FRAME = 16_384
 #: Stream ids are 31-bit and never reused; a connection past this opens a successor.
 _H2_LAST_STREAM_ID = 2**30
+#: Decoded header blocks kept per connection (a gRPC answer has two distinct ones).
+_HPACK_CACHE_BLOCKS = 64
 #: Largest gRPC message the raw transport sends (one DATA frame within HTTP/2's default
 #: window and frame size); larger requests go through grpc.aio.
 RAW_GRPC_MAX_MESSAGE_BYTES = _H2_DEFAULT_FRAME - 5
@@ -899,6 +901,8 @@ class _H2Connection(asyncio.Protocol):
                     self.transport.close()
                 return
             if all(b >= 0x80 and b != 0xFF for b in block):
+                if len(self._decoded) >= _HPACK_CACHE_BLOCKS:
+                    self._decoded.clear()
                 self._decoded[block] = fields
             else:
                 self._decoded.clear()
