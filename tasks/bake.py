@@ -397,8 +397,10 @@ def watch(replicas: Sequence[TritonServer], *, model: str, version: int,
                                 timeout_s=timeout_s)
         windows.append(window)
         latency = "-" if window.server_us is None else f"{window.server_us:.0f} µs"
+        probe = (f", probe p50 {float(np.median(window.latencies_ms)):.2f} ms"
+                 if window.latencies_ms else "")
         progress(f"bake window {index + 1}/{count}: {window.requests} ok, {window.errors} "
-                 f"failed, server-side {latency}")
+                 f"failed, server-side {latency}{probe}")
         verdict = judge_windows(windows, baseline, policy)
         if verdict.outcome != "passed":
             return BakeReport(verdict, baseline, windows, time.monotonic() - started)

@@ -29,15 +29,17 @@ from flows.check import run_check
 from model_registry.ledger import ReleaseRecord
 from modelship.approvals.server import PrefectRuns
 from modelship.clients import Clients, build_clients
-from modelship.errors import ApprovalDenied
+from modelship.errors import ModelshipError
 from modelship.policy import Policy
 from modelship.settings import Settings
 from modelship.slack.client import SlackClient
 from modelship.slack.notifier import NullNotifier, SlackNotifier
 from tasks.approve import (
+    WATCHER,
     ApprovalChannels,
     ApprovalRequest,
     EvidenceJudge,
+    Finding,
     approve,
     canary_cleanup,
     evidence_watch,
@@ -72,7 +74,7 @@ def approve_flow(key: str, timeout_s: int) -> dict[str, Any]:
                                 cleanup=lambda: "nothing loaded on the canary")
     try:
         return approve(request, journal, channels, model="approve-stage", version=2)
-    except ApprovalDenied as exc:
+    except ModelshipError as exc:
         return {"denied": exc.message, "exit_code": exc.exit_code}
 
 
@@ -297,11 +299,11 @@ def watched_flow(key: str, timeout_s: int) -> dict[str, Any]:
                                 cleanup=box["cleanup"])
     try:
         return approve(request, journal, channels, model=WATCHED, version=box["version"])
-    except ApprovalDenied as exc:
+    except ModelshipError as exc:
         return {"denied": exc.message, "exit_code": exc.exit_code}
 
 
-@pytest.mark.parametrize("outcome", ["approve", "reject", "expire"])
+@pytest.mark.parametrize("outcome", ["approve", "reject", "expire", "canary_lost"])
 def test_the_candidate_stays_loaded_and_probed_while_waiting_then_is_unloaded(
         stack_settings: Settings, watched: tuple[Clients, int, int], tmp_path: Path,
         outcome: str) -> None:
@@ -332,7 +334,9 @@ def test_the_candidate_stays_loaded_and_probed_while_waiting_then_is_unloaded(
         _wait_for(lambda: _inferences(clients, candidate) >= before + 10, 30,
                   "probe traffic to the candidate on the canary")
         assert _loaded(clients) == sorted([str(baseline), str(candidate)])
-        if outcome != "expire":
+        if outcome == "canary_lost":  # the canary stops serving it: nothing answers
+            assert canary_cleanup(clients, WATCHED) == "unloaded from the canary"
+        elif outcome != "expire":
             runs.resume(box["id"], {"release_id": box["record"].id, "channel": "prefect-ui",
                                     "digest": {k: box["record"].candidate[k] for k in (
                                         "model", "version", "onnx_sha256",
@@ -346,8 +350,67 @@ def test_the_candidate_stays_loaded_and_probed_while_waiting_then_is_unloaded(
             thread.join(10)
     assert "error" not in box, box.get("error")
     pending = box["record"].approvals[0]
-    expected = {"approve": "approved", "reject": "rejected", "expire": "expired"}[outcome]
+    expected = {"approve": "approved", "reject": "rejected", "expire": "expired",
+                "canary_lost": "rejected"}[outcome]
     assert pending["status"] == expected, box["result"]
-    assert pending["cleanup"] == "unloaded from the canary"
     assert _loaded(clients) == []
-    assert box["record"].approvals[0].get("decided_by") in ("U0ALICE", None)
+    if outcome == "canary_lost":
+        # An unanswering canary is infrastructure (exit 1), never a gate breach (exit 5).
+        assert box["result"]["exit_code"] == 1, box["result"]
+        assert pending["decided_by"] == WATCHER
+        assert pending["reason"].startswith("infrastructure: none of the")
+        assert pending["cleanup"] == "nothing loaded on the canary"
+        return
+    assert pending["cleanup"] == "unloaded from the canary"
+    assert pending.get("decided_by") in ("U0ALICE", None)
+    assert box["result"].get("exit_code", 0) == (0 if outcome == "approve" else 5)
+
+
+def test_an_infrastructure_finding_fails_the_release_not_the_candidate(
+        stack_settings: Settings) -> None:
+    runs = PrefectRuns(stack_settings.prefect_api_url)
+
+    def watch() -> Finding:
+        return Finding("infrastructure", "the canary server stopped answering: refused")
+
+    box: dict[str, Any] = {"runs": runs, "watch": watch}
+    thread = _in_thread(approve_flow, box, str(stack_settings.prefect_api_url), 120)
+    thread.join(60)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    assert box["result"]["exit_code"] == 1 and "stopped answering" in box["result"]["denied"]
+    pending = box["record"].approvals[0]
+    assert (pending["status"], pending["decided_by"]) == ("rejected", "modelship-watcher")
+    assert pending["cleanup"] == "nothing loaded on the canary"
+
+
+def test_the_bake_probe_records_per_request_latencies_on_a_real_triton(
+        stack_settings: Settings, watched: tuple[Clients, int, int], tmp_path: Path) -> None:
+    """The bake's window (tasks/bake.py measure_window) keeps each answered probe
+    request's client latency, the samples of the always-valid latency rules, next to
+    Triton's server-side mean; two windows of the same version judge as passed."""
+    from modelship.policy import BakePolicy
+    from tasks.bake import judge_windows, measure_window
+    from tasks.payload import load_payload
+
+    clients, baseline, candidate = watched
+    policy = Policy.model_validate(WATCH_POLICY)
+    run_canary(stack_settings, clients, policy, model=WATCHED, candidate=candidate,
+               baseline=baseline, report_dir=tmp_path / "report", keep_loaded=True)
+    try:
+        assert clients.canary is not None and clients.storage is not None
+        payload, _ = load_payload(clients.storage, clients.registry,
+                                  repository_prefix=stack_settings.repository_prefix,
+                                  model=WATCHED, version=candidate, rows=16)
+        bake = BakePolicy(probe_rps=40, alpha=0.01, max_latency_increase_pct=200)  # busy box
+        windows = [measure_window([clients.canary], index=i, model=WATCHED,
+                                  version=candidate, payload=payload, policy=bake,
+                                  seconds=1.0, timeout_s=stack_settings.http_timeout_s)
+                   for i in (-1, 0)]
+    finally:
+        assert canary_cleanup(clients, WATCHED) == "unloaded from the canary"
+    for window in windows:
+        assert len(window.latencies_ms) >= 20 and min(window.latencies_ms) > 0
+        assert window.server_us is not None and window.server_us > 0
+        assert window.to_dict()["probe_ms"]["answered"] == len(window.latencies_ms)
+    verdict = judge_windows(windows[1:], windows[0], bake)
+    assert verdict.outcome == "passed", verdict.reason
