@@ -13,9 +13,13 @@ The run, in order, all inside one ``try`` whose ``finally`` unloads the canary m
    every version is READY.
 2. **Warm up** for ``canary.warmup_s`` (records discarded), then **scrape** Triton's
    metrics, so the server-side figures cover exactly the measured load.
-3. **Measure** in rounds: the first runs until the windows are stable (or the budget ends);
-   later rounds are sized from the observed throughput until each arm has the sample size
-   the gates need (:func:`tasks.gates.plan_samples`, floored at ``canary.min_samples``) or
+3. **Measure** in rounds: the first runs until the windows are stable, for at most
+   ``_STABILITY_SHARE`` of the budget (a stable round keeps only its stable windows, so a
+   round that settled late on a busy machine threw most of its samples away and left too
+   little time to collect them again: the gates came back inconclusive; a round that ends
+   unstable keeps everything after the warm-up, paired like the rest); later rounds are
+   sized from the observed throughput until each arm has the sample size the gates need
+   (:func:`tasks.gates.plan_samples`, floored at ``canary.min_samples``) or
    ``canary.max_duration_s`` (warm-up included) is spent. Too few samples is not hidden:
    the gates then say inconclusive.
 4. **Scrape** again; per-version deltas give the mean queue and compute µs per request
@@ -69,6 +73,8 @@ _READY_POLL_S = 0.2
 _UNLOAD_WAIT_S = 15.0
 _BUSY_STATES = frozenset({"READY", "LOADING", "UNLOADING"})
 _MIN_ROUND_S = 0.5
+#: The share of the remaining budget the stability round may use (at least 4 windows).
+_STABILITY_SHARE = 0.4
 _ROUND_MARGIN = 1.2
 _SCRAPE_PERIOD_S = 1.0
 _COMPARATIVE_METRICS = frozenset({"agreement", "throughput_ratio", "server_latency_ratio",
@@ -463,7 +469,9 @@ def _measure(url: str, model: str, candidate: int, baseline: int | None,
         elif first:
             if remaining_s < min(spec.window_s, _MIN_ROUND_S):
                 break
-            round_spec = replace(spec, max_duration_s=max(remaining_s, _MIN_ROUND_S))
+            cap_s = max(_STABILITY_SHARE * remaining_s, spec.warmup_s + 4 * spec.window_s)
+            round_spec = replace(spec, max_duration_s=max(min(remaining_s, cap_s),
+                                                          _MIN_ROUND_S))
         else:
             ok = _ok_by_arm(out.records, paired)
             missing = out.required - min(ok.values())
