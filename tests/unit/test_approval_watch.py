@@ -225,3 +225,28 @@ class _Clients:
 def test_canary_cleanup(canary: _Canary | None, says: str, unloads: int) -> None:
     assert canary_cleanup(_Clients(canary), "m", wait_s=0.2).startswith(says)
     assert (canary.unloads if canary else 0) == unloads
+
+
+class _Journal:
+    def __init__(self) -> None:
+        self.record = type("Record", (), {"model": "m"})()
+        self.notes: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+@pytest.mark.parametrize(("keep", "unloads"), [(True, 1), (False, 0)])
+def test_promote_unloads_a_kept_canary_when_anything_fails_before_the_wait(
+        keep: bool, unloads: int) -> None:
+    """flows/promote.py: failed gates (or any error) after a canary that kept the
+    candidate loaded for the approval wait still unload it; nothing is touched otherwise."""
+    from flows.promote import _unload_kept_canary
+
+    canary, journal = _Canary(loaded=True), _Journal()
+    with pytest.raises(RuntimeError), \
+            _unload_kept_canary(_Clients(canary), journal, keep=keep):  # type: ignore[arg-type]
+        raise RuntimeError("the gates stopped m v2")
+    assert canary.unloads == unloads
+    assert journal.notes == (["canary kept for the approval wait: unloaded from the canary"]
+                             if keep else [])
