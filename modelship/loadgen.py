@@ -991,7 +991,10 @@ class _RawGrpcTransport:
         return conn
 
     async def send(self, target: int, request: int) -> tuple[str, dict[str, np.ndarray] | None]:
-        conn = await self._connection(self._addresses[target])
+        address = self._addresses[target]
+        conn = self._connections.get(address)
+        if conn is None or conn.closed:
+            conn = await self._connection(address)
         message, _ = await conn.call(
             self._blocks[target], self._requests.get(target, request), self._timeout_s)
         if len(message) < 5:
