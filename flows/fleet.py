@@ -11,6 +11,10 @@ Every path that changes the fleet keeps MLflow true and leaves a ledger record:
   ``production`` alias **first**, swaps back, and puts the alias back on any failure.
 - A fleet left mixed by a crashed coordinator is converged by ``swap --to V`` and
   ``rollback``: the plan says so.
+- The GPU headroom preflight of ``swap`` and ``rollback`` uses the footprint the target's
+  canary measured, read from the ledger when the staged digest matches
+  (:func:`tasks.swap.recorded_footprint`), else the estimate; ``footprint`` in the output
+  says which.
 """
 
 from __future__ import annotations
