@@ -59,6 +59,11 @@ def train_and_register(tracking_uri: str, *, name: str, strength: float, seed: i
     return int(info.registered_model_version)
 
 
+def _shown(version: int | None) -> str:
+    """A version as the table shows it; a first release comes from nothing."""
+    return "(none)" if version is None else f"v{version}"
+
+
 def _quiet_libraries() -> None:
     """The demo's terminal tells the story: no third-party INFO lines or warnings."""
     for name in ("mlflow", "alembic", "urllib3", "botocore", "great_expectations", "httpx"):
@@ -154,7 +159,7 @@ def demo(as_json: JsonOpt = False) -> None:
     """The whole story on the embedded stack: release v1, then a better v2 via promote."""
 
     def render(doc: dict[str, Any]) -> str:
-        rows = [(r["id"], f"v{r['from_version']} -> v{r['to_version']}", r["status"],
+        rows = [(r["id"], f"{_shown(r['from_version'])} -> v{r['to_version']}", r["status"],
                  " ".join(s["name"] for s in r["stages"])) for r in doc["releases"]]
         look = doc["look"]
         return (table(["release", "versions", "status", "stages"], rows)
