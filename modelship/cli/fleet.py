@@ -105,7 +105,9 @@ def status(model: ModelArg, as_json: JsonOpt = False) -> None:
                          f"-> v{last['to_version']}: {last['status']}")
         if doc.get("registry_error"):
             lines.append(f"registry: {doc['registry_error']}")
-        if not doc["consistent"]:
+        if _never_deployed(doc):
+            lines.append(f"next: `modelship promote {model} --version V` releases it")
+        elif not doc["consistent"]:
             lines.append(f"next: `modelship rollback {model}` or `modelship swap {model} --to V`"
                          " converges the replicas")
         return "\n".join(lines)
@@ -113,7 +115,14 @@ def status(model: ModelArg, as_json: JsonOpt = False) -> None:
     finish(run_reporting(
         lambda: with_clients(lambda _s, clients: fleet.status(clients, model=model)),
         as_json=as_json, render=render, to_json=lambda d: d,
-        exit_code=lambda d: 0 if d["consistent"] else 1))
+        exit_code=lambda d: 0 if d["consistent"] or _never_deployed(d) else 1))
+
+
+def _never_deployed(doc: dict[str, Any]) -> bool:
+    """Every replica answered and none serves the model: nothing to converge (exit 0)."""
+    replicas = doc.get("replicas") or []
+    return bool(replicas) and not doc.get("served") and all(
+        "error" not in r and not r.get("ready_versions") for r in replicas)
 
 
 @app.command("load")

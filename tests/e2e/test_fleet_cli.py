@@ -208,3 +208,13 @@ def test_canary_cli_judges_against_production_and_writes_the_report(
 
     same = run_cli("canary", MODEL, "--version", str(v1), "--json", home=stack_settings.home)
     assert same.returncode == 0 and json.loads(same.stdout)["verdict"] == "noop"
+
+
+def test_status_of_a_model_never_deployed_is_not_an_error(stack_settings: Settings) -> None:
+    """Every replica answers and none serves it: nothing to converge, exit 0, and the next
+    step is a promotion (not a rollback)."""
+    doc = _json("status", "cli-never-deployed", settings=stack_settings, code=0)
+    assert (doc["served"], doc["production_version"]) == (False, None)
+    assert doc["replicas"] and all(not r["ready_versions"] for r in doc["replicas"])
+    shown = run_cli("status", "cli-never-deployed", home=stack_settings.home)
+    assert shown.returncode == 0 and "modelship promote cli-never-deployed" in shown.stdout
