@@ -286,3 +286,29 @@ async def test_unreachable_server_is_a_failed_request() -> None:
     with pytest.raises(RequestFailed, match="^UNAVAILABLE"):
         await transport.send(0, 0)
     await transport.close()
+
+
+@in_event_loop
+async def test_each_open_call_fails_at_its_own_deadline() -> None:
+    # Calls share one watchdog per connection; each must still end at its own deadline.
+    loop = asyncio.get_running_loop()
+    async with h2_server(no_answer) as (url, seen):
+        transport = _transport(url, timeout_s=0.3)
+
+        async def timed(delay_s: float, index: int) -> float:
+            await asyncio.sleep(delay_s)
+            started = loop.time()
+            with pytest.raises(RequestFailed, match="^DEADLINE_EXCEEDED: no answer within 0.3 s"):
+                await transport.send(0, index)
+            return loop.time() - started
+
+        try:
+            elapsed = await asyncio.gather(*[timed(0.1 * i, i) for i in range(3)])
+            for _ in range(50):
+                if len(seen.resets) == 3:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await transport.close()
+    assert all(0.28 <= e <= 0.45 for e in elapsed), elapsed
+    assert sorted(seen.resets) == [1, 3, 5]
