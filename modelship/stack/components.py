@@ -174,11 +174,18 @@ def webhooks_command(*, port: int, state_file: Path) -> list[str]:
     ]
 
 
+#: The receiver registers its webhook in a loop of its own (one try a second while MLflow
+#: boots); MLflow's client would otherwise retry one refused call with backoff for minutes,
+#: past the stack's readiness deadline, on a busy machine.
+WEBHOOKS_MLFLOW_CLIENT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
 def webhooks_env(base: Mapping[str, str], *, home: Path) -> dict[str, str]:
     """It reads Prefect, MLflow and the webhook secret from the stack file."""
     env = {k: v for k, v in base.items()
            if not k.startswith(("MODELSHIP_", "PREFECT_API_", "AWS_", "MLFLOW_"))}
-    return {**env, **QUIET_TELEMETRY, "MODELSHIP_HOME": str(home)}
+    return {**env, **QUIET_TELEMETRY, **WEBHOOKS_MLFLOW_CLIENT, "MODELSHIP_HOME": str(home)}
 
 
 def endpoint_urls(http_port: int, grpc_port: int, metrics_port: int) -> dict[str, str]:
