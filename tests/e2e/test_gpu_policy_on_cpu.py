@@ -4,7 +4,7 @@ The staged version is the GPU config the policy asks for (KIND_GPU on device 0, 
 with its precision and workspace, warmup); the canary, the swap, the production pin and
 reconcile load its CPU form, so the release succeeds on CPU servers, `status` shows the
 fleet consistent, reconcile changes nothing and a second swap to the same version is a
-no-op.
+no-op. A pin left in the GPU form is rendered by reconcile too.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from modelship.clients import build_clients
 from modelship.settings import Settings
+from modelship.signing import key_bytes
 from modelship.triton.model_config import (
     ModelConfig,
     config_digest,
@@ -27,6 +28,7 @@ from modelship.triton.model_config import (
     serving_digest,
     with_versions,
 )
+from tasks.swap import _write_model_config
 from tests import models
 from tests.conftest import run_cli
 
@@ -127,3 +129,22 @@ def test_a_gpu_policy_stages_the_gpu_config_and_releases_its_cpu_form_on_the_cpu
     again = _cli(stack_settings, "swap", MODEL, "--to", str(v2), "--policy", policy)
     assert again["kind"] == "noop" and again["phases"] == []
     assert again["footprint"]["source"] == "estimate"
+
+    # A pin in the staged GPU form (as written before issue 13) and a replica that lost the
+    # model: reconcile renders the pin for the CPU fleet, reloads only that replica, and
+    # the fleet ends consistent on the CPU form.
+    clients = build_clients(stack_settings)
+    try:
+        assert clients.storage is not None
+        _write_model_config(clients.storage, model=MODEL, config=with_versions(staged_v2, [v2]),
+                            repository_prefix=stack_settings.repository_prefix,
+                            signing_key=key_bytes(stack_settings.manifest_signing_key))
+        clients.replicas[1].unload_model(MODEL)
+        healed = _cli(stack_settings, "reconcile", MODEL)
+        assert healed["ok"] and healed["changed"] == 1
+        assert [r["action"] for r in healed["models"][0]["replicas"]] == ["ok", "load"]
+        live = [from_live_json(r.model_config(MODEL)) for r in clients.replicas]
+    finally:
+        clients.close()
+    assert {serving_digest(c) for c in live} == {serving_digest(for_target(staged_v2, "cpu"))}
+    assert _cli(stack_settings, "status", MODEL)["consistent"]
