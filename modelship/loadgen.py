@@ -33,10 +33,10 @@ shared with the server under test.
   (:class:`_HttpConnection`); aiohttp only for ``https://``. The whole request is one byte
   string from ``tritonclient.http.InferenceServerClient.generate_request_body``.
 
-Measured client CPU per request (``bench/loadgen``, 2 busy cores, concurrency 16 / 1):
-raw gRPC ≈ 65 / 195 µs against grpc.aio's ≈ 225 / 535 µs; raw HTTP ≈ 85 / 265 µs against
-aiohttp's ≈ 305 / 740 µs. Every call has a timeout (``timeout_s``), sent to the server
-too (``grpc-timeout``).
+Measured client CPU per request (``bench/loadgen``, interleaved A/B medians, 2 busy
+cores, concurrency 16 / 1): raw gRPC ≈ 55-67 / 180-240 µs against grpc.aio's ≈ 190-260 /
+460-670 µs; raw HTTP ≈ 105-120 / 225-275 µs against aiohttp's ≈ 355-460 / 675-1000 µs.
+Every call has a timeout (``timeout_s``), sent to the server too (``grpc-timeout``).
 
 Throughput counts answered (ok) requests per second, and latency percentiles are over
 answered requests; errors are counted separately. A summary with no answered request has
