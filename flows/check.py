@@ -175,8 +175,10 @@ def run_check(
 
     with _stage(report, "validate", progress) as entry:
         graph = exported.spec
-        # Staged: the policy target's config (KIND_GPU on the fleet); trial-loaded here: its
-        # CPU form. Both are rendered and linted (tasks/validate.py, issue 13).
+        # Staged: the policy target's config (KIND_GPU on the fleet). Both it and its CPU form
+        # are rendered and linted (tasks/validate.py, issue 13); the contract is checked on
+        # the CPU form, and the trial load renders the staged one for the canary it runs on
+        # (modelship.triton.target), as the canary and the swap do.
         rendered = validate.render_checked_configs(
             graph, policy, versions=[resolved.version],
             golden=export.golden_feed(golden, graph, resolved.signature))
@@ -210,7 +212,7 @@ def run_check(
         inference = TritonInference(canary.endpoint.http, timeout_s=settings.http_timeout_s)
         try:
             trial = trial_load.trial_load(canary, inference, model=model,
-                                          version=resolved.version, config=config,
+                                          version=resolved.version, config=rendered.staged,
                                           files=exported.files, feed=feed,
                                           parity=policy.export.parity)
         finally:
