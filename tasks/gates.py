@@ -356,12 +356,22 @@ def _judge_threshold(snapshot: CanarySnapshot, rule: GateRule, min_samples: int)
     shown = _fmt(rule.metric, value)
     if rule.min is not None and value < rule.min:
         return result(Verdict.FAILED, f"{rule.name}: {rule.metric} of {_arm_name(snapshot)} "
-                      f"is {shown}, below the minimum {_fmt(rule.metric, rule.min)}")
+                      f"is {shown}, below the minimum {_fmt(rule.metric, rule.min)}"
+                      + (_agreement_hint(snapshot) if rule.metric == "agreement" else ""))
     if rule.max is not None and value > rule.max:
         return result(Verdict.FAILED, f"{rule.name}: {rule.metric} of {_arm_name(snapshot)} "
                       f"is {shown}, above the maximum {_fmt(rule.metric, rule.max)}")
     return result(Verdict.PASSED, f"{rule.name}: {rule.metric} of {_arm_name(snapshot)} is "
                   f"{shown}, within {bound}")
+
+
+def _agreement_hint(snapshot: CanarySnapshot) -> str:
+    """How the rows were compared, and what to change when a retrain disagrees on purpose."""
+    how = ("same top-1 label" if snapshot.agreement_kind == "classifier" else
+           "values within canary.agreement.regressor_rel_tol/abs_tol of the baseline's")
+    return (f" (compared as a {snapshot.agreement_kind}: {how}; if the new version is meant "
+            "to answer differently, lower this rule's min or widen canary.agreement in the "
+            "policy)")
 
 
 def _latency_prologue(snapshot: CanarySnapshot, rule: GateRule, test: str, min_samples: int

@@ -138,6 +138,9 @@ def test_threshold(bounds: dict[str, Any], snapshot: CanarySnapshot, min_samples
 def test_threshold_message_names_the_value_the_bound_and_the_cause() -> None:
     failed = judge(snap(agreement=0.95), rule(**AGREE), min_samples=1)
     assert "95%" in failed.message and "98%" in failed.message and "fraud/7" in failed.message
+    # how the rows were compared, and the policy keys to change for an intended difference
+    assert "compared as a classifier: same top-1 label" in failed.message
+    assert "canary.agreement" in failed.message
     empty = judge(snap(arm(7, np.array([]), requests=0, queue=1.0)), rule(**QUEUE_MAX),
                   min_samples=1)
     assert "no requests reached fraud/7 in the last 30 s" in empty.message
