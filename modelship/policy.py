@@ -409,7 +409,9 @@ class OutputChecks(_Section):
     sum_tolerance: float = Field(
         default=1e-3,
         ge=0,
-        description="Allowed |sum - 1| of each probability row. Float ≥ 0. Default 1e-3.",
+        description="Allowed |sum - 1| of each probability row, and how far a probability "
+        "may lie outside [0, 1] (float32 rounding: tree ensembles exported to ONNX answer "
+        "-3.6e-07). Float ≥ 0. Default 1e-3.",
     )
 
 

@@ -215,6 +215,18 @@ def test_probabilities_above_one_fail(tmp_path: Path) -> None:
     assert {f["policy_key"] for f in result.failures} == {"validation.outputs.probabilities"}
 
 
+def test_float_rounding_just_outside_zero_and_one_passes(tmp_path: Path) -> None:
+    """A random forest exported to ONNX answers -3.6e-07 for a class it never predicts."""
+    arrays = classifier()
+    arrays["probabilities"][0] = [np.float32(-3.5762787e-07), np.float32(1.0000004)]
+    assert outputs(arrays, tmp_path).success
+    arrays["probabilities"][0] = [-0.01, 1.01]  # beyond the tolerance (1e-3): a real defect
+    assert sorted(failed(outputs(arrays, tmp_path))) == [
+        ("expect_column_values_to_be_between", "probabilities[0]"),
+        ("expect_column_values_to_be_between", "probabilities[1]"),
+    ]
+
+
 def test_rows_not_summing_to_one_fail(tmp_path: Path) -> None:
     arrays = classifier()
     arrays["probabilities"][4] = [0.5, 0.6]
