@@ -30,6 +30,7 @@ class TritonServer:
     Attributes:
         target: ``cpu`` or ``gpu`` once :func:`modelship.triton.target.detect_targets`
             read it from the server's metrics; None until then.
+        gpu_count: How many GPUs those metrics show (0 on a CPU server); None until read.
     """
 
     def __init__(
@@ -41,6 +42,7 @@ class TritonServer:
         self.control_timeout_s = control_timeout_s
         self._grpc: grpcclient.InferenceServerClient | None = None
         self.target: Target | None = None
+        self.gpu_count: int | None = None
 
     @property
     def grpc(self) -> grpcclient.InferenceServerClient:

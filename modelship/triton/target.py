@@ -14,6 +14,11 @@ swap and its production pin, reconcile, the trial load) goes through
   with both kinds has no single form, so it is refused before anything changes.
 - :func:`~modelship.triton.model_config.for_target` (pure) derives the CPU form from a GPU
   config; a CPU config is served as is on any fleet.
+- :func:`with_visible_gpus` (pure): on a GPU fleet whose servers all show the same number
+  of GPUs, a ``KIND_GPU`` group that names no ``gpus`` gets them all, explicitly. Triton
+  fills an empty list in the same way when it loads the model, so the live config would
+  otherwise never digest like the one loaded: a no-op swap would reload and reconcile would
+  reload it every round.
 - :func:`detect_targets` is the only I/O: one metrics scrape per server, cached on the
   :class:`~modelship.triton.client.TritonServer` (``server.target``) once it succeeded, so
   a reconcile watch does not scrape every round. Callers that already scraped the metrics
@@ -36,11 +41,11 @@ from tritonclient.grpc import model_config_pb2
 from modelship.errors import ModelshipError, PreflightError
 from modelship.policy import Target
 from modelship.triton.client import TritonServer
-from modelship.triton.gpu import fleet_target
+from modelship.triton.gpu import fleet_target, parse_gpu_metrics
 from modelship.triton.model_config import ModelConfig, for_target
 
 __all__ = ["FleetTarget", "decide_target", "detect_targets", "render_for_servers",
-           "staged_target"]
+           "staged_target", "with_visible_gpus"]
 
 TargetSource = Literal["detected", "staged"]
 
@@ -130,6 +135,7 @@ def detect_targets(servers: Sequence[TritonServer], *, timeout_s: float,
         if text is None:
             return None
         server.target = fleet_target(text)
+        server.gpu_count = len(parse_gpu_metrics(text)) if server.target == "gpu" else 0
         return server.target
 
     with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
@@ -152,4 +158,19 @@ def render_for_servers(staged: ModelConfig, servers: Sequence[TritonServer], *,
     """
     fleet = decide_target(detect_targets(servers, timeout_s=timeout_s, texts=texts),
                           staged=staged, what=staged.name or "model")
-    return for_target(staged, fleet.target), fleet
+    config = for_target(staged, fleet.target)
+    counts = {s.gpu_count for s in servers if s.target == "gpu" and s.gpu_count}
+    if fleet.target == "gpu" and len(counts) == 1:
+        config = with_visible_gpus(config, counts.pop())
+    return config, fleet
+
+
+def with_visible_gpus(cfg: ModelConfig, count: int) -> ModelConfig:
+    """``cfg`` with every ``KIND_GPU`` group that names no ``gpus`` on GPUs ``0..count-1``,
+    as Triton places it (pure; a copy; groups that name their GPUs are kept)."""
+    out = ModelConfig()
+    out.CopyFrom(cfg)
+    for group in out.instance_group:
+        if group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU and not group.gpus:
+            group.gpus.extend(range(count))
+    return out

@@ -17,6 +17,7 @@ from modelship.errors import PreflightError
 from modelship.policy import Target, TritonPolicy
 from modelship.settings import TritonEndpoint
 from modelship.triton.client import TritonServer
+from modelship.triton.gpu import parse_gpu_metrics
 from modelship.triton.model_config import (
     ModelSpec,
     TensorSpec,
@@ -28,7 +29,13 @@ from modelship.triton.model_config import (
     with_versions,
 )
 from modelship.triton.swap_plan import ReplicaView, plan_swap
-from modelship.triton.target import decide_target, detect_targets, render_for_servers, staged_target
+from modelship.triton.target import (
+    decide_target,
+    detect_targets,
+    render_for_servers,
+    staged_target,
+    with_visible_gpus,
+)
 from tasks.reconcile import Pin, plan_reconcile
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "triton_gpu_metrics"
@@ -213,3 +220,29 @@ def test_render_for_a_cpu_server_gives_the_cpu_form_and_says_how(
     with pytest.raises(PreflightError):
         render_for_servers(STAGED_GPU, [_server("g", gpu.url), _server("c", cpu.url)],
                            timeout_s=2)
+
+
+def _gpu_groups(cfg: pb.ModelConfig) -> list[list[int]]:
+    return [list(g.gpus) for g in cfg.instance_group if g.kind == pb.ModelInstanceGroup.KIND_GPU]
+
+
+def test_groups_without_gpus_get_every_visible_gpu_as_triton_places_them() -> None:
+    all_gpus = render_model_config(SPEC, TritonPolicy.model_validate(
+        {"target": "gpu", "instance_group": {"count": 2}}), versions=[4])
+    assert _gpu_groups(all_gpus) == [[]]
+    assert _gpu_groups(with_visible_gpus(all_gpus, 2)) == [[0, 1]]
+    assert _gpu_groups(all_gpus) == [[]]  # a copy: the staged config is untouched
+    assert _gpu_groups(with_visible_gpus(STAGED_GPU, 4)) == [[0]]  # named GPUs are kept
+    assert with_visible_gpus(STAGED_CPU, 2) == STAGED_CPU
+
+
+def test_a_gpu_fleet_loads_the_gpus_its_metrics_show(
+        endpoints: tuple[MetricsServer, MetricsServer, str]) -> None:
+    gpu, _, _ = endpoints
+    shown = len(parse_gpu_metrics(gpu_text()))
+    all_gpus = render_model_config(SPEC, TritonPolicy.model_validate(
+        {"target": "gpu", "instance_group": {"count": 1}}), versions=[4])
+    servers = [_server("g0", gpu.url), _server("g1", gpu.url)]
+    cfg, form = render_for_servers(all_gpus, servers, timeout_s=2)
+    assert form.target == "gpu" and [s.gpu_count for s in servers] == [shown, shown]
+    assert shown >= 1 and _gpu_groups(cfg) == [list(range(shown))]
