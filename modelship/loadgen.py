@@ -546,6 +546,16 @@ def _build_grpc_message(target: Target, arrays: Mapping[str, np.ndarray]) -> byt
     return message
 
 
+def _grpc_outputs(response: Any, keep: bool) -> dict[str, np.ndarray] | None:
+    """A ModelInferResponse's outputs as arrays (through tritonclient), when they are kept."""
+    if not keep:
+        return None
+    from tritonclient.grpc import InferResult
+
+    result = InferResult(response)
+    return {o.name: result.as_numpy(o.name) for o in response.outputs}
+
+
 class _GrpcTransport:
     """KServe v2 gRPC with tritonclient's generated stubs, one channel per server URL."""
 
@@ -581,13 +591,7 @@ class _GrpcTransport:
             )
         except self._grpc.aio.AioRpcError as exc:
             raise RequestFailed(f"{exc.code().name}: {exc.details()}") from None
-        outputs = None
-        if self._keep_outputs:
-            from tritonclient.grpc import InferResult
-
-            result = InferResult(response)
-            outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
-        return response.model_version, outputs
+        return response.model_version, _grpc_outputs(response, self._keep_outputs)
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -1030,13 +1034,7 @@ class _RawGrpcTransport:
         if message[0] != 0:
             raise RequestFailed("INTERNAL: a compressed answer (none was asked for)")
         response = self._response.FromString(message[5:])
-        outputs = None
-        if self._keep_outputs:
-            from tritonclient.grpc import InferResult
-
-            result = InferResult(response)
-            outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
-        return response.model_version, outputs
+        return response.model_version, _grpc_outputs(response, self._keep_outputs)
 
     async def close(self) -> None:
         for conn in self._connections.values():
