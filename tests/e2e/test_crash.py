@@ -34,7 +34,7 @@ from modelship.settings import Settings
 from tests import models
 from tests.conftest import ROOT, RUNTIME_VENV, run_cli
 
-# Seven promotions, six of them killed: past the 600 s default on a busy machine.
+# Eight promotions, seven of them killed: past the 600 s default on a busy machine.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 MODEL = "crash-matrix"
@@ -75,6 +75,13 @@ HARNESS = textwrap.dedent("""
             ready(*args, **kwargs)
             die()
         module._wait_ready = ready_then_die
+    elif point == "approve":      # the approval request is recorded and posted; it waits
+        import tasks.approve as module
+        post = module._post_request
+        def post_then_die(*args, **kwargs):
+            post(*args, **kwargs)
+            die()
+        module._post_request = post_then_die
     elif point == "swap":         # batching paused on both replicas, one switched
         from modelship.triton.client import TritonServer
         load, calls, lock = TritonServer.load_model, [], threading.Lock()
@@ -107,12 +114,12 @@ def _env(settings: Settings, crash_at: str) -> dict[str, str]:
             "MODELSHIP_TRITON_RUNTIME": str(RUNTIME_VENV), "CRASH_AT": crash_at}
 
 
-def _promote(settings: Settings, policy: Path, version: int, crash_at: str
-             ) -> subprocess.CompletedProcess[str]:
+def _promote(settings: Settings, policy: Path, version: int, crash_at: str,
+             *extra: str) -> subprocess.CompletedProcess[str]:
     """One run, never refused: a killed run's lock is taken over, not waited out."""
     return subprocess.run(
         [sys.executable, "-c", HARNESS, "promote", MODEL, "--version", str(version),
-         "--policy", str(policy), "--json"], capture_output=True, text=True,
+         "--policy", str(policy), "--json", *extra], capture_output=True, text=True,
         env=_env(settings, crash_at), cwd=ROOT, timeout=600)
 
 
@@ -143,8 +150,13 @@ def test_killed_at_every_stage_the_rerun_converges(stack_settings: Settings,
 
     killed: list[tuple[str, str]] = []  # (crash point, the stage its record stopped in)
     for point, stage in [("check", "check"), ("after-check", "stage"), ("stage", "stage"),
-                         ("canary", "canary"), ("swap", "swap"), ("bake", "bake")]:
-        done = _promote(stack_settings, policy, v2, point)
+                         ("canary", "canary"), ("approve", "approve"), ("swap", "swap"),
+                         ("bake", "bake")]:
+        # the approve run needs an approval: killed while it waits, the candidate kept
+        # loaded on the canary for the watcher
+        extra = ("--require-approval", "--approvers", "U0CRASHAPPROVER") \
+            if point == "approve" else ()
+        done = _promote(stack_settings, policy, v2, point, *extra)
         assert done.returncode == -signal.SIGKILL, (point, done.returncode,
                                                     done.stdout[-2000:], done.stderr[-3000:])
         newest = ledger.records(MODEL)[0]
@@ -157,8 +169,10 @@ def test_killed_at_every_stage_the_rerun_converges(stack_settings: Settings,
         if point == "stage":  # half-published: files, but no manifest, so no version
             keys = storage.list_keys(version_prefix)
             assert keys and not any(k.endswith("release.json") for k in keys), keys
-        if point == "canary":
+        if point in ("canary", "approve"):
             assert MODEL in _canary_models(stack_settings)
+        if point == "approve":
+            assert newest.approvals and newest.approvals[0]["status"] == "pending"
         if point == "swap":
             status = json.loads(run_cli("status", MODEL, "--json",
                                         home=stack_settings.home).stdout)
@@ -183,8 +197,9 @@ def test_killed_at_every_stage_the_rerun_converges(stack_settings: Settings,
                  for r in by_id.values() for s in r.stages if s.name == "recover"}
     assert any(n.startswith(f"_trial_{MODEL}") for n in recovered[killed[0][1]]["unloaded"])
     assert MODEL in recovered[killed[3][1]]["unloaded"]           # the canary's model
-    assert recovered[killed[4][1]]["fleet"]["to_version"] == v1    # mid-swap: back to v1
-    # The runs killed holding the lock (canary, swap, bake) had it taken over, on record.
+    assert MODEL in recovered[killed[4][1]]["unloaded"]           # kept for the approval
+    assert recovered[killed[5][1]]["fleet"]["to_version"] == v1    # mid-swap: back to v1
+    # The runs killed holding the lock (canary, approve, swap, bake) had it taken over.
     takeovers = [n for r in by_id.values() for n in r.notes if "took over the release lock" in n]
     assert {release_id for _, release_id in killed[3:]} <= {
         release_id for release_id in by_id if any(release_id in n for n in takeovers)}
