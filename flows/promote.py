@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from flows import fleet
 from flows.check import CheckReport, run_check, stage_checked
-from model_registry.ledger import Ledger, ReleaseRecord
+from model_registry.ledger import Ledger, ReleaseRecord, now_iso
 from modelship.clients import Clients, build_clients, notifier_for
 from modelship.errors import (
     BakeBreached,
@@ -416,6 +416,11 @@ def _mark_interrupted(ledger: Ledger, model: str, current: str,
             stage = next((s.name for s in reversed(old.stages)), "start")
             old.finish("interrupted", 1, f"the run stopped during {stage} (its process "
                        f"died); release {current} found it")
+            for entry in old.approvals:  # a click for it is refused (no run waits any more)
+                if entry.get("kind") == "request" and entry.get("status") == "pending":
+                    entry.update(status="interrupted", decided_at=now_iso(),
+                                 reason=f"the run died while it waited; release {current} "
+                                 "found it")
             ledger.write(old)
 
 

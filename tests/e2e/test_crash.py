@@ -198,6 +198,8 @@ def test_killed_at_every_stage_the_rerun_converges(stack_settings: Settings,
     assert any(n.startswith(f"_trial_{MODEL}") for n in recovered[killed[0][1]]["unloaded"])
     assert MODEL in recovered[killed[3][1]]["unloaded"]           # the canary's model
     assert MODEL in recovered[killed[4][1]]["unloaded"]           # kept for the approval
+    # and its approval request is closed: a late click is refused, nothing waits for it
+    assert by_id[killed[4][1]].approvals[0]["status"] == "interrupted"
     assert recovered[killed[5][1]]["fleet"]["to_version"] == v1    # mid-swap: back to v1
     # The runs killed holding the lock (canary, approve, swap, bake) had it taken over.
     takeovers = [n for r in by_id.values() for n in r.notes if "took over the release lock" in n]

@@ -57,3 +57,35 @@ def test_dead_runs(record: ReleaseRecord, dead: bool) -> None:
     current = _record(host=HERE, pid=os.getpid())
     found = dead_runs(_Ledger([record, current]), "m", current.id)  # type: ignore[arg-type]
     assert [r.id for r in found] == ([record.id] if dead else [])
+
+
+class _WritingLedger(_Ledger):
+    def __init__(self, records: list[ReleaseRecord]) -> None:
+        super().__init__(records)
+        self.written: list[str] = []
+
+    def write(self, record: ReleaseRecord) -> None:
+        self.written.append(record.id)
+
+
+def test_a_run_that_died_waiting_for_approval_has_its_request_closed() -> None:
+    """A click for it is then refused by the approvals rules (already interrupted)."""
+    from flows.promote import _mark_interrupted
+    from modelship.approvals.rules import check_decision
+
+    dead = _record(host=HERE, pid=DEAD, stages=("resolve", "check", "stage", "canary",
+                                                "gates", "approve"))
+    digest = {"model": "m", "version": 2, "onnx_sha256": "ab", "canary_report_id": dead.id}
+    dead.approvals = [{"kind": "request", "status": "pending", "release_id": dead.id,
+                       "digest": digest, "approvers": ["U1"], "requester": "U0",
+                       "expires_at": 4e9}]
+    current = _record(host=HERE, pid=os.getpid())
+    ledger = _WritingLedger([dead, current])
+    _mark_interrupted(ledger, "m", current.id)  # type: ignore[arg-type]
+    assert ledger.written == [dead.id] and dead.status == "interrupted"
+    assert dead.approvals[0]["status"] == "interrupted" and current.id in \
+        dead.approvals[0]["reason"]
+    verdict = check_decision(dead.approvals[0], decision="approve", user="U1",
+                             release_id=dead.id, digest=digest, allowed={"U1"}, now=0.0)
+    assert (verdict.ok, verdict.code, verdict.status) == (False, "already_decided", 409)
+    assert "interrupted" in verdict.message
