@@ -1,0 +1,141 @@
+"""Seeded traffic generators for calibrating the judges: dependent latency, bursty errors,
+load steps. Pure (a ``numpy.random.Generator`` in, arrays out); shared by the unit tests
+(``tests/unit/test_blocks.py``, ``test_gates_calibration.py``, ``test_sequential.py``) and
+``bench/judge.py``.
+
+- :func:`standard_latency`: the judge bench's standard family, per request in ms: lognormal
+  body (median 2 ms, log-sd 0.3) plus, on 5% of requests, an exponential tail of mean 4 ms
+  (p50 ≈ 2.0, p99 ≈ 8.6 ms).
+- :func:`ar1`: a stationary Gaussian AR(1) series, ``z_t = φ z_{t-1} + √(1-φ²) ε_t``.
+- :func:`ar1_latency`: latencies with an exact marginal (any sampler) and AR(1) serial
+  dependence: the sorted draws are assigned by the ranks of an AR(1) series (a Gaussian
+  copula by rank matching). φ = 0 is the independent sample.
+- :func:`bursty_errors`: failures from a two-state Markov chain whose long-run failure rate
+  is ``rate`` and whose bursts last ``mean_burst`` requests on average (geometric).
+- :func:`tail_stretch`: a tail-only regression: requests below the anchor quantile (p97 for
+  p99) unchanged, the excess above it stretched so that the q-quantile moves by ``ratio``.
+- :func:`load_step`: a multiplicative latency factor that steps from 1 to ``factor`` at a
+  given request (a traffic surge: queueing makes every request slower).
+- :func:`arm`: one arm's requests over a run: latencies of the answered ones, their send
+  times, and the send times of the failures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import signal
+
+__all__ = ["Arm", "ar1", "ar1_latency", "arm", "bursty_errors", "load_step",
+           "standard_latency", "tail_stretch"]
+
+Sampler = Callable[[np.random.Generator, int], np.ndarray]
+
+
+def standard_latency(rng: np.random.Generator, n: int) -> np.ndarray:
+    """The standard family: lognormal body (median 2 ms, log-sd 0.3) + 5% exp(4 ms) tail."""
+    body = 2.0 * np.exp(0.3 * rng.standard_normal(n))
+    return body + (rng.random(n) < 0.05) * rng.exponential(4.0, n)
+
+
+def ar1(rng: np.random.Generator, n: int, phi: float) -> np.ndarray:
+    """A stationary standard-normal AR(1) series of length ``n`` with coefficient ``phi``."""
+    if n <= 0:
+        return np.zeros(0)
+    eps = rng.standard_normal(n)
+    eps[0] /= np.sqrt(max(1.0 - phi * phi, 1e-12))  # z_0 ~ N(0, 1) after the scaling below
+    z: np.ndarray = signal.lfilter([np.sqrt(1.0 - phi * phi)], [1.0, -phi], eps)
+    return z
+
+
+def ar1_latency(rng: np.random.Generator, n: int, phi: float,
+                sampler: Sampler = standard_latency) -> np.ndarray:
+    """``n`` latencies, marginally ``sampler``'s, serially dependent as an AR(1) of ``phi``."""
+    draws = np.sort(sampler(rng, n))
+    if phi == 0.0:
+        return rng.permutation(draws)
+    ranks = np.argsort(np.argsort(ar1(rng, n, phi)))
+    return draws[ranks]
+
+
+def bursty_errors(rng: np.random.Generator, n: int, rate: float,
+                  mean_burst: float = 1.0) -> np.ndarray:
+    """Which of ``n`` requests fail: long-run rate ``rate``, bursts of mean ``mean_burst``.
+
+    A burst goes on with probability ``1 - 1/mean_burst`` per request; one starts with
+    probability ``s = rate / (mean_burst (1 - rate))``, so that the stationary share of
+    failing requests is ``rate``. ``mean_burst = 1`` is independent Bernoulli failures.
+    """
+    if n <= 0 or rate <= 0:
+        return np.zeros(max(n, 0), dtype=bool)
+    if mean_burst <= 1.0:
+        return rng.random(n) < rate
+    stay = 1.0 - 1.0 / mean_burst
+    start = rate / (mean_burst * (1.0 - rate))
+    u = rng.random(n)
+    out = np.zeros(n, dtype=bool)
+    state = bool(rng.random() < rate)
+    for i in range(n):  # a Markov chain: sequential by nature; n ≤ ~10^5 here
+        state = bool(u[i] < (stay if state else start))
+        out[i] = state
+    return out
+
+
+def tail_stretch(latency: np.ndarray, reference: np.ndarray, q: float = 0.99,
+                 ratio: float = 1.4) -> np.ndarray:
+    """A tail-only regression of ``latency``: its q-quantile ×``ratio``, the body unchanged.
+
+    The anchor is the reference's ``q - 2(1 - q)`` quantile (p97 for p99); the excess over
+    the anchor is stretched by ``(ratio·Q(q) - anchor) / (Q(q) - anchor)``.
+    """
+    anchor = float(np.quantile(reference, max(q - 2.0 * (1.0 - q), 0.5)))
+    top = float(np.quantile(reference, q))
+    stretch = (ratio * top - anchor) / (top - anchor)
+    lat = np.asarray(latency, dtype=float)
+    return np.where(lat > anchor, anchor + (lat - anchor) * stretch, lat)
+
+
+def load_step(n: int, at: int, factor: float) -> np.ndarray:
+    """Latency factor per request: 1 before request ``at``, ``factor`` from it on."""
+    out = np.ones(n)
+    out[max(at, 0):] = factor
+    return out
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm's requests over a run.
+
+    Attributes:
+        latency_ms: Latencies of the answered requests, in send order, ms.
+        ok_s: Send time of each answered request, s since the run started.
+        error_s: Send time of each failed request, s.
+    """
+
+    latency_ms: np.ndarray
+    ok_s: np.ndarray
+    error_s: np.ndarray
+
+    @property
+    def requests(self) -> int:
+        return int(self.latency_ms.size + self.error_s.size)
+
+
+def arm(rng: np.random.Generator, n: int, *, phi: float = 0.0, error_rate: float = 0.0,
+        mean_burst: float = 1.0, duration_s: float = 30.0,
+        sampler: Sampler = standard_latency,
+        transform: Callable[[np.ndarray], np.ndarray] | None = None) -> Arm:
+    """``n`` requests sent evenly over ``duration_s``: AR(1) latency, bursty failures.
+
+    ``transform`` maps the latencies of all ``n`` requests (in send order) before the
+    failures are taken out: a scale (``lambda x: 1.1 * x``), :func:`tail_stretch` or a
+    :func:`load_step` factor.
+    """
+    lat = ar1_latency(rng, n, phi, sampler)
+    if transform is not None:
+        lat = np.asarray(transform(lat), dtype=float)
+    failed = bursty_errors(rng, n, error_rate, mean_burst)
+    times = (np.arange(n) + 0.5) * (duration_s / max(n, 1))
+    return Arm(lat[~failed], times[~failed], times[failed])
