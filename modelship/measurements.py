@@ -60,6 +60,12 @@ class ArmMeasurements:
         throughput_rps: Successful requests per second in the measurement window.
         queue_us_mean: Server-side mean queue time per request, in µs (None if unknown).
         compute_us_mean: Server-side mean compute time per request, in µs (None if unknown).
+        latency_s: Send time of each successful request (aligned with ``latency_ms``), s
+            since the measurement started; None when unknown (the order of ``latency_ms``
+            is then taken as the time order). The gates split the run into time blocks by
+            it (:mod:`tasks.blocks`): requests are correlated, blocks much less so.
+        error_s: Send time of each failed request, s; None when unknown (errors are then
+            judged as independent, and the report says so).
     """
 
     version: int
@@ -69,6 +75,8 @@ class ArmMeasurements:
     throughput_rps: float | None = None
     queue_us_mean: float | None = None
     compute_us_mean: float | None = None
+    latency_s: np.ndarray | None = None
+    error_s: np.ndarray | None = None
 
     def to_dict(self) -> dict[str, Any]:
         lat = np.asarray(self.latency_ms, dtype=float)

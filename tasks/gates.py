@@ -59,14 +59,29 @@ from modelship.measurements import (
     check_latency,
 )
 from modelship.policy import GPU_METRICS, LATENCY_METRICS, GateRule, _infer_test
+from tasks.blocks import (
+    MIN_BLOCKS,
+    BlockDiagnostics,
+    block_count,
+    block_ids,
+    block_sums,
+    diagnose,
+    mean_test,
+    order_ids,
+    overdispersion,
+    quasi_binomial_sf,
+)
 
 __all__ = [
     "DEFAULT_LOG_SD",
+    "MIN_TAIL_REFERENCE",
+    "Blocks",
     "GateReport",
     "RuleResult",
     "Verdict",
     "combine",
     "evaluate",
+    "family_alpha",
     "hodges_lehmann",
     "judge",
     "markdown_table",
@@ -77,6 +92,8 @@ __all__ = [
     "rate_power",
     "required_samples",
     "server_interval_ratios",
+    "snapshot_blocks",
+    "tail_reference_floor",
 ]
 
 DEFAULT_LOG_SD = 0.5
@@ -87,6 +104,10 @@ DEFAULT_LOG_SD = 0.5
 
 _MAX_PLAN = 10_000_000
 """Cap on a computed sample size: beyond it the effect is too small to be worth a canary."""
+
+MIN_TAIL_REFERENCE = 30
+"""Baseline requests a quantile rule needs above its quantile: fewer, and the baseline's pXX
+is a guess (one or two requests decide it), so the rule refuses to judge."""
 
 _PERCENTILES = {"latency_p50_ms": 50.0, "latency_p90_ms": 90.0, "latency_p95_ms": 95.0,
                 "latency_p99_ms": 99.0}
@@ -177,15 +198,19 @@ class GateReport:
         results: One result per rule, in policy order, dry-run ones included.
         required_samples: Samples per version the rules need (:func:`plan_samples`, sized
             from the measured baseline), so a report can say when a canary ran too short.
+        family_alpha: The family-wise false-fail rate of the blocking statistical rules
+            (:func:`family_alpha`: Bonferroni, the sum of their α); None when there are none.
     """
 
     verdict: Verdict
     results: tuple[RuleResult, ...]
     required_samples: int
+    family_alpha: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"verdict": str(self.verdict), "required_samples": self.required_samples,
+                "family_alpha": self.family_alpha,
                 "results": [r.to_dict() for r in self.results]}
 
 
@@ -232,7 +257,115 @@ def evaluate(snapshot: CanarySnapshot, rules: Sequence[GateRule], *,
     except (ValueError, TypeError, ArithmeticError):
         # Broken baseline data is already an inconclusive/error verdict; size from the rules.
         required = plan_samples(rules, min_samples=min_samples)
-    return GateReport(combine(results), results, required)
+    return GateReport(combine(results), results, required, family_alpha(rules))
+
+
+_STATISTICAL = ("mann_whitney", "quantile", "server_ratio", "exact_rate")
+
+
+def family_alpha(rules: Iterable[GateRule]) -> float | None:
+    """The family-wise false-fail rate of the blocking statistical rules: the sum of their α.
+
+    Bonferroni's inequality: a candidate at the boundary of every rule at once (the worst
+    case for a false fail) fails some rule with probability ≤ Σ α. The default rule set
+    sums to :data:`modelship.policy.FAMILY_ALPHA` (5%). With the sequential watch on, each
+    rule's α is split between the watch and the fixed test (``tasks.canary``), so the sum
+    is spent once. Threshold rules are deterministic and spend nothing. None when no rule
+    is statistical.
+    """
+    alphas = [r.alpha for r in rules
+              if not r.dry_run and (r.test or _infer_test(r.model_dump())) in _STATISTICAL]
+    return round(sum(alphas), 12) if alphas else None
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The canary run split into equal-time blocks, shared by both arms (pure data).
+
+    The unit of evidence of every comparative rule: requests within a block are correlated
+    (per-arm queues, batchers, bursts of errors), blocks much less so (:mod:`tasks.blocks`).
+
+    Attributes:
+        count: Blocks (30-50 when there are enough requests, see ``blocks.block_count``).
+        timed: Whether the blocks come from send times (else from the latency order).
+        candidate: Block of each of the candidate's successful latencies.
+        baseline: The baseline's, or None without a baseline.
+        errors: Per arm, ``(errors per block, requests per block)``; absent for an arm
+            whose error times are unknown.
+    """
+
+    count: int
+    timed: bool
+    candidate: np.ndarray
+    baseline: np.ndarray | None
+    errors: Mapping[str, tuple[np.ndarray, np.ndarray]]
+
+
+def snapshot_blocks(snapshot: CanarySnapshot) -> Blocks:
+    """Split a snapshot's requests into equal-time blocks over one span for both arms.
+
+    Uses ``ArmMeasurements.latency_s`` / ``error_s`` when every arm has them; otherwise the
+    latencies' order, in equal-count blocks, and no per-block errors.
+    """
+    arms = {"candidate": snapshot.candidate, "baseline": snapshot.baseline}
+    present = {k: a for k, a in arms.items() if a is not None}
+    oks = [int(np.asarray(a.latency_ms).size) for a in present.values()]
+    count = block_count(min(oks) if oks else 0)
+    timed = all(a.latency_s is not None and np.asarray(a.latency_s).size
+                == np.asarray(a.latency_ms).size for a in present.values())
+    if not timed:
+        ids = {k: order_ids(int(np.asarray(a.latency_ms).size), count)
+               for k, a in present.items()}
+        return Blocks(count, False, ids["candidate"], ids.get("baseline"), {})
+    times = {k: np.asarray(a.latency_s, dtype=float).ravel() for k, a in present.items()}
+    errs = {k: np.asarray(a.error_s, dtype=float).ravel() for k, a in present.items()
+            if a.error_s is not None and np.asarray(a.error_s).size == a.errors}
+    every = np.concatenate([*times.values(), *errs.values()]) if times else np.zeros(0)
+    start, stop = (float(every.min()), float(every.max()) + 1e-9) if every.size else (0.0, 1.0)
+    ids = {k: block_ids(t, count, start=start, stop=stop) for k, t in times.items()}
+    errors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for k, e in errs.items():
+        e_ids = block_ids(e, count, start=start, stop=stop)
+        failed = block_sums(np.ones(e.size), e_ids, count)
+        errors[k] = (failed, failed + block_sums(np.ones(ids[k].size), ids[k], count))
+    return Blocks(count, True, ids["candidate"], ids.get("baseline"), errors)
+
+
+def _block_latency_test(c: np.ndarray, c_ids: np.ndarray, b: np.ndarray, b_ids: np.ndarray,
+                        count: int, statistic: Any) -> tuple[float, BlockDiagnostics, Any]:
+    """Batch means of a per-block comparison of the arms: ``statistic(c_block, b_block)`` is
+    ≤ 0 in expectation under H0; returns the one-sided p-value (NaN below
+    :data:`~tasks.blocks.MIN_BLOCKS` usable blocks), the diagnostics and the test."""
+    values, weights = [], []
+    order_c, order_b = np.argsort(c_ids, kind="stable"), np.argsort(b_ids, kind="stable")
+    cuts_c = np.searchsorted(c_ids[order_c], np.arange(count + 1))
+    cuts_b = np.searchsorted(b_ids[order_b], np.arange(count + 1))
+    for j in range(count):
+        cj = c[order_c[cuts_c[j]:cuts_c[j + 1]]]
+        bj = b[order_b[cuts_b[j]:cuts_b[j + 1]]]
+        if cj.size and bj.size:
+            values.append(float(statistic(cj, bj)))
+            weights.append(cj.size * bj.size / (cj.size + bj.size))
+    test = mean_test(np.asarray(values), np.asarray(weights))
+    p = test.p_value if test.blocks >= MIN_BLOCKS else math.nan
+    return p, diagnose(test.blocks, test.lag1), test
+
+
+def _prob_above(cj: np.ndarray, bj: np.ndarray) -> float:
+    """P(C > P) + ½ P(tie) within a block, minus ½ (Mann-Whitney's U / (n m) - ½)."""
+    ranks = stats.rankdata(np.concatenate([cj, bj]))
+    u = float(ranks[:cj.size].sum()) - cj.size * (cj.size + 1) / 2.0
+    return u / (cj.size * bj.size) - 0.5
+
+
+def _dependence_text(diag: BlockDiagnostics, p_block: float, p_iid: float, iid: str) -> str:
+    """How the dependence entered the verdict, for the message (``iid``: the name of the
+    whole-run test on independent requests)."""
+    if math.isnan(p_block):
+        return (f"; {iid} p={p_iid:.2g} (too few requests for {MIN_BLOCKS} time blocks, so "
+                "requests were taken as independent)")
+    return (f"; {diag.text()}: block p={p_block:.2g}, {iid} p={p_iid:.2g}, the larger "
+            "decides")
 
 
 # --------------------------------------------------------------------------------------
@@ -421,17 +554,27 @@ def _tol_text(rule: GateRule) -> str:
 
 
 def _judge_latency(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:
-    """Typical latency (p50 or mean): Mann-Whitney U beyond a tolerance, Hodges-Lehmann size.
+    """Typical latency (p50 or mean): a test of stochastic order beyond a tolerance.
 
     The tolerance is ``tol = max(max_increase_pct % of P's metric, min_effect_ms)`` in ms,
     applied as a *scale* ``r = 1 + tol / P_metric``: H0 is "C is stochastically no slower
-    than ``r × P``" and C fails when the one-sided U test (``alternative="greater"``) of C
-    against ``r × P`` rejects at ``rule.alpha``. Exactly ``r × P`` is the boundary: it fails
-    with probability α (U is exact in distribution there, asymptotically).
+    than ``r × P``", ``P(C > r·P) ≤ ½``, and C fails when the one-sided test rejects at
+    ``rule.alpha``. Exactly ``r × P`` is the boundary: it fails with probability ≤ α.
 
-    Mann-Whitney answers "is a random request of C slower than one of P", which is what a
-    median or mean means for a shift or scale change of the whole distribution; it says
-    nothing about the tail, so tail percentiles use :func:`_judge_quantile`.
+    This is a test of **stochastic order**, not of the median: it answers "is a random
+    request of C slower than one of ``r × P``". For a shift or scale change of the whole
+    distribution that is what the p50 or mean moves by; it says nothing about the tail, so
+    tail percentiles use :func:`_judge_quantile`.
+
+    The unit of evidence is the time block (:func:`snapshot_blocks`): per block,
+    ``U_b / (n_b m_b) - ½`` (Mann-Whitney within the block), combined by batch means with
+    a HAC standard error (:func:`tasks.blocks.mean_test`). Requests of one arm are
+    correlated (its own queue and batcher), so the whole-run U test, which counts every
+    request as independent evidence, fails an identical candidate far more often than α
+    (8.5% at α = 1% for per-arm AR(1) φ = 0.5 at the tolerance). The p-value is the larger
+    of the block test's and the whole-run U test's, so the rule is never more liberal
+    than the exact test on independent requests. Below :data:`~tasks.blocks.MIN_BLOCKS`
+    blocks (under ~160 requests) only the whole-run test is left, and the message says so.
 
     The reported Hodges-Lehmann estimates are the median pairwise ratio C/P with its
     distribution-free interval at confidence ``1 - 2·alpha`` (its lower end matches the
@@ -454,28 +597,41 @@ def _judge_latency(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -
         return _result(rule, "mann_whitney", verdict, value, base_value, threshold, bound_ms,
                        p, (n, m), message, details)
 
-    p = float(stats.mannwhitneyu(c, b * ratio, alternative="greater").pvalue)
-    if math.isnan(p):
+    p_iid = float(stats.mannwhitneyu(c, b * ratio, alternative="greater").pvalue)
+    if math.isnan(p_iid):
         return result(Verdict.ERROR, f"{rule.name}: the Mann-Whitney test is undefined on "
                       f"these samples (n={n}, m={m})")
+    blocks = snapshot_blocks(snapshot)
+    assert blocks.baseline is not None
+    p_block, diag, test = _block_latency_test(c / ratio, blocks.candidate, b,
+                                              blocks.baseline, blocks.count, _prob_above)
+    p = p_iid if math.isnan(p_block) else max(p_iid, p_block)
     hl_ratio, lo, hi = hodges_lehmann(np.log(c), np.log(b), alpha=rule.alpha)
     hl_ms, _, _ = hodges_lehmann(c, b, alpha=None)
     conf = 1 - 2 * rule.alpha
-    details = {"statistic": "typical latency (Mann-Whitney U, Hodges-Lehmann ratio)",
+    order = 0.5 + test.mean if test.blocks else math.nan
+    order_hi = 0.5 + test.upper(rule.alpha) if test.blocks >= MIN_BLOCKS else math.nan
+    details = {"statistic": "stochastic order P(C > r·P) (Mann-Whitney U per time block, "
+               "batch means), Hodges-Lehmann ratio",
                "tolerance_ms": tol_ms, "tolerance_ratio": ratio,
                "hodges_lehmann_ratio": math.exp(hl_ratio),
                "hodges_lehmann_ratio_ci": [math.exp(lo), math.exp(hi)],
-               "ci_confidence": conf, "hodges_lehmann_shift_ms": hl_ms, "alpha": rule.alpha}
+               "ci_confidence": conf, "hodges_lehmann_shift_ms": hl_ms, "alpha": rule.alpha,
+               "p_block": p_block, "p_independent": p_iid,
+               "prob_slower_than_tolerance": order, "prob_slower_upper": order_hi,
+               "dependence": diag.to_dict()}
     how = (f"{metric} {value:.3g} ms vs baseline {base_value:.3g} ms, tolerance "
            f"{_tol_text(rule)} = ×{ratio:.3f}; Hodges-Lehmann ratio ×{math.exp(hl_ratio):.3f} "
-           f"({conf:.0%} CI ×{math.exp(lo):.3f}–×{math.exp(hi):.3f}, {hl_ms:+.3g} ms); "
-           f"Mann-Whitney p={p:.2g}")
+           f"({conf:.0%} CI ×{math.exp(lo):.3f}–×{math.exp(hi):.3f} for independent requests, "
+           f"{hl_ms:+.3g} ms); P(C > ×{ratio:.3f} P) = {order:.3f}"
+           + (f" (upper bound {order_hi:.3f})" if math.isfinite(order_hi) else "")
+           + _dependence_text(diag, p_block, p_iid, "Mann-Whitney"))
     if p < rule.alpha:
         return result(Verdict.FAILED, f"{rule.name}: typical latency of {_arm_name(snapshot)} "
-                      f"is slower than the baseline × {ratio:.3f}: {how} < α={rule.alpha:g}",
-                      p, details)
+                      f"is slower than the baseline × {ratio:.3f}: {how}; p={p:.2g} < "
+                      f"α={rule.alpha:g}", p, details)
     return result(Verdict.PASSED, f"{rule.name}: typical latency of {_arm_name(snapshot)} is "
-                  f"not shown slower than the baseline × {ratio:.3f}: {how} ≥ "
+                  f"not shown slower than the baseline × {ratio:.3f}: {how}; p={p:.2g} ≥ "
                   f"α={rule.alpha:g}", p, details)
 
 
@@ -534,6 +690,18 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) 
     - It looks only at the tail: a body-only slowdown that leaves pXX alone does not fail
       it (the typical-latency rule catches that), and a tail-only regression does.
 
+    **Dependence.** The tail of one arm comes in runs (a slow batch, a GC pause), so the
+    exceedances are not independent and Fisher's test overstates the evidence. The same
+    split is judged per time block (:func:`snapshot_blocks`): the difference of the arms'
+    shares above it, ``e_C,b / n_C,b - e_P,b / n_P,b``, combined by batch means with a HAC
+    standard error (:func:`tasks.blocks.mean_test`); the p-value is the larger of the block
+    test's and Fisher's, so the rule is never more liberal than the exact test.
+
+    **Reference.** The baseline must put at least :data:`MIN_TAIL_REFERENCE` (30) requests
+    above its pXX, else its pXX is one or two requests and the rule refuses (inconclusive,
+    ``details["reference_too_small"]``; the canary turns it into a usage error naming
+    ``canary.min_samples``): :func:`required_samples` plans for it.
+
     Why not Mann-Whitney: U compares whole distributions, so a p99 +50% with the median
     unchanged passes it and a 12% slower body with a better p99 fails it. Why not a
     bootstrap of the quantile ratio: its coverage at p99 with a few thousand samples is
@@ -555,7 +723,27 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) 
     bound_ms = base_value + tol_ms
     threshold = (f"{metric} ≤ {bound_ms:.3g} ms: baseline {base_value:.3g} ms + "
                  f"{_tol_text(rule)} = {tol_ms:.3g} ms (×{ratio:.3f})")
-    p, kc, kb, xi = quantile_exceedance(c, b, q, ratio)
+    above = int(np.count_nonzero(b >= base_value))
+    if above < MIN_TAIL_REFERENCE:
+        need = tail_reference_floor(rule)
+        return _result(rule, "quantile", Verdict.INCONCLUSIVE, value, base_value, threshold,
+                       bound_ms, None, (n, m),
+                       f"{rule.name}: only {above} of {m} baseline requests lie above its "
+                       f"p{_PERCENTILES[metric]:g}, {MIN_TAIL_REFERENCE} needed for a "
+                       f"reference of the tail: run at least {need} requests per version "
+                       "(canary.min_samples, within canary.max_duration_s)",
+                       {"reference_too_small": True, "reference_above": above,
+                        "reference_needed": need, "key": "canary.min_samples"})
+    p_iid, kc, kb, xi = quantile_exceedance(c, b, q, ratio)
+    blocks = snapshot_blocks(snapshot)
+    assert blocks.baseline is not None
+
+    def share_diff(cj: np.ndarray, bj: np.ndarray) -> float:
+        return float(np.mean(cj > xi) - np.mean(bj > xi))
+
+    p_block, diag, _ = _block_latency_test(c / ratio, blocks.candidate, b, blocks.baseline,
+                                           blocks.count, share_diff)
+    p = p_iid if math.isnan(p_block) else max(p_iid, p_block)
     conf = 1 - rule.alpha
     c_lo, c_hi = quantile_interval(c, q, 1 - rule.alpha / 2)
     b_lo, b_hi = quantile_interval(b, q, 1 - rule.alpha / 2)
@@ -563,21 +751,22 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) 
     details = {"statistic": f"p{_PERCENTILES[metric]:g} (pooled-quantile exceedance test)",
                "tolerance_ms": tol_ms, "tolerance_ratio": ratio, "ratio": value / base_value,
                "ratio_ci": ci, "ci_confidence": conf, "split_ms": xi * ratio,
-               "exceedances": {"candidate": kc, "baseline": kb}, "alpha": rule.alpha}
+               "exceedances": {"candidate": kc, "baseline": kb}, "alpha": rule.alpha,
+               "p_block": p_block, "p_independent": p_iid, "dependence": diag.to_dict()}
     ci_text = ("interval unavailable (too few samples)" if any(map(math.isnan, ci))
                else f"{conf:.0%} CI ×{ci[0]:.3f}–×{ci[1]:.3f}")
     how = (f"{metric} {value:.3g} ms vs baseline {base_value:.3g} ms (×{value / base_value:.3f}, "
            f"{ci_text}), tolerance {_tol_text(rule)} = ×{ratio:.3f}; {kc} of {n} candidate "
            f"requests (scaled) and {kb} of {m} baseline ones above the pooled "
-           f"p{_PERCENTILES[metric]:g}, Fisher p={p:.2g}")
+           f"p{_PERCENTILES[metric]:g}" + _dependence_text(diag, p_block, p_iid, "Fisher"))
     result_args = (rule, "quantile")
     if p < rule.alpha:
         return _result(*result_args, Verdict.FAILED, value, base_value, threshold, bound_ms, p,
                        (n, m), f"{rule.name}: {metric} of {_arm_name(snapshot)} is beyond the "
-                       f"baseline's × {ratio:.3f}: {how} < α={rule.alpha:g}", details)
+                       f"baseline's × {ratio:.3f}: {how}; p={p:.2g} < α={rule.alpha:g}", details)
     return _result(*result_args, Verdict.PASSED, value, base_value, threshold, bound_ms, p,
                    (n, m), f"{rule.name}: {metric} of {_arm_name(snapshot)} is not shown beyond "
-                   f"the baseline's × {ratio:.3f}: {how} ≥ α={rule.alpha:g}", details)
+                   f"the baseline's × {ratio:.3f}: {how}; p={p:.2g} ≥ α={rule.alpha:g}", details)
 
 
 MIN_SERVER_INTERVALS = 3
@@ -615,9 +804,11 @@ def _judge_server_ratio(snapshot: CanarySnapshot, rule: GateRule,
     ``1 + max_increase_pct/100``; a one-sided Student t-test on ``log r_i`` (Welch-free: the
     intervals are paired by construction) rejects at ``alpha``. The client's own overhead
     (serialisation, network, the load generator) is not in these figures, so it cannot
-    dilute a server-side regression the way it dilutes client latency. Exact when the log
-    ratios are normal and independent across intervals, approximately otherwise; the
-    interval is the t interval at ``1 - 2·alpha`` on the ratio.
+    dilute a server-side regression the way it dilutes client latency. The intervals are
+    the time blocks here, and consecutive ones can still be correlated (a slow neighbour
+    lasts seconds), so the standard error is the HAC one of :func:`tasks.blocks.mean_test`
+    (Newey-West or the AR(1) correction, never below the independent one); the interval
+    is the t interval at ``1 - 2·alpha`` on the ratio.
     """
     ratio_bound = 1.0 + float(rule.max_increase_pct or 0.0) / 100.0
     value, _ = metric_value(snapshot, rule.metric)
@@ -643,26 +834,22 @@ def _judge_server_ratio(snapshot: CanarySnapshot, rule: GateRule,
     if n < min_samples:
         return result(Verdict.INCONCLUSIVE, f"{rule.name}: {_too_few(snapshot, n, min_samples)}")
     logs = np.log(ratios)
-    mean = float(np.mean(logs))
-    se = float(np.std(logs, ddof=1)) / math.sqrt(k)
     limit = math.log(ratio_bound)
-    if se > 0:
-        t = (mean - limit) / se
-        p = float(stats.t.sf(t, k - 1))
-        half = float(stats.t.ppf(1 - rule.alpha, k - 1)) * se
-    else:
-        p = 0.0 if mean > limit else 1.0
-        half = 0.0
+    test = mean_test(logs - limit)
+    mean = test.mean + limit
+    p = test.p_value
+    half = float(stats.t.ppf(1 - rule.alpha, k - 1)) * test.se if test.se > 0 else 0.0
     lo, hi = math.exp(mean - half), math.exp(mean + half)
     conf = 1 - 2 * rule.alpha
+    diag = diagnose(k, test.lag1)
     details = {"statistic": "Triton queue + compute µs per request, candidate / baseline",
                "intervals": k, "geometric_mean_ratio": math.exp(mean), "ratio_ci": [lo, hi],
                "ci_confidence": conf, "tolerance_ratio": ratio_bound, "alpha": rule.alpha,
-               "whole_run_ratio": value}
+               "whole_run_ratio": value, "dependence": diag.to_dict()}
     whole = f"{value:.3f}" if value is not None else "—"
     how = (f"Triton queue + compute per request ×{math.exp(mean):.3f} of the baseline's over "
            f"{k} intervals ({conf:.0%} CI ×{lo:.3f}–×{hi:.3f}; whole run ×{whole}), "
-           f"tolerance ×{ratio_bound:.3f}; t-test p={p:.2g}")
+           f"tolerance ×{ratio_bound:.3f}; t-test p={p:.2g} ({diag.text()})")
     if p < rule.alpha:
         return result(Verdict.FAILED, f"{rule.name}: {_arm_name(snapshot)} is slower inside "
                       f"Triton than the tolerance allows: {how} < α={rule.alpha:g}", p, details)
@@ -689,10 +876,21 @@ def _judge_rate(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> R
     also significantly worse than P (one-sided Fisher exact test at ``alpha``); otherwise
     the verdict is ``inconclusive``, and the canary reports an infrastructure failure.
 
+    **Bursts.** Errors come in bursts (a bad batch, a restart, a timeout storm), and then
+    the binomial test counts one incident as many independent failures: 19% of candidates
+    exactly at the budget failed a 5% test with bursts of mean length 8. The run is split
+    into time blocks (:func:`snapshot_blocks`) and the overdispersion φ of the per-block
+    error counts is measured (Pearson's χ²/df, :func:`tasks.blocks.overdispersion`) on the
+    candidate and on the baseline, the concurrent estimate of how bursty the canary's
+    failures are; the larger, floored at 1, deflates the counts: the test is the
+    quasi-binomial tail ``P(X ≥ k/φ)``, ``X ~ Bin(n/φ, b)`` (McCullagh & Nelder 1989,
+    §4.5), which is the exact binomial test when φ = 1. The same φ deflates the
+    comparison with the baseline. Without error times (``error_s``) φ = 1 and the message
+    says the errors were taken as independent.
+
     The old rule also failed C when Fisher's test against a perfect baseline was
     significant while C's observed rate was above the budget: its false-fail rate at the
-    budget grew with n (25% at n = 3363). Power of this one, budget 0.1%, C at 0.5%, α
-    0.05: 0.93 at n = 2000 and 0.99 at n = 2600.
+    budget grew with n (25% at n = 3363).
     """
     cand = snapshot.candidate
     base = snapshot.baseline
@@ -718,34 +916,47 @@ def _judge_rate(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> R
     assert value is not None
     if n < min_samples:
         return result(Verdict.INCONCLUSIVE, f"{rule.name}: {_too_few(snapshot, n, min_samples)}")
-    p_abs = _binom_greater(k, n, max_rate)
-    ci = _rate_interval(k, n, 1 - 2 * rule.alpha)
+    blocks = snapshot_blocks(snapshot)
+    phis = {arm: overdispersion(*blocks.errors[arm]) for arm in blocks.errors}
+    measured = [x for x in phis.values() if math.isfinite(x)]
+    phi = max([1.0, *measured])
+    diag = diagnose(blocks.count, math.nan, max(measured) if measured else math.nan)
+    p_abs = quasi_binomial_sf(k, n, max_rate, phi)
+    ci = _rate_interval(k, n, 1 - 2 * rule.alpha, phi)
     details: dict[str, Any] = {"hypothesis": f"H0: error rate ≤ {max_rate:g}",
                                "p_absolute": p_abs, "p_vs_baseline": None,
                                "p_baseline_over_budget": None, "alpha": rule.alpha,
                                "errors": k, "requests": n, "rate_ci": list(ci),
-                               "ci_confidence": 1 - 2 * rule.alpha}
+                               "ci_confidence": 1 - 2 * rule.alpha,
+                               "overdispersion_used": phi,
+                               "overdispersion_by_arm": {a: (x if math.isfinite(x) else None)
+                                                         for a, x in phis.items()},
+                               "dependence": diag.to_dict()}
+    how_dep = (f"; {diag.text()}, counts deflated by φ={phi:.2g}" if "candidate" in phis
+               else "; no error times, so errors were taken as independent")
     shown = (f"{_fmt('error_rate', value)} ({k}/{n}, {1 - 2 * rule.alpha:.0%} CI "
-             f"{_fmt('error_rate', ci[0])}–{_fmt('error_rate', ci[1])})")
+             f"{_fmt('error_rate', ci[0])}–{_fmt('error_rate', ci[1])}){how_dep}")
     vs = "; no baseline to compare against"
     base_over = False
     p_cmp: float | None = None
     if base is not None and base_ok and base_value is not None:
         k0, n0 = int(base.errors), int(base.requests)
-        p_base = _binom_greater(k0, n0, max_rate)
+        p_base = quasi_binomial_sf(k0, n0, max_rate, phi)
         base_over = p_base < rule.alpha
-        p_cmp = float(stats.fisher_exact([[k, n - k], [k0, n0 - k0]],
+        ke, ne, k0e, n0e = (round(x / phi) for x in (k, n, k0, n0))
+        p_cmp = float(stats.fisher_exact([[ke, ne - ke], [k0e, n0e - k0e]],
                                          alternative="greater").pvalue)
         details.update(p_vs_baseline=p_cmp, p_baseline_over_budget=p_base,
                        baseline_errors=k0, baseline_requests=n0)
         vs = (f"; baseline {_fmt('error_rate', base_value)} ({k0}/{n0}), Fisher p={p_cmp:.2g} "
               "for the candidate being worse")
     budget = _fmt("error_rate", max_rate)
+    test_name = "exact binomial" if phi == 1.0 else f"quasi-binomial (φ={phi:.2g})"
     if p_abs < rule.alpha and base_over:
         assert p_cmp is not None
         if p_cmp < rule.alpha:
             return result(Verdict.FAILED, f"{rule.name}: error rate of {_arm_name(snapshot)} "
-                          f"is {shown}, above the budget {budget} (exact binomial p="
+                          f"is {shown}, above the budget {budget} ({test_name} p="
                           f"{p_abs:.2g}) and worse than a failing baseline{vs} < "
                           f"α={rule.alpha:g}", p_cmp, details)
         details["infrastructure"] = True
@@ -756,29 +967,23 @@ def _judge_rate(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> R
     if p_abs < rule.alpha:
         return result(Verdict.FAILED, f"{rule.name}: error rate of {_arm_name(snapshot)} is "
                       f"{shown}, significantly above the budget {budget} (H0 rate ≤ {budget}, "
-                      f"exact binomial p={p_abs:.2g} < α={rule.alpha:g}){vs}", p_abs, details)
+                      f"{test_name} p={p_abs:.2g} < α={rule.alpha:g}){vs}", p_abs, details)
     return result(Verdict.PASSED, f"{rule.name}: error rate of {_arm_name(snapshot)} is "
-                  f"{shown}, not significantly above the budget {budget} (exact binomial "
+                  f"{shown}, not significantly above the budget {budget} ({test_name} "
                   f"p={p_abs:.2g} ≥ α={rule.alpha:g}){vs}", p_abs, details)
 
 
-def _binom_greater(k: int, n: int, rate: float) -> float:
-    """P(X ≥ k) for X ~ Binomial(n, rate); exact, also at rate 0 and 1."""
-    if k <= 0:
-        return 1.0
-    if rate <= 0.0:
-        return 0.0
-    if rate >= 1.0:
-        return 1.0
-    return float(stats.binom.sf(k - 1, n, rate))
-
-
-def _rate_interval(k: int, n: int, confidence: float) -> tuple[float, float]:
-    """Clopper-Pearson interval of a rate (exact, conservative)."""
+def _rate_interval(k: int, n: int, confidence: float, phi: float = 1.0) -> tuple[float, float]:
+    """Clopper-Pearson interval of a rate (exact, conservative), on the counts deflated by
+    the overdispersion ``phi`` (the beta-quantile form accepts non-integer counts)."""
     if n <= 0:
         return math.nan, math.nan
-    ci = stats.binomtest(k, n).proportion_ci(confidence_level=confidence, method="exact")
-    return float(ci.low), float(ci.high)
+    f = max(phi, 1.0)
+    ke, ne = k / f, n / f
+    tail = (1.0 - confidence) / 2.0
+    low = float(stats.beta.ppf(tail, ke, ne - ke + 1.0)) if ke > 0 else 0.0
+    high = float(stats.beta.ppf(1.0 - tail, ke + 1.0, ne - ke)) if ke < ne else 1.0
+    return low, high
 
 
 # --------------------------------------------------------------------------------------
@@ -905,6 +1110,11 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
       also beat it (arcsine approximation of Fisher's test), so n is the larger of the two.
     - ``threshold``: no test, so ``min_samples``.
 
+    A quantile rule is also floored at :func:`tail_reference_floor` (the baseline must put
+    :data:`MIN_TAIL_REFERENCE` requests above its quantile). The plans assume independent
+    requests; the block tests lose little power when blocks are close to independent, and
+    the report shows the lag-1 autocorrelation and overdispersion when they are not.
+
     The result is at least ``min_samples`` and at most 10 million.
 
     Raises:
@@ -934,7 +1144,7 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
                     (np.arange(20_000) + 0.5) / 20_000))
             p1 = _tail_exceedance(lat, q, r_tol, r_alt)
             n_q = _two_proportion_n(1.0 - q, p1, za, zb)
-            return int(min(max(n_q, min_samples), _MAX_PLAN))
+            return int(min(max(n_q, min_samples, tail_reference_floor(rule)), _MAX_PLAN))
         if lat is not None and lat.size >= 2:
             p = _prob_greater(np.log(lat), delta)
         else:
@@ -954,6 +1164,17 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
             n = max(n, _fisher_plan(p1, pb, za, zb))
         return int(min(max(n, min_samples), _MAX_PLAN))
     return max(min_samples, 1)
+
+
+def tail_reference_floor(rule: GateRule) -> int:
+    """Requests per version a quantile rule needs so that the baseline puts at least
+    :data:`MIN_TAIL_REFERENCE` of them above its quantile (3100 for p99, 620 for p95); 1 for
+    other rules."""
+    test = rule.test or _infer_test(rule.model_dump())
+    if test != "quantile":
+        return 1
+    q = _PERCENTILES.get(rule.metric, 50.0) / 100.0
+    return int(math.ceil((MIN_TAIL_REFERENCE + 1) / (1.0 - q)))
 
 
 def plan_samples(rules: Iterable[GateRule], *, baseline_latency_ms: np.ndarray | None = None,

@@ -66,6 +66,16 @@ def snap(candidate: ArmMeasurements | None = None, baseline: ArmMeasurements | N
                           extra={"server_intervals": server or []})
 
 
+NT = 3200
+"""Samples per arm of the tail tests: the baseline must put 30 requests above its p99."""
+
+
+def tsnap(candidate: ArmMeasurements, baseline: ArmMeasurements | None = None
+          ) -> CanarySnapshot:
+    """A snapshot for the tail rules: :data:`NT` samples per arm."""
+    return snap(candidate, baseline or arm(6, lat(NT, seed=1)), agreement_samples=NT)
+
+
 def rule(**kw: Any) -> GateRule:
     return GateRule(name=kw.pop("name", "r"), **kw)
 
@@ -278,17 +288,18 @@ def test_typical_latency(bounds: dict[str, Any], snapshot: CanarySnapshot, min_s
 @pytest.mark.parametrize(
     ("bounds", "snapshot", "min_samples", "expected"),
     [
-        pytest.param(P99, snap(arm(7, lat(seed=2))), 1000, P, id="equal-latency"),
-        pytest.param(P99, snap(arm(7, lat(seed=2, scale=1.5))), 1000, F, id="+50pct-everywhere"),
-        pytest.param(P99, snap(arm(7, tail_only(3000, tail_scale=2.5, seed=2)),
-                               arm(6, lat(3000, seed=1))), 1000, F, id="tail-only-p99"),
-        pytest.param(P99, snap(arm(7, body_only(body_scale=1.25, seed=2))), 1000, P,
+        pytest.param(P99, tsnap(arm(7, lat(NT, seed=2))), 1000, P, id="equal-latency"),
+        pytest.param(P99, tsnap(arm(7, lat(NT, seed=2, scale=1.5))), 1000, F,
+                     id="+50pct-everywhere"),
+        pytest.param(P99, snap(arm(7, tail_only(NT, tail_scale=2.5, seed=2)),
+                               arm(6, lat(NT, seed=1))), 1000, F, id="tail-only-p99"),
+        pytest.param(P99, tsnap(arm(7, body_only(NT, body_scale=1.25, seed=2))), 1000, P,
                      id="body-slower-tail-better"),
-        pytest.param(P99, snap(arm(7, lat(seed=2, scale=0.7))), 1000, P, id="faster"),
+        pytest.param(P99, tsnap(arm(7, lat(NT, seed=2, scale=0.7))), 1000, P, id="faster"),
         pytest.param({**P99, "max_increase_pct": 1.0, "min_effect_ms": 50.0},
-                     snap(arm(7, lat(seed=2, scale=1.5))), 1000, P, id="below-effect-floor"),
+                     tsnap(arm(7, lat(NT, seed=2, scale=1.5))), 1000, P, id="below-effect-floor"),
         pytest.param({"metric": "latency_p95_ms", "max_increase_pct": 10.0},
-                     snap(arm(7, lat(seed=2, scale=1.5))), 1000, F, id="p95-regression"),
+                     tsnap(arm(7, lat(NT, seed=2, scale=1.5))), 1000, F, id="p95-regression"),
         *[pytest.param(P99, *c.values, id=f"p99-{c.id}") for c in COMMON],
     ],
 )
@@ -301,7 +312,7 @@ def test_tail_latency(bounds: dict[str, Any], snapshot: CanarySnapshot, min_samp
 
 def test_rules_on_different_percentiles_give_different_answers() -> None:
     """The old judge gave p50, p95, p99 and mean rules the same p-value on the same data."""
-    snapshot = snap(arm(7, tail_only(tail_scale=2.0, seed=4)))
+    snapshot = tsnap(arm(7, tail_only(NT, tail_scale=2.0, seed=4)))
     ps = {m: judge(snapshot, rule(metric=m, max_increase_pct=10.0), min_samples=1).p_value
           for m in ("latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "latency_mean_ms")}
     assert ps["latency_p99_ms"] is not None and ps["latency_p99_ms"] < 0.01, ps
@@ -450,7 +461,7 @@ def test_severity_order_is_argos() -> None:
 def test_dry_run_failure_is_reported_but_does_not_block() -> None:
     rules = [rule(name="agreement", **AGREE),
              rule(name="p99_canary", dry_run=True, **P99)]
-    report = evaluate(snap(arm(7, lat(seed=2, scale=1.5))), rules, min_samples=1000)
+    report = evaluate(tsnap(arm(7, lat(NT, seed=2, scale=1.5))), rules, min_samples=1000)
     by_name = {r.rule: r for r in report.results}
     assert by_name["p99_canary"].verdict is F and by_name["p99_canary"].dry_run
     assert report.verdict is P
@@ -462,9 +473,9 @@ def test_dry_run_failure_is_reported_but_does_not_block() -> None:
 
 
 def test_evaluate_default_gates_on_a_regression() -> None:
-    candidate = arm(7, lat(N - 10, seed=2, scale=1.5), requests=N, errors=10, queue=50.0,
+    candidate = arm(7, lat(NT - 16, seed=2, scale=1.8), requests=NT, errors=16, queue=50.0,
                     compute=700.0)
-    baseline = arm(6, BASE_LAT, requests=N, errors=0, queue=50.0, compute=500.0)
+    baseline = arm(6, lat(NT, seed=1), requests=NT, errors=0, queue=50.0, compute=500.0)
     report = evaluate(snap(candidate, baseline, server=intervals(1.4)), default_gates(),
                       min_samples=1000)
     assert isinstance(report, GateReport)
@@ -475,7 +486,8 @@ def test_evaluate_default_gates_on_a_regression() -> None:
     assert report.required_samples >= 1000
     document = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert document["verdict"] == "failed"
-    assert document["results"][2]["samples"] == {"candidate": N, "baseline": N}
+    assert document["results"][2]["samples"] == {"candidate": NT, "baseline": NT}
+    assert document["family_alpha"] == pytest.approx(0.05)
     assert document["results"][4]["value"] == pytest.approx(750 / 550)  # the whole run
     assert document["results"][4]["details"]["geometric_mean_ratio"] == pytest.approx(1.4,
                                                                                      rel=0.03)

@@ -69,7 +69,7 @@ GATES = {g.name: g for g in default_gates()}
 @pytest.mark.parametrize("name", list(GATES))
 def test_aa_false_rollbacks_stay_below_alpha(name: str) -> None:
     rule = GATES[name]
-    n = 2000
+    n = 3200  # the p99 rule needs 30 baseline requests above the p99
 
     def aa(rng: np.random.Generator) -> CanarySnapshot:
         c_err, b_err = rng.binomial(n, 0.0005, 2)
@@ -87,7 +87,7 @@ def test_aa_false_rollbacks_stay_below_alpha(name: str) -> None:
 def test_exactly_at_the_tolerance_fails_about_alpha(metric: str) -> None:
     """C is P scaled by exactly the tolerance (1.1): the boundary of H0."""
     rule = GateRule(name=f"at-{metric}", metric=metric, max_increase_pct=10.0, alpha=0.05)
-    n = 1000
+    n = 3200 if metric == "latency_p99_ms" else 1000
 
     def at_tolerance(rng: np.random.Generator) -> CanarySnapshot:
         return canary(draw(rng, n, scale=1.1), draw(rng, n))

@@ -34,7 +34,7 @@ RULES = [
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _arm(version: int, median_ms: float, *, n: int = 2000, errors: int = 0,
+def _arm(version: int, median_ms: float, *, n: int = 3200, errors: int = 0,
          seed: int = 0) -> ArmMeasurements:
     rng = np.random.default_rng(seed)
     return ArmMeasurements(version=version,
@@ -102,7 +102,7 @@ def test_markdown_of_a_passing_canary_has_verdict_gates_latency_and_plot_link() 
     assert "| rule | value | baseline | threshold | p-value | verdict |" in text
     for rule in ("latency_p99", "error_rate", "agreement"):
         assert f"| {rule} |" in text
-    assert "| baseline | v7 | 2000 |" in text and "| candidate | v8 | 2000 |" in text
+    assert "| baseline | v7 | 3200 |" in text and "| candidate | v8 | 3200 |" in text
     assert "99.50% of 2000 rows agree (classifier: same top-1 label)." in text
     assert "![Latency ECDF, baseline against candidate](canary.png)" in text
     assert "required 1500" in text
