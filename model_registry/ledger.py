@@ -37,9 +37,12 @@ LEDGER_PREFIX = "releases"
 Kind = Literal["promote", "rollback", "swap", "canary", "unlock"]
 Trigger = Literal["cli", "deployment", "schedule", "webhook"]
 #: ``running`` until the release ends; ``interrupted`` when a later run found it running
-#: without a holder (the process died).
+#: without a holder (the process died) and finished or undid what it left; ``cancelled``
+#: when a signal or a cancel stopped it and it undid its own swap; ``incomplete`` when its
+#: way out could not be finished (a dependency was down): ``incomplete`` in the record says
+#: the goal and what is missing, and the next command of any kind finishes it.
 Status = Literal["running", "released", "rejected", "failed", "rolled_back", "interrupted",
-                 "noop", "planned", "passed"]
+                 "cancelled", "incomplete", "noop", "planned", "passed"]
 #: Statuses after which the record's ``to_version`` served on every replica.
 SERVED_STATUSES = frozenset({"released", "rolled_back_to"})
 
@@ -99,6 +102,15 @@ class ReleaseRecord:
         notes: Things that went wrong without changing the outcome (Slack down, ...).
         slack: Where the release thread is (channel, ts).
         holder: The process that ran it (host, pid, flow run id).
+        intent: What the release is about to change, written **before** the first change
+            of the fleet (:func:`release_intent`): ``from_version``, ``to_version``, the
+            pin and the aliases from and to, the tag; ``committed_at`` once it passed its
+            point of no return (the bake passed; a plain swap or rollback switched).
+            Empty for a record that never reached its swap.
+        incomplete: Set while the record's status is ``incomplete``: ``goal``
+            (``released`` or ``undone``), ``missing`` (the steps left, in words),
+            ``error`` (why they could not be done), and the ``status``, ``exit_code`` and
+            ``reason`` the record gets once they are done.
     """
 
     id: str
@@ -124,6 +136,8 @@ class ReleaseRecord:
     notes: list[str] = field(default_factory=list)
     slack: dict[str, Any] = field(default_factory=dict)
     holder: dict[str, Any] = field(default_factory=dict)
+    intent: dict[str, Any] = field(default_factory=dict)
+    incomplete: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def start(cls, kind: Kind, model: str, *, trigger: str = "cli",
@@ -158,6 +172,7 @@ class ReleaseRecord:
             "bake": jsonable(self.bake), "approvals": jsonable(self.approvals),
             "forced": self.forced, "dry_run": self.dry_run, "notes": list(self.notes),
             "slack": jsonable(self.slack), "holder": jsonable(self.holder),
+            "intent": jsonable(self.intent), "incomplete": jsonable(self.incomplete),
         }
 
     @classmethod
@@ -172,6 +187,39 @@ class ReleaseRecord:
 
 # --------------------------------------------------------------------------------------
 # pure decisions over the records
+
+
+RELEASE_ID_TAG = "modelship.release_id"
+
+
+def release_intent(*, from_version: int | None, to_version: int,
+                   aliases: dict[str, int] | None, release_id: str) -> dict[str, Any]:
+    """What a fleet change is about to do, for the record before the first change.
+
+    Args:
+        from_version: What every replica serves now (None: nothing, a first release).
+        to_version: What they are to serve.
+        aliases: The model's aliases now (``production``, ``previous``); None when they
+            could not be read: an undo then leaves ``previous`` as it is (``"keep"``).
+        release_id: The record's id, the value of the ``modelship.release_id`` tag.
+
+    Returns:
+        ``{"from_version", "to_version", "pin": {"from", "to"}, "aliases": {"production":
+        {"from", "to"}, "previous": {"from", "to"}}, "tag": {"version", "release_id"},
+        "written_at", "committed_at": None}``: released means every "to" holds, undone
+        means the fleet, the pin and ``production`` say ``from_version`` and ``previous``
+        is what it was.
+    """
+    known: dict[str, Any] = aliases if aliases is not None else \
+        {"production": from_version, "previous": "keep"}
+    previous_to = from_version if from_version is not None and from_version != to_version \
+        else known.get("previous", "keep")
+    return {"from_version": from_version, "to_version": to_version,
+            "pin": {"from": from_version, "to": to_version},
+            "aliases": {"production": {"from": known.get("production"), "to": to_version},
+                        "previous": {"from": known.get("previous"), "to": previous_to}},
+            "tag": {"version": to_version, "release_id": release_id},
+            "written_at": now_iso(), "committed_at": None}
 
 
 def candidate_digest(model: str, version: int, manifest: dict[str, Any],
@@ -206,8 +254,9 @@ def served_versions(records: Iterable[ReleaseRecord]) -> set[int]:
     served: set[int] = set()
     for record in records:
         if record.kind in ("promote", "swap", "rollback") and record.status in (
-                "released", "rolled_back", "noop"):
-            if record.to_version is not None and record.status != "rolled_back":
+                "released", "rolled_back", "cancelled", "noop"):
+            if record.to_version is not None and record.status not in ("rolled_back",
+                                                                        "cancelled"):
                 served.add(record.to_version)
             if record.from_version is not None:
                 served.add(record.from_version)

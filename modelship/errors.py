@@ -28,7 +28,11 @@ boundary with ``raise ... from exc`` and never leak into ``flows/``.
         ├── ApprovalUnavailable         exit 2  approval needed, no channel to ask it
         ├── BakeBreached                exit 4  the bake rolled the release back
         ├── SwapAborted                 exit 1
-        └── ReleaseLocked               exit 1
+        ├── ReleaseLocked               exit 1
+        ├── ReleaseIncomplete           exit 1  a way out could not be finished; recorded
+        │                                       ``incomplete``, the next command finishes it
+        └── ReleaseCancelled            exit 128 + signal (130 SIGINT, 143 SIGTERM): a stop
+                                                request; the release ended undone
 """
 
 from __future__ import annotations
@@ -175,3 +179,24 @@ class SwapAborted(ReleaseError):
 
 class ReleaseLocked(ReleaseError):
     """Another release or swap of the same model is already running."""
+
+
+class ReleaseIncomplete(ReleaseError):
+    """A release could not reach released or undone now (a dependency is down); its record
+    says ``incomplete`` and what is missing, and the next command finishes it."""
+
+
+class ReleaseCancelled(ReleaseError):
+    """A SIGINT, SIGTERM or Prefect cancel stopped a release, which undid what it had
+    changed (or finished it, past its point of no return) before it stopped.
+
+    Args:
+        signum: The signal; the exit code is ``128 + signum`` (130, 143).
+    """
+
+    exit_code = 130
+
+    def __init__(self, message: str, *, signum: int, hint: str | None = None,
+                 **details: object) -> None:
+        super().__init__(message, hint=hint, signal=signum, **details)
+        self.exit_code = 128 + signum

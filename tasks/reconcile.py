@@ -233,6 +233,7 @@ def reconcile(
     probe_timeout_s: float = 5.0,
     dry_run: bool = False,
     lock: Lock | None = None,
+    recover: Callable[[str], dict[str, Any]] | None = None,
     progress: Progress = _quiet,
 ) -> dict[str, Any]:
     """Bring every reachable replica to each pinned model's production; report changes.
@@ -248,6 +249,10 @@ def reconcile(
         dry_run: Plan only.
         lock: ``lock(model)`` returns a context manager held while that model is
             reconciled (the release lock, so a reconcile never races a swap).
+        recover: ``recover(model)``, called under that lock before anything else:
+            finishes or undoes what dead or incomplete releases of the model left
+            (:func:`flows.fleet.recover_model`), so the pin read next is the truth; what
+            it did is reported as ``recovered``. Skipped on a dry run.
         progress: Receives one human line per step.
 
     Returns:
@@ -263,11 +268,15 @@ def reconcile(
         guard = lock(name) if lock is not None else nullcontext()
         try:
             with guard:
-                results.append(_reconcile_model(
+                recovered = recover(name) if recover is not None and not dry_run else None
+                result = _reconcile_model(
                     replicas, model=name, storage=storage,
                     repository_prefix=repository_prefix, signing_key=signing_key,
                     timeout_s=timeout_s, probe_timeout_s=probe_timeout_s, dry_run=dry_run,
-                    progress=progress))
+                    progress=progress)
+                if recovered and (recovered.get("finished") or recovered.get("unloaded")):
+                    result["recovered"] = recovered
+                results.append(result)
         except ModelshipError as exc:
             progress(f"{name}: not reconciled: {exc.message}")
             results.append({"model": name, "ok": False, "changed": [], "error": exc.message,

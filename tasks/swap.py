@@ -53,6 +53,7 @@ from modelship.errors import (
     Unreachable,
 )
 from modelship.policy import GpuPolicy, SwapPolicy
+from modelship.signals import deferred
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
 from modelship.triton.gpu import check_headroom, initializer_bytes, plan_headroom
@@ -484,18 +485,28 @@ def _run_phase(servers: dict[str, TritonServer], names: Sequence[str], phase: Ph
     }
     pending: set[Future[_Outcome]] = set(futures.values())
     join_by = deadline + JOIN_GRACE_S
-    while pending:
-        done, pending = wait(pending, timeout=max(0.0, join_by - time.monotonic()),
-                             return_when=FIRST_COMPLETED)
-        if not done:
-            break
-        if stop_on_failure and any(not f.result().ok for f in done):
-            cancel.set()
+    try:
+        while pending:
+            done, pending = wait(pending, timeout=max(0.0, join_by - time.monotonic()),
+                                 return_when=FIRST_COMPLETED)
+            if not done:
+                break
+            if stop_on_failure and any(not _outcome_of(f, swap_start).ok for f in done):
+                cancel.set()
+    except BaseException:
+        # Stopped (a signal, a cancel) while replicas work: they send nothing more, and the
+        # loads in flight end before the caller's abort sends P, so no late C load lands
+        # after it (bounded by the deadline, as always).
+        cancel.set()
+        with deferred(f"the {phase.name} phase of {model} stops", say=None):
+            wait(pending, timeout=max(0.0, join_by - time.monotonic()))
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
     pool.shutdown(wait=False, cancel_futures=True)  # a stuck gRPC load must not hold the abort
     results: dict[str, _Outcome] = {}
     for name, future in futures.items():
         if future.done():
-            results[name] = future.result()
+            results[name] = _outcome_of(future, swap_start)
         else:
             at = time.monotonic() - swap_start
             results[name] = _Outcome(False, f"no outcome within the deadline "
@@ -860,12 +871,57 @@ def swap_fleet(
     return report
 
 
+def _outcome_of(future: Future[_Outcome], swap_start: float) -> _Outcome:
+    """A finished replica's outcome; one that raised (any exception, a BaseException from
+    a fault hook included) failed its phase."""
+    error = None if future.cancelled() else future.exception()
+    if future.cancelled() or error is not None:
+        at = time.monotonic() - swap_start
+        why = "cancelled" if error is None else f"{type(error).__name__}: {error}"
+        return _Outcome(False, why, at, 0.0)
+    return future.result()
+
+
 def _execute(plan: SwapPlan, servers: dict[str, TritonServer], report: SwapReport, *,
              model: str, swap_start: float, policy: SwapPolicy, probe: _Probe,
              fault: Fault | None, progress: Progress) -> SwapRun:
-    """Walk the plan's run: ask next_action, perform it, record every outcome."""
-    run = start(plan)
+    """Walk the plan's run: ask next_action, perform it, record every outcome.
+
+    Any way out of a forward phase (an exception of any type, SIGINT, SIGTERM, a Prefect
+    cancel) aborts: the replicas still pending fail with the reason, the abort phase runs
+    on every replica with signals held back (:func:`modelship.signals.deferred`), and the
+    exception goes on up. The fleet never stays mixed because the coordinator was told to
+    stop."""
+    box = [start(plan)]  # the run as last recorded, for the abort
+    try:
+        return _walk(box, plan, servers, report, model=model, swap_start=swap_start,
+                     policy=policy, probe=probe, fault=fault, progress=progress)
+    except BaseException as exc:
+        run = box[0]
+        why = f"stopped: {type(exc).__name__}: {exc}".rstrip(": ")
+        with deferred(f"the swap of {model} aborts", say=progress):
+            progress(f"{model}: {why}; aborting the swap on every replica")
+            action = next_action(run)
+            if isinstance(action, RunPhase):
+                at = time.monotonic() - swap_start
+                for name in action.replicas:
+                    run = record(run, name, action.phase.name, False, reason=why, at=at)
+            box[0] = run
+            if isinstance(next_action(run), AbortPhase):
+                _walk(box, plan, servers, report, model=model, swap_start=swap_start,
+                      policy=policy, probe=probe, fault=None, progress=progress)
+            report.aborted = True
+            report.reason = why
+        raise
+
+
+def _walk(box: list[SwapRun], plan: SwapPlan, servers: dict[str, TritonServer],
+          report: SwapReport, *, model: str, swap_start: float, policy: SwapPolicy,
+          probe: _Probe, fault: Fault | None, progress: Progress) -> SwapRun:
+    """Perform next_action until the run is done or aborted. ``box[0]`` is the run as
+    last recorded (read by the abort when an exception cuts the walk short)."""
     while True:
+        run = box[0]
         action = next_action(run)
         if not isinstance(action, RunPhase | AbortPhase):
             return run
@@ -884,6 +940,7 @@ def _execute(plan: SwapPlan, servers: dict[str, TritonServer], report: SwapRepor
             if outcome.answered_at_s is not None and phase.expect_version == plan.to_version \
                     and name not in report.timeline and isinstance(action, RunPhase):
                 report.timeline[name] = outcome.answered_at_s
-            run = record(run, name, phase.name, outcome.ok, outcome.reason, outcome.at_s)
+            run = box[0] = record(run, name, phase.name, outcome.ok, outcome.reason,
+                                  outcome.at_s)
             status = "ok" if outcome.ok else f"FAILED: {outcome.reason}"
             progress(f"{model}: {phase.name} on {name}: {status} ({outcome.seconds:.2f} s)")

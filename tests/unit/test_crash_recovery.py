@@ -1,4 +1,5 @@
-"""Which running records belong to dead runs (the rerun's crash recovery), as a table."""
+"""Which running records belong to dead runs (the rerun's crash recovery), as a table; a
+live run of the same model in another terminal is never one of them."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
-from flows.promote import dead_runs
 from model_registry.ledger import ReleaseRecord, StageEntry, now_iso
+from tasks.recovery import dead_runs, recover
 
 
 def _gone_pid() -> int:
@@ -55,7 +57,7 @@ DEAD = _gone_pid()
 ])
 def test_dead_runs(record: ReleaseRecord, dead: bool) -> None:
     current = _record(host=HERE, pid=os.getpid())
-    found = dead_runs(_Ledger([record, current]), "m", current.id)  # type: ignore[arg-type]
+    found = dead_runs(_Ledger([record, current]), "m", current.id)
     assert [r.id for r in found] == ([record.id] if dead else [])
 
 
@@ -68,9 +70,25 @@ class _WritingLedger(_Ledger):
         self.written.append(record.id)
 
 
+class _NoEffects:
+    """Effects for records that never changed the fleet: any call is a test failure."""
+
+    def fleet_to(self, version: int | None) -> None:
+        raise AssertionError("no fleet change expected")
+
+    def set_alias(self, alias: str, version: int | None) -> None:
+        raise AssertionError("no alias change expected")
+
+    def tag_release(self, version: int, release_id: str) -> None:
+        raise AssertionError("no tag expected")
+
+
+def _unseen(_record: ReleaseRecord) -> Any:
+    raise AssertionError("a record without an intent needs no observation")
+
+
 def test_a_run_that_died_waiting_for_approval_has_its_request_closed() -> None:
     """A click for it is then refused by the approvals rules (already interrupted)."""
-    from flows.promote import _mark_interrupted
     from modelship.approvals.rules import check_decision
 
     dead = _record(host=HERE, pid=DEAD, stages=("resolve", "check", "stage", "canary",
@@ -81,7 +99,8 @@ def test_a_run_that_died_waiting_for_approval_has_its_request_closed() -> None:
                        "expires_at": 4e9}]
     current = _record(host=HERE, pid=os.getpid())
     ledger = _WritingLedger([dead, current])
-    _mark_interrupted(ledger, "m", current.id)  # type: ignore[arg-type]
+    recover(ledger, "m", by=current.id, observe=_unseen,
+            effects=_NoEffects())
     assert ledger.written == [dead.id] and dead.status == "interrupted"
     assert dead.approvals[0]["status"] == "interrupted" and current.id in \
         dead.approvals[0]["reason"]
@@ -89,3 +108,16 @@ def test_a_run_that_died_waiting_for_approval_has_its_request_closed() -> None:
                              release_id=dead.id, digest=digest, allowed={"U1"}, now=0.0)
     assert (verdict.ok, verdict.code, verdict.status) == (False, "already_decided", 409)
     assert "interrupted" in verdict.message
+
+
+def test_two_terminals_the_live_run_is_never_marked_interrupted() -> None:
+    """Terminal A checks v3 (running, its process alive, no lock yet); terminal B takes the
+    lock and recovers: only the dead run ends, A's record is not written at all."""
+    live = _record(host=HERE, pid=os.getpid(), stages=("resolve", "check"))
+    dead = _record(host=HERE, pid=DEAD, stages=("resolve", "check"))
+    current = _record(host=HERE, pid=os.getpid())
+    ledger = _WritingLedger([live, dead, current])
+    report = recover(ledger, "m", by=current.id, observe=_unseen,
+                     effects=_NoEffects())
+    assert report["interrupted"] == [dead.id] and ledger.written == [dead.id]
+    assert live.status == "running" and dead.status == "interrupted"
