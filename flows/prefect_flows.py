@@ -19,6 +19,7 @@ from flows.check import run_check
 from modelship.clients import build_clients
 from modelship.policy import policy_for
 from modelship.settings import load_settings
+from modelship.signals import stop_on_signals
 
 
 class CheckParams(BaseModel):
@@ -72,9 +73,11 @@ def swap_flow(params: SwapParams) -> dict[str, Any]:
     settings = load_settings()
     clients = build_clients(settings)
     try:
-        return fleet.swap(settings, clients, policy_for(params.model, settings.policies_dir),
-                          model=params.model, target=params.version, force=params.force,
-                          dry_run=params.dry_run, requester="deployment", progress=print)
+        with stop_on_signals():  # a cancel (SIGTERM) stops it cleanly: aborted or undone
+            return fleet.swap(settings, clients,
+                              policy_for(params.model, settings.policies_dir),
+                              model=params.model, target=params.version, force=params.force,
+                              dry_run=params.dry_run, requester="deployment", progress=print)
     finally:
         clients.close()
 
@@ -85,9 +88,11 @@ def rollback_flow(params: RollbackParams) -> dict[str, Any]:
     settings = load_settings()
     clients = build_clients(settings)
     try:
-        return fleet.rollback(settings, clients,
-                              policy_for(params.model, settings.policies_dir),
-                              model=params.model, to=params.version, dry_run=params.dry_run,
-                              requester="deployment", progress=print)
+        with stop_on_signals():  # a cancel (SIGTERM) stops it cleanly: aborted or undone
+            return fleet.rollback(settings, clients,
+                                  policy_for(params.model, settings.policies_dir),
+                                  model=params.model, to=params.version,
+                                  dry_run=params.dry_run, requester="deployment",
+                                  progress=print)
     finally:
         clients.close()
