@@ -1,8 +1,10 @@
-"""Write benchmark figures to ``bench/results/NAME.json`` and print a short table."""
+"""Write benchmark figures to ``bench/results/NAME.json`` and print a short table; the
+Wilson interval the simulation benches report rates with."""
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import time
 from collections.abc import Sequence
@@ -30,3 +32,14 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
     from modelship.output import table
 
     print(f"\n{title}\n{table(headers, rows)}")
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a rate k/n (NaN without trials)."""
+    if n == 0:
+        return math.nan, math.nan
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)

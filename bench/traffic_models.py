@@ -139,3 +139,63 @@ def arm(rng: np.random.Generator, n: int, *, phi: float = 0.0, error_rate: float
     failed = bursty_errors(rng, n, error_rate, mean_burst)
     times = (np.arange(n) + 0.5) * (duration_s / max(n, 1))
     return Arm(lat[~failed], times[~failed], times[failed])
+
+
+# ----------------------------------------------------------------------------- the bake
+
+
+def queueing_factor(load: np.ndarray | float, base_util: float = 0.25) -> np.ndarray:
+    """Latency multiplier of a server at ``load`` × its usual traffic, when the usual
+    traffic keeps it busy ``base_util`` of the time (M/M/1: the time in system ∝
+    1 / (1 - ρ)). With the default 0.25, doubling the traffic makes requests ×1.5 slower
+    (the issue's surge); ρ is capped at 0.95."""
+    rho = np.minimum(base_util * np.asarray(load, dtype=float), 0.95)
+    return np.asarray((1.0 - base_util) / (1.0 - rho))
+
+
+@dataclass(frozen=True)
+class BakeTraffic:
+    """A simulated bake: per window, the probe's latencies and the fleet's requests.
+
+    Attributes:
+        latency_ms: The probe's answered latencies in each window, ms.
+        requests: Answered requests per window (probe and organic).
+        errors: Failed requests per window.
+        rate_rps: Requests per second the fleet counted in each window.
+        reference: The first ``reference`` windows are the pre-swap reference.
+    """
+
+    latency_ms: tuple[np.ndarray, ...]
+    requests: np.ndarray
+    errors: np.ndarray
+    rate_rps: np.ndarray
+    reference: int
+
+
+def bake_traffic(rng: np.random.Generator, *, reference: int, windows: int,
+                 window_s: float = 2.0, probe_rps: float = 40.0, phi: float = 0.0,
+                 sampler: Sampler = standard_latency, scale: float = 1.0,
+                 load_after: float = 1.0, load_at: int = 0, error_rate: float = 0.0,
+                 mean_burst: float = 1.0, base_util: float = 0.25) -> BakeTraffic:
+    """``reference`` pre-swap windows, then ``windows`` after the swap, of one fleet.
+
+    The probe sends ``probe_rps`` in every window; its latencies are one AR(1) series of
+    ``phi`` across the whole run (:func:`ar1_latency`), so dependence crosses windows and
+    the swap. After the swap the version's latency is ×``scale``, and from window
+    ``load_at`` after it the traffic is ×``load_after`` (a surge: more requests, slower
+    by :func:`queueing_factor`). Failures follow :func:`bursty_errors` over every request
+    after the swap (probe and organic), in order, so bursts cross window edges.
+    """
+    per = max(int(round(probe_rps * window_s)), 1)
+    total = reference + windows
+    lat = ar1_latency(rng, per * total, phi, sampler).reshape(total, per)
+    load = np.ones(total)
+    load[reference + max(load_at, 0):] = load_after
+    lat = lat * queueing_factor(load, base_util)[:, None] / queueing_factor(1.0, base_util)
+    lat[reference:] *= scale
+    sent = np.rint(per * load).astype(np.int64)
+    failed = bursty_errors(rng, int(sent.sum()), error_rate, mean_burst)
+    errors = np.add.reduceat(failed.astype(np.int64), np.concatenate([[0],
+                                                                      np.cumsum(sent)[:-1]]))
+    errors[:reference] = 0
+    return BakeTraffic(tuple(lat), sent - errors, errors, sent / window_s, reference)

@@ -192,17 +192,18 @@ def swap_task(settings: Settings, clients: Clients, policy: Policy, model: str, 
 @task(name="baseline", task_run_name="pre-swap window {model} v{version}",
       cache_policy=NO_CACHE)
 def baseline_task(settings: Settings, clients: Clients, policy: Policy, model: str,
-                  version: int, payload: Any) -> baking.Window:
-    """The bake's reference: the same probe load on production just before the swap."""
-    return baking.measure_window(clients.replicas, index=-1, model=model, version=version,
-                                 payload=payload, policy=policy.bake,
-                                 seconds=policy.bake.baseline_s,
-                                 timeout_s=settings.http_timeout_s)
+                  version: int, payload: Any) -> baking.Reference:
+    """The bake's reference: the same probe load on production just before the swap, in
+    windows (blocks) with the load each saw."""
+    return baking.measure_reference(clients.replicas, model=model, version=version,
+                                    payload=payload, policy=policy.bake,
+                                    timeout_s=settings.http_timeout_s,
+                                    progress=get_run_logger().info)
 
 
 @task(name="bake", task_run_name="bake {model} v{version}", cache_policy=NO_CACHE)
 def bake_task(settings: Settings, clients: Clients, policy: Policy, model: str, version: int,
-              payload: Any, baseline: baking.Window | None) -> baking.BakeReport:
+              payload: Any, baseline: baking.Reference | None) -> baking.BakeReport:
     """Watch the fleet after the swap; the verdict decides whether to roll back."""
     return baking.watch(clients.replicas, model=model, version=version, payload=payload,
                         policy=policy.bake, baseline=baseline,
@@ -346,13 +347,21 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
 
 
 def _bake(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,
-          payload: Any, baseline: baking.Window | None, details: dict[str, Any]) -> None:
-    """Watch; on a breach or a lost replica, roll the fleet back to what served."""
+          payload: Any, baseline: baking.Reference | None, details: dict[str, Any]) -> None:
+    """Watch; on a breach or a lost replica, roll the fleet back to what served.
+
+    A bake whose latency rules held in every window (the load left what the reference
+    covers; errors were judged throughout) lets the release complete: the record's bake
+    says ``held`` and a note says latency was never judged, and why.
+    """
     version, previous = int(record.to_version or 0), record.from_version
     report = bake_task(settings, clients, policy, record.model, version, payload, baseline)
     record.bake = report.to_dict()
     details.update(outcome=report.verdict.outcome, reason=report.verdict.reason)
-    if report.verdict.outcome == "passed":
+    if report.verdict.outcome == "held":
+        record.notes.append(f"bake: latency not judged, released on errors alone: "
+                            f"{report.verdict.reason}")
+    if report.verdict.outcome in ("passed", "held"):
         return
     rollback = fleet.undo_swap(settings, clients, policy, model=record.model,
                                previous=previous)
@@ -544,9 +553,7 @@ def release_plan(settings: Settings, clients: Clients, policy: Policy,
                    f"answered requests per version, at most {canary.max_duration_s:g} s"},
         "replicas": [s.name for s in clients.replicas],
         "canary_server": clients.canary.name if clients.canary else None,
-        "bake": {"duration_s": policy.bake.duration_s,
-                 "max_error_rate": policy.bake.max_error_rate,
-                 "max_latency_increase_pct": policy.bake.max_latency_increase_pct},
+        "bake": baking.plan(policy.bake),
         "rollback_target": record.from_version,
         "approval": approval.to_dict(),
         "staging": staged.get("plan", []),

@@ -983,17 +983,20 @@ class BakePolicy(_Section):
         "Float > 0. Default 2.",
     )
     baseline_s: float = Field(
-        default=4.0,
+        default=30.0,
         gt=0,
         description="Seconds of the same probe load on the production version just before "
-        "the swap: the pre-swap window the latency is compared with. Float > 0. Default 4.",
+        "the swap, in windows of `window_s`: the pre-swap reference the latency is compared "
+        "with, at the load it saw. Its size bounds what the bake can tell apart: with 30 s "
+        "at 80 req/s, +30% latency is caught ≥ 90% within a 120-s bake (`promote --dry-run` "
+        "prints the effective tolerance). Float > 0. Default 30.",
     )
     probe_rps: float = Field(
-        default=40.0,
+        default=80.0,
         gt=0,
-        description="Requests per second of golden rows the bake sends across the fleet, so "
-        "there is always evidence (organic traffic counts too, through Triton's metrics). "
-        "Float > 0. Default 40.",
+        description="Requests per second of golden rows the bake sends across the fleet, "
+        "before the swap (the reference) and after it, so there is always evidence (organic "
+        "traffic counts too, through Triton's metrics). Float > 0. Default 80.",
     )
     max_error_rate: float = Field(
         default=0.001,
@@ -1009,28 +1012,30 @@ class BakePolicy(_Section):
         gt=0,
         lt=1,
         description="Chance that the bake rolls back a version whose error rate is within "
-        "`max_error_rate`, over the whole bake however many windows it looks at (an "
-        "e-process, Ville's inequality); the latency rules together get the same chance for "
-        "a version within the latency tolerance (half for the pre-swap reference bound, half "
-        "for the looks). Float in (0, 1). Default 0.01.",
+        "`max_error_rate`, over the whole bake however many windows it looks at (a betting "
+        "e-process on per-window error fractions, valid with bursts; Ville's inequality); "
+        "the latency rules together get the same chance for a version within the latency "
+        "tolerance at matched load (windows as blocks, Bonferroni over a fixed schedule of "
+        "looks). Float in (0, 1). Default 0.01.",
     )
     max_latency_increase_pct: float = Field(
         default=25.0,
         gt=0,
-        description="Latency tolerance after the swap, in percent of the pre-swap window: a "
-        "probe request counts as slow when it takes longer than the pre-swap quantile (see "
-        "`latency_quantiles`) times 1 + this / 100, and the release rolls back once slow "
-        "requests are more frequent than before the swap with always-valid evidence (an "
-        "e-process over every window; false rollbacks ≤ `alpha` in all). Float > 0. "
-        "Default 25 (×1.5 is caught within a few windows).",
+        description="Latency tolerance after the swap, in percent of the pre-swap reference "
+        "at matched load: the release rolls back once the windows since the swap show the "
+        "probe's quantile (see `latency_quantiles`, per window) above the reference's times "
+        "1 + this / 100 (false rollbacks ≤ `alpha` in all, however many windows). Windows "
+        "whose request rate left the reference's (`load_tolerance_pct`) are held, not "
+        "judged. Float > 0. Default 25 (×1.5 is caught within a few windows, +30% within "
+        "120 s).",
     )
     latency_quantiles: list[float] = Field(
         default_factory=lambda: [0.5, 0.9],
         description="Quantiles of the probe's per-request latency judged after the swap, "
-        "one always-valid rule each (`alpha` split evenly between them): 0.5 for the "
-        "typical request, 0.9 for the tail (a higher one needs a longer `baseline_s`: the "
-        "pre-swap window must put enough requests above it). Each in (0, 1); `[]` turns "
-        "the latency rules off. Default `[0.5, 0.9]`.",
+        "one rule each on the windows' quantiles (`alpha` split evenly between them): 0.5 "
+        "for the typical request, 0.9 for the tail (a higher one needs more probe requests "
+        "per window: `probe_rps` × `window_s` should put ≥ 10 above it). Each in (0, 1); "
+        "`[]` turns the latency rules off. Default `[0.5, 0.9]`.",
     )
     min_latency_effect_us: float = Field(
         default=300.0,
@@ -1038,6 +1043,14 @@ class BakePolicy(_Section):
         description="A latency increase smaller than this many µs never counts as slow "
         "(noise floor on small models): the slow limit is at least the pre-swap quantile "
         "plus this. Float ≥ 0. Default 300.",
+    )
+    load_tolerance_pct: float = Field(
+        default=20.0,
+        gt=0,
+        description="How far the fleet's request rate (Triton's count, every replica) may "
+        "move from the pre-swap reference's, in percent, before the latency rules hold: a "
+        "window outside it is not judged on latency (no rollback, no pass on latency alone; "
+        "errors are still judged) and the record says so. Float > 0. Default 20.",
     )
     breach_windows: int = Field(
         default=2,

@@ -1,63 +1,95 @@
 """Stage 9, bake: watch the fleet after the swap; a breach rolls back (SageMaker's baking
-period).
+period). Load is part of the evidence: a traffic surge is never blamed on the new version.
 
 The bake sends a light probe load of golden rows across every replica (so there is always
 evidence, even with no organic traffic) and, window by window, reads Triton's metrics on
-every replica. It judges each window against the **pre-swap window**, the same probe load
-on the production version measured just before the swap:
+every replica. **Each window is one block of evidence** (a time block, not a request:
+requests of one version are serially correlated through its queue, batcher and instances,
+and errors come in bursts). Every window records, next to its latency and errors, the
+**load** the fleet carried (:func:`modelship.triton.metrics.load_of`, per replica and in
+all): the request rate Triton counted (``nv_inference_request_success`` +
+``..._failure`` per second, organic traffic included), the time-average requests in flight
+(Little's law on ``nv_inference_request_duration_us``), the
+``nv_inference_pending_request_count`` gauge, and the mean queue and compute µs per
+request. The pre-swap **reference** is ``baseline_s`` of the same probe on the production
+version, cut into the same windows, with the same figures.
 
-- **errors**: failed requests seen by the probe plus failures Triton counted for the new
-  version (organic traffic included), against ``bake.max_error_rate``. The watch looks
-  after every window, so a per-window threshold would fail a version that is exactly at
-  its budget more and more often the longer it is watched. The rule is the always-valid
-  e-process of :mod:`tasks.sequential` instead (H0: the version's error rate ≤
-  ``max_error_rate``), over all windows so far: it breaches when the evidence reaches
-  ``1 / bake.alpha``, so over the whole bake, however many windows, a version within its
-  budget is rolled back with probability ≤ ``alpha`` (Ville's inequality). The mixing
-  prior is a Beta(1, b) with mean 20 × the budget, so a few errors over a small budget
-  are enough (3 of 160 at 0.1%), and a 50% failure rate breaches in the first window;
-- **latency**, one rule per quantile ``q`` of ``bake.latency_quantiles`` (p50 for the
-  typical request, p90 for the tail by default). The pre-swap window's per-request probe
-  latencies are the reference sample: ``τ`` is its ``k``-th order statistic,
-  ``k = ⌈q·n⌉``, and ``θ0 = P(latency > τ)`` before the swap is bounded above, exactly and
-  for any latency distribution, by the Clopper-Pearson bound at level ``α_q / 2`` on the
-  ``n - k`` reference requests above ``τ`` (``1 - F(X_(k))`` is Beta(n-k+1, k): the
-  distribution-free tolerance limit of Wilks, 1941; ``scipy.stats.beta``). After the
-  swap, each answered probe request is a Bernoulli trial, "slower than
-  ``max(τ·r, τ + min_latency_effect_us)``" with ``r = 1 + max_latency_increase_pct/100``,
-  and the one-sided Bernoulli mixture e-process :func:`tasks.sequential.log_e_above`
-  tests H0 ``P(trial) ≤ θ0`` over all windows so far; it breaches at ``2 / α_q``. By
-  Ville's inequality (and Howard, Ramdas, McAuliffe and Sekhon, "Time-uniform,
-  nonparametric, nonasymptotic confidence sequences", Ann. Statist. 2021, for the
-  time-uniform view) the e-process crosses with probability ≤ ``α_q / 2`` under H0 at any
-  window, so a version whose latency, divided by the tolerance, is no worse than before
-  the swap is rolled back with probability ≤ ``α_q`` (``α_q / 2`` for the reference bound,
-  ``α_q / 2`` for the looks) however many windows are watched, and the latency rules
-  together at most ``alpha`` (``α_q = alpha / len(latency_quantiles)``). This is the
-  quantile-exceedance form of Lindon, Sanden and Shirikian, "Rapid Regression Detection in
-  Software Deployments through Sequential Testing" (KDD 2022, arXiv:2205.14762): a mixture
-  likelihood ratio on counts, valid at every look. The old rule (the server-side mean
-  over a limit for ``breach_windows`` windows in a row) looked at every window with a
-  fixed threshold, so its false rollbacks grew with the bake's length; ``breach_windows``
-  is deprecated and ignored.
+Rules (pure: :func:`judge_windows`; the I/O around them is :func:`measure_window`):
 
-  The per-request samples are the probe's **client-side** latencies: Triton's metrics
-  only give sums per scrape (one mean per window, no quantiles, and too few windows for a
-  test), while the probe gives every request's latency. The pre-swap and post-swap
-  windows send the same golden rows at the same rate through the same client path to the
-  same replicas, so the client overhead is on both sides of the comparison and dilutes a
-  relative regression (the tolerance applies to the whole latency) rather than creating
-  one; like any before/after comparison, it assumes the machine's load did not change
-  across the swap. The server-side mean per window (queue + compute, from the metrics)
-  stays in every window's record and in the breach reason as evidence;
+- **errors** (``bake.max_error_rate``, level ``bake.alpha``): the unit is the window's
+  error fraction ``x_w`` (failed / all requests, probe failures plus Triton's count). H0:
+  each window's fraction has (conditional) mean ≤ the budget ``b``. The test is a betting
+  e-process, a mixture with equal weights of the capital processes
+  ``Π_w (1 + λ (x_w − b))`` for bets ``λ·b`` in :data:`ERROR_BETS` (Waudby-Smith and
+  Ramdas, "Estimating means of bounded random variables by betting", JRSS-B 86(1), 2024):
+  a non-negative supermartingale under H0 **whatever the dependence inside a window**, so
+  a burst of failures is one large observation, not many independent ones. It breaches at
+  ``1 / alpha`` (Ville's inequality: ≤ ``alpha`` false rollbacks over the whole bake,
+  however many windows). The per-request Bernoulli e-process this replaces rolled back 64%
+  of one-hour bakes of a version exactly at its budget when errors came in bursts of 8.
+  The price: one window is proof only when it is far beyond the budget (50% failures
+  against 0.1%: e-value ≈ 147 from one window; 10% against 1% takes three windows);
+  ``max_error_rate: 0`` still rolls back at the first failure. The record gives
+  the measured overdispersion of the per-window counts and the lag-1 autocorrelation of
+  the fractions (:func:`tasks.blocks.diagnose`). The bake's own adaptive bet
+  (:func:`tasks.blocks.betting_log_e`) is built for means near ½ and bets far too little
+  on rare failures, hence the fixed grid.
+- **latency**, one rule per ``q`` of ``bake.latency_quantiles`` (p50 and p90 by default),
+  ``alpha`` split evenly. Block statistic: the log of the window's q-quantile of the probe's
+  client-side latencies. The rule compares the windows since the swap with the reference
+  windows: a two-sample batch-means t-test of H0 "mean log block quantile after ≤ before +
+  log(1 + max_latency_increase_pct / 100)" (at least ``min_latency_effect_us``), with the
+  variance of the pooled, centred block series from :func:`tasks.blocks.long_run_variance`
+  (Newey-West / AR(1)-corrected: a **measured variance inflation**, so dependence that
+  outlasts a window widens the interval instead of creating evidence; Schmeiser 1982,
+  Newey and West 1987). It looks at a fixed schedule of judged-window counts (2, 4, 8, …)
+  and at the end of the bake; ``α_q`` is split over the looks by Bonferroni, half of it on
+  the last one (a group-sequential design: Pocock 1977 for repeated looks, Bonferroni for
+  the spending), so false rollbacks stay ≤ ``α_q`` however the bake ends. A two-sample test
+  instead of a fixed bound on the reference: the old rule lifted θ0 by a Clopper-Pearson
+  bound on 160 reference requests (p50 0.5 → 0.61), which made the real tolerance +45-50%,
+  and it looked at per-request exceedances as if independent.
+  **Load-matched control.** A window is judged on latency only when the fleet's request
+  rate is within ±``load_tolerance_pct`` of the reference's (``load_departure``); otherwise
+  the latency rules **hold** for that window: no rollback and no pass on latency alone,
+  the record lists the held windows with the rate against the reference's. Errors are
+  judged in every window. A bake whose latency held in *every* window ends ``held``: the
+  release completes (a hold is not evidence against the version, and errors were judged
+  throughout), and the record and the release notes say that latency was never judged
+  and why. A bake with some windows judged ends ``passed`` with the held ones listed.
+  Why the request rate, and why the client-side probe latency:
+  - the rate is what the clients send (the probe is open-loop at ``probe_rps``); in-flight
+    requests and queue time are not load but a consequence of it *and of the version's
+    speed* (L = λW: a slower version at the same rate has more in flight), so matching on
+    them would hold exactly when a slower version is at fault. They are recorded as
+    evidence, not matched;
+  - Triton's server-side compute time (which excludes queueing) was the other candidate.
+    On CPU servers it is not load-free: the replicas share the node's cores with each
+    other and with the clients, so more traffic means longer compute (CPU contention; see
+    ``bench/results/bake_load.json`` for the measurement on this stack). It cannot be the
+    load-matched control here; the probe latency at a matched rate is (queueing included,
+    which at a matched rate is the version's own doing).
+  - a concurrent control (issue 20: a holdback share of live traffic on the previous
+    version, through the gateway) plugs in as a :class:`Reference` of kind ``holdback``
+    whose windows are measured at the same time as the bake's: it covers every load, so
+    nothing is held, and the same test judges it.
+  The load match assumes that the latency is flat within the band; near saturation a
+  +20% rate can cost more than the tolerance (queueing), so keep ``load_tolerance_pct``
+  small where the fleet runs hot. A noisy neighbour that is not traffic (another process
+  on the node) is invisible to Triton's metrics; only a concurrent control sees it.
 - **a replica that stops answering** (its metrics or its requests) is an infrastructure
   outcome, never a pass.
 
-Each window also records, per replica that exports them (a GPU server), the ``nv_gpu_*``
-gauges at the window's end (memory used and total, utilization, power: see
-:func:`modelship.triton.gpu.summarize`); they are evidence in the record, not a rule.
+The effective tolerance (:func:`effective_tolerance_pct`): the latency increase that the
+p50 rule catches with probability 0.9 by the end of the bake, at matched load; the named
+tolerance plus what the reference's and the bake's finite samples cost. ``promote
+--dry-run`` prints it for a per-request log-spread of :data:`ASSUMED_LOG_SD`, and each
+bake records it for the spread it measured. The default ``baseline_s``/``probe_rps`` size
+the reference so that +30% is caught ≥ 90% within a 120-s bake (``bench/judge_bake.py``).
 
-The verdict is pure (:func:`judge_windows`); the I/O around it is :func:`measure_window`.
+Each window also records, per replica that exports them (a GPU server), the ``nv_gpu_*``
+gauges at the window's end (:func:`modelship.triton.gpu.summarize`): evidence in the
+record, not a rule.
 """
 
 from __future__ import annotations
@@ -70,6 +102,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+from scipy import special, stats
 
 from modelship.errors import ModelshipError
 from modelship.jsonable import jsonable
@@ -80,16 +113,35 @@ from modelship.triton.gpu import parse_gpu_metrics, summarize
 from modelship.triton.metrics import (
     Scrape,
     delta,
+    load_of,
     mean_compute_us,
     mean_queue_us,
     parse_metrics,
     scrape_text,
 )
-from tasks.sequential import log_e_above, log_e_over_budget, quantile_bound
+from tasks.blocks import diagnose, lag1, long_run_variance, overdispersion
 
 Progress = Callable[[str], None]
-Outcome = Literal["passed", "breach", "infrastructure"]
+Outcome = Literal["passed", "held", "breach", "infrastructure"]
 Fault = Callable[[int], None]
+
+ERROR_BETS: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.5, 0.9)
+"""The error rule's bets, as ``λ·b`` (the share of the capital staked on one window's
+failures against the budget ``b``): small bets win on failure rates a little over the
+budget, large ones on many failures at once."""
+
+MIN_BLOCK_PROBES = 10
+"""Answered probe requests a window needs to give a latency block statistic."""
+
+ASSUMED_LOG_SD = 0.3
+"""Per-request spread of the probe's log latency that ``--dry-run``'s effective tolerance
+assumes (a CPU model's; each bake records the one it measured)."""
+
+POWER_Z = float(stats.norm.ppf(0.9))
+"""The effective tolerance is the increase caught with this power (0.9)."""
+
+MEDIAN_EFFICIENCY = math.sqrt(math.pi / 2.0)
+"""Standard error of a sample median over that of a mean, for normal data."""
 
 
 def _quiet(_: str) -> None:
@@ -98,7 +150,7 @@ def _quiet(_: str) -> None:
 
 @dataclass(frozen=True)
 class Window:
-    """What one window of the watch saw on the whole fleet.
+    """What one window of the watch saw on the whole fleet (one block of evidence).
 
     Attributes:
         requests: Answered requests (probe) plus successes Triton counted for the version.
@@ -110,6 +162,15 @@ class Window:
             end (:func:`modelship.triton.gpu.summarize`); empty on CPU servers.
         latencies_ms: Client-side latency of each answered probe request, in ms (the
             latency rules' samples; summarized, not listed, in ``to_dict``).
+        queue_us: Mean time a request queued in Triton, in µs (None without data).
+        compute_us: Mean compute time per request, in µs (None without data).
+        rate_rps: Requests per second Triton finished for the version, every replica,
+            organic traffic included (None without server-side data).
+        inflight: Time-average requests inside the servers (Little's law), all replicas.
+        pending: ``nv_inference_pending_request_count`` at the window's end, all replicas.
+        probe_requests: Requests the probe sent in the window.
+        replicas: Per replica: ``rate_rps``, ``inflight``, ``pending``, ``queue_us``,
+            ``compute_us``, ``requests``, ``failures``.
     """
 
     index: int
@@ -121,6 +182,23 @@ class Window:
     error_texts: dict[str, int] = field(default_factory=dict)
     gpu: dict[str, dict[str, Any]] = field(default_factory=dict)
     latencies_ms: tuple[float, ...] = field(default=(), repr=False)
+    queue_us: float | None = None
+    compute_us: float | None = None
+    rate_rps: float | None = None
+    inflight: float | None = None
+    pending: float | None = None
+    probe_requests: int = 0
+    replicas: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def load_rps(self) -> float | None:
+        """The request rate the latency rules match on: Triton's count per second, or the
+        window's answered and failed requests per second when no server figure exists."""
+        if self.rate_rps is not None:
+            return self.rate_rps
+        if self.seconds > 0 and self.requests + self.errors > 0:
+            return (self.requests + self.errors) / self.seconds
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         probe: dict[str, Any] = {}
@@ -129,21 +207,96 @@ class Window:
             probe = {"probe_ms": {"answered": int(values.size),
                                   **{f"p{q:g}": round(float(np.percentile(values, q)), 3)
                                      for q in (50, 90, 99)}}}
+        load = {"rate_rps": _round(self.load_rps, 2), "inflight": _round(self.inflight, 3),
+                "pending": self.pending, "queue_us": _round(self.queue_us, 1),
+                "compute_us": _round(self.compute_us, 1),
+                "probe_requests": self.probe_requests}
         return jsonable({"index": self.index, "seconds": round(self.seconds, 3),
                          "requests": self.requests, "errors": self.errors,
-                         "server_us": None if self.server_us is None
-                         else round(self.server_us, 1),
+                         "server_us": _round(self.server_us, 1), "load": load,
                          "unreachable": self.unreachable, "error_texts": self.error_texts,
-                         **probe, **({"gpu": self.gpu} if self.gpu else {})})
+                         **probe, **({"gpu": self.gpu} if self.gpu else {}),
+                         **({"replicas": self.replicas} if self.replicas else {})})
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(float(value), digits)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The latency rules' control: windows measured on the previous version.
+
+    ``pre-swap``: ``baseline_s`` of the probe on production just before the swap, covering
+    the load it saw (its request rate ±``load_tolerance_pct``). ``holdback`` (issue 20, not
+    built yet): windows of the previous version on a share of the same live traffic at the
+    same time, which cover any load.
+    """
+
+    windows: tuple[Window, ...]
+    kind: Literal["pre-swap", "holdback"] = "pre-swap"
+
+    @property
+    def rate_rps(self) -> float | None:
+        """The reference's request rate: the time-weighted mean of its windows'."""
+        seen = [(w.load_rps, w.seconds) for w in self.windows
+                if w.load_rps is not None and w.seconds > 0]
+        if not seen:
+            return None
+        return sum(r * s for r, s in seen) / sum(s for _, s in seen)
+
+    def to_dict(self) -> dict[str, Any]:
+        latencies = [x for w in self.windows for x in w.latencies_ms]
+        summary: dict[str, Any] = {}
+        if latencies:
+            values = np.asarray(latencies)
+            summary = {"probe_ms": {"answered": int(values.size),
+                                    **{f"p{q:g}": round(float(np.percentile(values, q)), 3)
+                                       for q in (50, 90, 99)}}}
+        return jsonable({"kind": self.kind, "rate_rps": _round(self.rate_rps, 2),
+                         "seconds": round(sum(w.seconds for w in self.windows), 3),
+                         "requests": sum(w.requests for w in self.windows),
+                         "errors": sum(w.errors for w in self.windows), **summary,
+                         "windows": [w.to_dict() for w in self.windows]})
+
+
+Baseline = Reference | Window | Sequence[Window] | None
+"""What the judge accepts as the reference: a :class:`Reference`, or windows (one window
+is a reference of one block, as older callers pass it)."""
+
+
+def as_reference(baseline: Baseline) -> Reference | None:
+    """The reference of whatever the caller passed (pure)."""
+    if baseline is None or isinstance(baseline, Reference):
+        return baseline
+    if isinstance(baseline, Window):
+        return Reference((baseline,))
+    return Reference(tuple(baseline)) if baseline else None
 
 
 @dataclass(frozen=True)
 class BakeVerdict:
+    """The bake's verdict, with what each rule saw.
+
+    Attributes:
+        outcome: ``passed`` | ``held`` (latency never judged: the load left the
+            reference's in every window; errors judged and fine) | ``breach`` |
+            ``infrastructure``.
+        reason: One sentence: the rule, its evidence and its bound.
+        latency: The latency rules' state: windows judged and held (with why), the last
+            look of each rule, the effective tolerance.
+        errors: The error rule's state: e-value, failures, overdispersion, lag-1.
+    """
+
     outcome: Outcome
     reason: str
+    latency: dict[str, Any] = field(default_factory=dict)
+    errors: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"outcome": self.outcome, "reason": self.reason}
+        return jsonable({"outcome": self.outcome, "reason": self.reason,
+                         **({"latency": self.latency} if self.latency else {}),
+                         **({"errors": self.errors} if self.errors else {})})
 
 
 def judge_window(window: Window) -> str | None:
@@ -153,18 +306,52 @@ def judge_window(window: Window) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------ errors
+
+
+def error_log_e(fractions: np.ndarray, budget: float) -> float:
+    """log of the error rule's e-process after these per-window error fractions (pure).
+
+    The equal-weight mixture over :data:`ERROR_BETS` of ``Π (1 + λ (x_w − b))``,
+    ``λ = bet / b``; 0 without windows. With ``b = 0`` any failure is certain (``inf``).
+    """
+    path = error_log_e_path(fractions, budget)
+    return float(path[-1]) if path.size else 0.0
+
+
+def error_log_e_path(fractions: np.ndarray, budget: float) -> np.ndarray:
+    """:func:`error_log_e` after each window (pure): the e-process's whole path."""
+    x = np.clip(np.asarray(fractions, dtype=float).ravel(), 0.0, 1.0)
+    if x.size == 0:
+        return np.zeros(0)
+    if budget <= 0.0:
+        return np.where(np.cumsum(x) > 0, math.inf, 0.0)
+    bets = np.asarray(ERROR_BETS)[:, None] / budget
+    logs = np.cumsum(np.log1p(bets * (x[None, :] - budget)), axis=1)
+    return np.asarray(special.logsumexp(logs, axis=0) - math.log(len(ERROR_BETS)))
+
+
+def error_state(windows: Sequence[Window], policy: BakePolicy) -> dict[str, Any]:
+    """The error rule on the windows so far (pure): e-value, totals and diagnostics."""
+    failed = np.asarray([w.errors for w in windows], dtype=float)
+    total = failed + np.asarray([w.requests for w in windows], dtype=float)
+    seen = total > 0
+    fractions = failed[seen] / total[seen]
+    log_e = error_log_e(fractions, policy.max_error_rate)
+    phi = overdispersion(failed[seen], total[seen]) if seen.sum() >= 2 else math.nan
+    found = diagnose(int(seen.sum()), lag1(fractions), phi)
+    return {"failed": int(failed.sum()), "requests": int(total.sum()),
+            "log_e": log_e, "bound": 1.0 / policy.alpha, "diagnostics": found}
+
+
 def errors_over_budget(windows: Sequence[Window], policy: BakePolicy) -> str | None:
     """Why the failures so far show an error rate above ``max_error_rate``, or None.
 
-    Always valid at every window (see the module docstring); pure.
+    Always valid at every window, bursts included (see the module docstring); pure.
     """
-    failed = sum(w.errors for w in windows)
-    total = failed + sum(w.requests for w in windows)
-    if failed == 0 or total == 0:
-        return None
-    budget = policy.max_error_rate
-    log_e = log_e_over_budget(failed, total, budget)
-    if log_e < math.log(1.0 / policy.alpha):
+    state = error_state(windows, policy)
+    failed, total, log_e = state["failed"], state["requests"], state["log_e"]
+    if failed == 0 or total == 0 or log_e < math.log(state["bound"]):
         return None
     texts: dict[str, int] = {}
     for window in windows:
@@ -172,103 +359,280 @@ def errors_over_budget(windows: Sequence[Window], policy: BakePolicy) -> str | N
             texts[text] = texts.get(text, 0) + count
     top = ", ".join(f"{k} ×{v}" for k, v in list(texts.items())[:3])
     evidence = "certain" if math.isinf(log_e) else f"e-value {math.exp(min(log_e, 700)):.3g}"
+    budget = policy.max_error_rate
     return (f"window {windows[-1].index}: error rate {failed / total:.2%} ({failed} of "
-            f"{total} since the swap) is above the bake's {budget:.2%} ({evidence} ≥ "
-            f"1/α = {1 / policy.alpha:g})" + (f" ({top})" if top else ""))
+            f"{total} since the swap, {len(windows)} windows as blocks: "
+            f"{state['diagnostics'].text()}) is above the bake's {budget:.2%} ({evidence} "
+            f"≥ 1/α = {state['bound']:g})" + (f" ({top})" if top else ""))
 
 
-@dataclass(frozen=True)
-class LatencyReference:
-    """One latency rule's reference, fixed from the pre-swap window (pure data).
+# ----------------------------------------------------------------------------- latency
 
-    Attributes:
-        quantile: The rule's quantile ``q`` (0.5 for p50).
-        tau_ms: The pre-swap sample's ``⌈q·n⌉``-th order statistic, in ms.
-        limit_ms: What a post-swap request must exceed to count:
-            ``max(τ·r, τ + min_latency_effect_us)``, in ms.
-        theta0: Exact upper bound (level ``α_q / 2``) of P(latency > τ) before the swap.
-        samples: Size of the pre-swap sample.
-        alpha: The rule's ``α_q`` (half for the bound, half for the e-process).
+
+def total_windows(policy: BakePolicy) -> int:
+    """Windows in the whole bake."""
+    return int(math.ceil(policy.duration_s / policy.window_s)) if policy.duration_s else 0
+
+
+def look_plan(windows: int, alpha_q: float) -> tuple[dict[int, float], float]:
+    """When a latency rule looks, and at which level (pure).
+
+    Returns ``({judged windows: α at that look}, α at the end of the bake)``: looks at 2,
+    4, 8, … judged windows (below the bake's ``windows``) share half of ``α_q``, the end of
+    the bake has the other half (all of it when there is no earlier look). The levels add
+    up to ``α_q`` (Bonferroni over a schedule fixed in advance).
     """
-
-    quantile: float
-    tau_ms: float
-    limit_ms: float
-    theta0: float
-    samples: int
-    alpha: float
-
-    @property
-    def name(self) -> str:
-        return f"latency_p{self.quantile * 100:g}"
+    points = []
+    n = 2
+    while n < windows:
+        points.append(n)
+        n *= 2
+    if not points:
+        return {}, alpha_q
+    each = alpha_q / 2.0 / len(points)
+    return {p: each for p in points}, alpha_q / 2.0
 
 
-def latency_references(baseline: Window | None, policy: BakePolicy
-                       ) -> list[LatencyReference]:
-    """Each latency rule's reference from the pre-swap window's probe latencies (pure).
+def load_departure(window: Window, reference: Reference, policy: BakePolicy) -> str | None:
+    """Why the load in ``window`` is outside what the reference covers, or None (pure).
 
-    Empty without a pre-swap window or with fewer than two answered probe requests in it
-    (nothing to compare with: the latency rules are skipped, the errors rule still runs).
+    A ``holdback`` control saw the same traffic at the same time: it covers any load.
     """
-    if baseline is None or len(baseline.latencies_ms) < 2 or not policy.latency_quantiles:
-        return []
-    reference = np.asarray(baseline.latencies_ms, dtype=float)
-    alpha_q = policy.alpha / len(policy.latency_quantiles)
-    ratio = 1.0 + policy.max_latency_increase_pct / 100.0
-    floor_ms = policy.min_latency_effect_us / 1000.0
-    found = []
-    for q in policy.latency_quantiles:
-        tau, theta0 = quantile_bound(reference, q, alpha_q / 2)
-        found.append(LatencyReference(quantile=q, tau_ms=tau,
-                                      limit_ms=max(tau * ratio, tau + floor_ms),
-                                      theta0=theta0, samples=int(reference.size),
-                                      alpha=alpha_q))
-    return found
-
-
-def latency_over(windows: Sequence[Window], baseline: Window | None,
-                 policy: BakePolicy) -> str | None:
-    """Why the probe latencies since the swap show a regression beyond the tolerance at one
-    of the policy's quantiles, or None.
-
-    Always valid at every window (see the module docstring); pure.
-    """
-    refs = latency_references(baseline, policy)
-    if not refs or not windows:
+    if reference.kind == "holdback":
         return None
-    after = np.concatenate([np.asarray(w.latencies_ms, dtype=float) for w in windows])
-    if after.size == 0:
-        return None
-    for ref in refs:
-        slow = int(np.count_nonzero(after > ref.limit_ms))
-        log_e = log_e_above(slow, int(after.size), ref.theta0)
-        bound = 2.0 / ref.alpha
-        if log_e < math.log(bound):
-            continue
-        server = ""
-        last = windows[-1]
-        before_us = baseline.server_us if baseline is not None else None
-        if last.server_us is not None and before_us is not None:
-            server = (f"; server-side {last.server_us:.0f} µs per request in the last "
-                      f"window against {before_us:.0f} µs before the swap")
-        evidence = "certain" if math.isinf(log_e) else f"e-value {math.exp(min(log_e, 700)):.3g}"
-        return (f"window {last.index}: {ref.name}: {slow} of {after.size} probe requests "
-                f"since the swap ({slow / after.size:.0%}) took longer than "
-                f"{ref.limit_ms:.3g} ms (the pre-swap p{ref.quantile * 100:g} "
-                f"{ref.tau_ms:.3g} ms +{policy.max_latency_increase_pct:g}%, at least "
-                f"+{policy.min_latency_effect_us:g} µs), against at most "
-                f"{ref.theta0:.0%} before the swap ({evidence} ≥ {bound:g}: α_q = "
-                f"{ref.alpha:g} over every window){server}")
+    before, now = reference.rate_rps, window.load_rps
+    if before is None or now is None or before <= 0:
+        return f"window {window.index}: no request rate to match against the reference"
+    band = 1.0 + policy.load_tolerance_pct / 100.0
+    if now > before * band or now < before / band:
+        return (f"window {window.index}: {now:.1f} req/s against {before:.1f} req/s in the "
+                f"reference (×{now / before:.2f}, outside ±{policy.load_tolerance_pct:g}%)")
     return None
 
 
-def judge_windows(windows: Sequence[Window], baseline: Window | None,
+def block_stats(window: Window, quantiles: Sequence[float]) -> list[float | None]:
+    """The window's latency block statistic per quantile ``q``: the log of its probe's
+    q-quantile (ms, linear interpolation as ``numpy.quantile``), or None with fewer than
+    :data:`MIN_BLOCK_PROBES` answered probe requests. Pure."""
+    values = np.asarray(window.latencies_ms, dtype=float)
+    values = np.sort(values[np.isfinite(values) & (values > 0)])
+    n = int(values.size)
+    if n < MIN_BLOCK_PROBES:
+        return [None] * len(quantiles)
+    out: list[float | None] = []
+    for q in quantiles:
+        pos = q * (n - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, n - 1)
+        out.append(math.log(float(values[lo] + (pos - lo) * (values[hi] - values[lo]))))
+    return out
+
+
+@dataclass(frozen=True)
+class TwoSample:
+    """Batch means, after against before, on log block statistics.
+
+    Attributes:
+        diff: Mean after minus mean before (log ratio of typical block quantiles).
+        se: Its standard error (pooled long-run variance of the centred blocks).
+        df: Degrees of freedom (blocks − 2).
+        block_sd: The pooled per-block spread (sqrt of the long-run variance).
+        lag1: Lag-1 autocorrelation of the pooled centred block series.
+    """
+
+    diff: float
+    se: float
+    df: int
+    block_sd: float
+    lag1: float
+
+    def p_value(self, margin: float) -> float:
+        """One-sided p of H0 ``diff ≤ margin`` (Student's t)."""
+        if not self.se > 0:
+            return 0.0 if self.diff > margin else 1.0
+        return float(special.stdtr(max(self.df, 1), -(self.diff - margin) / self.se))
+
+    def upper(self, alpha: float) -> float:
+        """Upper ``1 - alpha`` confidence bound of ``diff``."""
+        return self.diff + float(special.stdtrit(max(self.df, 1), 1.0 - alpha)) * self.se
+
+
+def two_sample(before: np.ndarray, after: np.ndarray) -> TwoSample | None:
+    """The two-sample batch-means comparison of block statistics, or None with fewer than
+    two blocks before or none after (pure)."""
+    b = np.asarray(before, dtype=float).ravel()
+    a = np.asarray(after, dtype=float).ravel()
+    if b.size < 2 or a.size < 1:
+        return None
+    resid = np.concatenate([b - b.mean(), a - a.mean()])
+    df = int(b.size + a.size - 2)
+    if df < 1:
+        return None
+    variance = long_run_variance(resid) * (resid.size - 1) / df  # two means estimated
+    sd = math.sqrt(max(variance, 0.0))
+    return TwoSample(diff=float(a.mean() - b.mean()),
+                     se=sd * math.sqrt(1.0 / b.size + 1.0 / a.size), df=df, block_sd=sd,
+                     lag1=lag1(resid))
+
+
+def margin_log(policy: BakePolicy, reference_ms: float) -> float:
+    """The rule's tolerance on the log scale: ``log(1 + pct/100)``, at least the noise
+    floor ``min_latency_effect_us`` over the reference's quantile."""
+    ratio = 1.0 + policy.max_latency_increase_pct / 100.0
+    floor = 1.0 + policy.min_latency_effect_us / 1000.0 / reference_ms if reference_ms > 0 \
+        else 1.0
+    return math.log(max(ratio, floor))
+
+
+def effective_tolerance_pct(policy: BakePolicy, block_sd: float | None = None,
+                            reference_blocks: int | None = None) -> float:
+    """The latency increase (percent) that the p50 rule catches with probability 0.9 by the
+    end of a bake that judged every window, at matched load (pure).
+
+    ``block_sd`` is the spread of a window's log median; by default the one of
+    :data:`ASSUMED_LOG_SD` per request at the policy's probe rate and window length. The
+    reference has ``baseline_s / window_s`` blocks unless given.
+    """
+    n = max(total_windows(policy), 1)
+    m = reference_blocks or max(int(round(policy.baseline_s / policy.window_s)), 2)
+    if block_sd is None:
+        per_window = max(policy.probe_rps * policy.window_s, 1.0)
+        block_sd = MEDIAN_EFFICIENCY * ASSUMED_LOG_SD / math.sqrt(per_window)
+    quantiles = policy.latency_quantiles or [0.5]
+    _, final = look_plan(n, policy.alpha / len(quantiles))
+    z = float(special.stdtrit(max(n + m - 2, 1), 1.0 - final)) + POWER_Z
+    ratio = 1.0 + policy.max_latency_increase_pct / 100.0
+    return 100.0 * (ratio * math.exp(z * block_sd * math.sqrt(1.0 / n + 1.0 / m)) - 1.0)
+
+
+def plan(policy: BakePolicy) -> dict[str, Any]:
+    """What the bake will do, for ``promote --dry-run`` (pure): durations, levels, looks and
+    the effective latency tolerance (see :func:`effective_tolerance_pct`)."""
+    n = total_windows(policy)
+    quantiles = policy.latency_quantiles
+    points, final = look_plan(n, policy.alpha / max(len(quantiles), 1))
+    effective = effective_tolerance_pct(policy) if quantiles and n else None
+    return jsonable({
+        "duration_s": policy.duration_s, "window_s": policy.window_s, "windows": n,
+        "baseline_s": policy.baseline_s, "probe_rps": policy.probe_rps,
+        "max_error_rate": policy.max_error_rate, "alpha": policy.alpha,
+        "max_latency_increase_pct": policy.max_latency_increase_pct,
+        "latency_quantiles": quantiles, "load_tolerance_pct": policy.load_tolerance_pct,
+        "latency_looks": {"judged_windows": sorted(points), "at_end": True,
+                          "alpha_each": (next(iter(points.values())) if points else None),
+                          "alpha_at_end": final},
+        "effective_tolerance_pct": None if effective is None else round(effective, 1),
+        "effective_tolerance": (
+            None if effective is None else
+            f"+{effective:.1f}% latency at unchanged load is caught with probability 0.9 "
+            f"by the end of a {policy.duration_s:g}-s bake (tolerance "
+            f"+{policy.max_latency_increase_pct:g}%, {policy.baseline_s:g} s of pre-swap "
+            f"reference at {policy.probe_rps:g} req/s, assuming a per-request log-spread "
+            f"of {ASSUMED_LOG_SD:g}; the bake records the one it measures)"),
+    })
+
+
+def latency_state(windows: Sequence[Window], reference: Reference | None,
+                  policy: BakePolicy) -> dict[str, Any]:
+    """Every latency rule after these windows (pure): which windows were judged and which
+    held, and each rule's looks so far; ``breach`` names the first rule that crossed."""
+    quantiles = policy.latency_quantiles
+    held: dict[int, str] = {}
+    judged: list[Window] = []
+    state: dict[str, Any] = {"judged": 0, "held": {}, "rules": [], "breach": None}
+    ref_rows = [block_stats(w, quantiles) for w in reference.windows] \
+        if reference is not None else []
+    if reference is None or not quantiles or sum(
+            all(x is not None for x in row) for row in ref_rows) < 2:
+        state["status"] = "off" if not quantiles else "no reference"
+        return state
+    for window in windows:
+        why = load_departure(window, reference, policy)
+        if why is not None:
+            held[window.index] = why
+        else:
+            judged.append(window)
+    state.update(judged=len(judged), held=held, reference_rate_rps=reference.rate_rps,
+                 load_tolerance_pct=policy.load_tolerance_pct)
+    n_total = total_windows(policy)
+    alpha_q = policy.alpha / len(quantiles)
+    points, final_alpha = look_plan(n_total, alpha_q)
+    bake_over = len(windows) >= n_total > 0
+    judged_rows = [block_stats(w, quantiles) for w in judged]
+    for j, q in enumerate(quantiles):
+        before = np.asarray([row[j] for row in ref_rows if row[j] is not None])
+        stat_by_count: list[float] = []
+        rule: dict[str, Any] = {"rule": f"latency_p{q * 100:g}", "quantile": q,
+                                "reference_blocks": int(before.size), "looks": 0}
+        breach = None
+        for count, window in enumerate(judged, start=1):
+            stat = judged_rows[count - 1][j]
+            if stat is not None:
+                stat_by_count.append(stat)
+            level = points.get(count)
+            last = bake_over and count == len(judged)
+            if level is None and not last:
+                continue
+            for alpha_look in ([level] if level is not None else []) + \
+                    ([final_alpha] if last else []):
+                test = two_sample(before, np.asarray(stat_by_count))
+                if test is None:
+                    continue
+                margin = margin_log(policy, math.exp(float(before.mean())))
+                p = test.p_value(margin)
+                rule.update(looks=rule["looks"] + 1, judged_blocks=len(stat_by_count),
+                            ratio=math.exp(test.diff),
+                            upper_ratio=math.exp(test.upper(alpha_look)),
+                            tolerance_ratio=math.exp(margin), p_value=p, alpha=alpha_look,
+                            block_sd=test.block_sd, lag1=test.lag1,
+                            effective_tolerance_pct=effective_tolerance_pct(
+                                policy, test.block_sd, int(before.size)))
+                if p <= alpha_look and breach is None:
+                    breach = (window, test, margin, p, alpha_look)
+            if breach is not None:
+                break
+        state["rules"].append(rule)
+        if breach is not None and state["breach"] is None:
+            window, test, margin, p, alpha_look = breach
+            state["breach"] = (
+                f"window {window.index}: {rule['rule']}: the probe's typical "
+                f"p{q * 100:g} over {len(stat_by_count)} windows since the swap is "
+                f"×{math.exp(test.diff):.2f} the reference's ({before.size} pre-swap "
+                f"windows at {reference.rate_rps or 0:.1f} req/s; matched load), above the "
+                f"tolerance ×{math.exp(margin):.2f} (p = {p:.2g} ≤ {alpha_look:.2g}, its "
+                f"share of α_q = {alpha_q:g} at this look; windows are blocks: spread "
+                f"{test.block_sd:.3f}, lag-1 {test.lag1:+.2f})")
+    if not windows:
+        state["status"] = "nothing to judge"
+    elif not judged:
+        state["status"] = "held"
+    else:
+        state["status"] = "partly held" if held else "judged"
+    return state
+
+
+def latency_over(windows: Sequence[Window], baseline: Baseline,
+                 policy: BakePolicy) -> str | None:
+    """Why the probe latencies since the swap, at matched load, show a regression beyond
+    the tolerance at one of the policy's quantiles, or None (pure)."""
+    found: str | None = latency_state(windows, as_reference(baseline), policy)["breach"]
+    return found
+
+
+def _latency_record(state: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in state.items() if k != "breach"}
+    out["held"] = {str(k): v for k, v in state["held"].items()}
+    return out
+
+
+def judge_windows(windows: Sequence[Window], baseline: Baseline,
                   policy: BakePolicy) -> BakeVerdict:
     """The bake's verdict from its windows so far (pure; worst first).
 
     An unreachable replica is ``infrastructure``; a window with no evidence, errors over
-    budget or latency over the tolerance at one of the quantiles (both always-valid, over
-    all windows so far) are a ``breach``; otherwise ``passed``.
+    budget, or latency over the tolerance at matched load (both always-valid over all
+    windows so far) are a ``breach``; latency that held in every window (the load left the
+    reference's) with errors fine is ``held``; otherwise ``passed``.
     """
     for window in windows:
         if window.unreachable:
@@ -279,16 +643,31 @@ def judge_windows(windows: Sequence[Window], baseline: Window | None,
         why = judge_window(window)
         if why:
             return BakeVerdict("breach", why)
+    errors = error_state(windows, policy)
+    error_record = {**{k: v for k, v in errors.items() if k != "diagnostics"},
+                    "e_value": math.exp(min(errors["log_e"], 700.0)),
+                    **errors["diagnostics"].to_dict()}
     why = errors_over_budget(windows, policy)
     if why:
-        return BakeVerdict("breach", why)
-    why = latency_over(windows, baseline, policy)
-    if why:
-        return BakeVerdict("breach", why)
+        return BakeVerdict("breach", why, errors=error_record)
+    latency = latency_state(windows, as_reference(baseline), policy)
+    record = _latency_record(latency)
+    if latency["breach"]:
+        return BakeVerdict("breach", latency["breach"], latency=record, errors=error_record)
     if not windows:
         return BakeVerdict("passed", "nothing to watch (bake.duration_s is 0)")
     served = sum(w.requests for w in windows)
-    return BakeVerdict("passed", f"{len(windows)} windows, {served} requests, no breach")
+    errs = f"errors within {policy.max_error_rate:.2%} ({errors['failed']} failed)"
+    if latency["status"] == "held":
+        first = next(iter(latency["held"].values()))
+        return BakeVerdict("held", f"{len(windows)} windows, {served} requests, {errs}; "
+                           f"latency held in every window, not judged: the load left what "
+                           f"the reference covers ({first})", latency=record,
+                           errors=error_record)
+    held = (f"; latency held in {len(latency['held'])} of {len(windows)} windows (load "
+            f"outside the reference's)" if latency["held"] else "")
+    return BakeVerdict("passed", f"{len(windows)} windows, {served} requests, no breach: "
+                       f"{errs}{held}", latency=record, errors=error_record)
 
 
 # --------------------------------------------------------------------------------------
@@ -336,7 +715,9 @@ def measure_window(replicas: Sequence[TritonServer], *, index: int, model: str,
         sent, errors = int(row.get("requests", 0) or 0), int(row.get("errors", 0) or 0)
         if sent and errors == sent and server.name not in failed:
             failed[server.name] = f"every one of its {sent} probe requests failed"
+    seconds_taken = time.monotonic() - began
     key = (model, str(version))
+    per_replica: dict[str, dict[str, Any]] = {}
     server_requests = server_failures = 0.0
     queue_total = compute_total = 0.0
     for name, now in after.items():
@@ -349,22 +730,68 @@ def measure_window(replicas: Sequence[TritonServer], *, index: int, model: str,
         if queue is not None and compute is not None:
             queue_total += queue * change.requests
             compute_total += compute * change.requests
+        per_replica[name] = {**load_of(change, seconds_taken), "queue_us": queue,
+                             "compute_us": compute, "requests": change.requests,
+                             "failures": change.failures}
     server_us = (queue_total + compute_total) / server_requests if server_requests else None
     # Triton counts the probe's requests too: the server's count covers them, and failures
     # it did not count (wrong shapes, refused connections) come from the probe.
     probe_only_errors = max(0, report.errors - int(server_failures))
     latencies = tuple(float(r.latency_ms) for r in report.measured_records() if r.ok)
-    return Window(index=index, seconds=time.monotonic() - began,
+    load = fleet_load(per_replica)
+    return Window(index=index, seconds=seconds_taken,
                   requests=int(max(server_requests, report.requests - report.errors)),
                   errors=int(server_failures) + probe_only_errors, server_us=server_us,
                   unreachable=failed, error_texts=dict(report.error_texts), gpu=gpus,
-                  latencies_ms=latencies)
+                  latencies_ms=latencies,
+                  queue_us=queue_total / server_requests if server_requests else None,
+                  compute_us=compute_total / server_requests if server_requests else None,
+                  rate_rps=load["rate_rps"], inflight=load["inflight"],
+                  pending=load["pending"], probe_requests=int(report.requests),
+                  replicas=per_replica)
+
+
+def fleet_load(per_replica: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
+    """The fleet's load from each replica's (:func:`modelship.triton.metrics.load_of`):
+    rates, in-flight and pending add up; None when no replica reported the figure."""
+    out: dict[str, float | None] = {}
+    for name in ("rate_rps", "inflight", "pending"):
+        seen = [float(row[name]) for row in per_replica.values() if row.get(name) is not None]
+        out[name] = sum(seen) if seen else None
+    return out
+
+
+def measure_reference(replicas: Sequence[TritonServer], *, model: str, version: int,
+                      payload: Mapping[str, np.ndarray], policy: BakePolicy,
+                      timeout_s: float, progress: Progress = _quiet) -> Reference:
+    """The pre-swap reference: ``baseline_s`` of the probe on ``version`` (production),
+    cut into windows of ``window_s`` exactly as the bake's (one block each)."""
+    count = max(int(math.ceil(policy.baseline_s / policy.window_s)), 1)
+    windows = []
+    for index in range(count):
+        seconds = min(policy.window_s, policy.baseline_s - index * policy.window_s)
+        window = measure_window(replicas, index=-(count - index), model=model,
+                                version=version, payload=payload, policy=policy,
+                                seconds=seconds, timeout_s=timeout_s)
+        windows.append(window)
+        progress(f"pre-swap window {index + 1}/{count}: {_describe(window)}")
+    return Reference(tuple(windows))
+
+
+def _describe(window: Window) -> str:
+    rate = "-" if window.load_rps is None else f"{window.load_rps:.1f} req/s"
+    inflight = "" if window.inflight is None else f", {window.inflight:.2f} in flight"
+    latency = "-" if window.server_us is None else f"{window.server_us:.0f} µs"
+    probe = (f", probe p50 {float(np.median(window.latencies_ms)):.2f} ms"
+             if window.latencies_ms else "")
+    return (f"{window.requests} ok, {window.errors} failed, {rate}{inflight}, server-side "
+            f"{latency}{probe}")
 
 
 @dataclass
 class BakeReport:
     verdict: BakeVerdict
-    baseline: Window | None
+    baseline: Reference | None
     windows: list[Window]
     seconds: float
 
@@ -376,18 +803,21 @@ class BakeReport:
 
 
 def watch(replicas: Sequence[TritonServer], *, model: str, version: int,
-          payload: Mapping[str, np.ndarray], policy: BakePolicy, baseline: Window | None,
+          payload: Mapping[str, np.ndarray], policy: BakePolicy, baseline: Baseline,
           timeout_s: float, progress: Progress = _quiet, fault: Fault | None = None
           ) -> BakeReport:
     """Watch ``version`` on the fleet for ``bake.duration_s``; stop at the first breach.
 
     Args:
+        baseline: The reference (:func:`measure_reference`), or None for a first release
+            (the latency rules are then off; errors are judged).
         fault: Test hook, called with the window index before each window (a test sends
             poisoned traffic or kills a replica there).
     """
     started = time.monotonic()
+    reference = as_reference(baseline)
     windows: list[Window] = []
-    count = int(np.ceil(policy.duration_s / policy.window_s)) if policy.duration_s else 0
+    count = total_windows(policy)
     for index in range(count):
         if fault is not None:
             fault(index)
@@ -396,13 +826,11 @@ def watch(replicas: Sequence[TritonServer], *, model: str, version: int,
                                 payload=payload, policy=policy, seconds=seconds,
                                 timeout_s=timeout_s)
         windows.append(window)
-        latency = "-" if window.server_us is None else f"{window.server_us:.0f} µs"
-        probe = (f", probe p50 {float(np.median(window.latencies_ms)):.2f} ms"
-                 if window.latencies_ms else "")
-        progress(f"bake window {index + 1}/{count}: {window.requests} ok, {window.errors} "
-                 f"failed, server-side {latency}{probe}")
-        verdict = judge_windows(windows, baseline, policy)
-        if verdict.outcome != "passed":
-            return BakeReport(verdict, baseline, windows, time.monotonic() - started)
-    return BakeReport(judge_windows(windows, baseline, policy), baseline, windows,
+        held = load_departure(window, reference, policy) if reference is not None else None
+        progress(f"bake window {index + 1}/{count}: {_describe(window)}"
+                 + (f"; latency held ({held.split(': ', 1)[1]})" if held else ""))
+        verdict = judge_windows(windows, reference, policy)
+        if verdict.outcome in ("breach", "infrastructure"):
+            return BakeReport(verdict, reference, windows, time.monotonic() - started)
+    return BakeReport(judge_windows(windows, reference, policy), reference, windows,
                       time.monotonic() - started)

@@ -41,6 +41,7 @@ QUEUE_US = "nv_inference_queue_duration_us"
 COMPUTE_INPUT_US = "nv_inference_compute_input_duration_us"
 COMPUTE_INFER_US = "nv_inference_compute_infer_duration_us"
 COMPUTE_OUTPUT_US = "nv_inference_compute_output_duration_us"
+PENDING = "nv_inference_pending_request_count"
 
 COUNTERS: tuple[str, ...] = (
     SUCCESS,
@@ -54,6 +55,10 @@ COUNTERS: tuple[str, ...] = (
     COMPUTE_OUTPUT_US,
 )
 """The cumulative per-version counters kept (failures are summed over ``reason``)."""
+
+GAUGES: tuple[str, ...] = (PENDING,)
+"""Per-version gauges kept as seen at the scrape (never differenced): requests queued or
+executing in the server at that instant (Triton ≥ 2.31)."""
 
 SUMMARIES: tuple[str, ...] = (
     "nv_inference_request_summary_us",
@@ -86,10 +91,12 @@ class VersionMetrics:
         counters: Cumulative counters by metric name (see :data:`COUNTERS`), requests or µs.
         quantiles_us: Summary quantiles by summary name, then quantile (``"0.99"``), in µs;
             NaN (an empty summary) is left out.
+        gauges: Gauges by metric name (see :data:`GAUGES`), as seen at the scrape.
     """
 
     counters: dict[str, float] = field(default_factory=dict)
     quantiles_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
 
 
 Scrape = dict[VersionKey, VersionMetrics]
@@ -105,12 +112,14 @@ class VersionDelta:
         resets: Names of the counters that went down between the scrapes.
         new: The series did not exist before (the version loaded in between).
         quantiles_us: The after scrape's summary quantiles, in µs.
+        gauges: The after scrape's gauges (requests pending at its instant).
     """
 
     counters: dict[str, float]
     resets: tuple[str, ...] = ()
     new: bool = False
     quantiles_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
 
     @property
     def requests(self) -> float:
@@ -204,6 +213,9 @@ def parse_metrics(text: str) -> Scrape:
         if sample.name in COUNTERS:
             entry = out.setdefault((model, version), VersionMetrics())
             entry.counters[sample.name] = entry.counters.get(sample.name, 0.0) + sample.value
+        elif sample.name in GAUGES:
+            entry = out.setdefault((model, version), VersionMetrics())
+            entry.gauges[sample.name] = entry.gauges.get(sample.name, 0.0) + sample.value
         elif sample.name in SUMMARIES and "quantile" in sample.labels:
             entry = out.setdefault((model, version), VersionMetrics())
             if not math.isnan(sample.value):
@@ -271,7 +283,7 @@ def delta(before: Mapping[VersionKey, VersionMetrics],
             else:
                 counters[name] = value - previous
         out[key] = VersionDelta(counters=counters, resets=tuple(resets), new=then is None,
-                                quantiles_us=now.quantiles_us)
+                                quantiles_us=now.quantiles_us, gauges=now.gauges)
     return out
 
 
@@ -311,3 +323,23 @@ def mean_batch_size(change: VersionDelta | None) -> float | None:
     if executions <= 0 or INFERENCE_COUNT not in change.counters:
         return None
     return change.counters[INFERENCE_COUNT] / executions
+
+
+def load_of(change: VersionDelta | None, seconds: float) -> dict[str, float | None]:
+    """The load one version carried between two scrapes ``seconds`` apart (pure).
+
+    - ``rate_rps``: requests the server finished (successes and failures) per second;
+    - ``inflight``: the time-average number of requests inside the server (queued or
+      executing): the request-duration µs it accumulated over the interval's µs (Little's
+      law, L = λW; exact for requests that began and ended inside the interval);
+    - ``pending``: the ``nv_inference_pending_request_count`` gauge at the later scrape
+      (an instant, so noisy; None when the server does not export it).
+
+    Every figure is None without data (the series vanished, or ``seconds`` ≤ 0).
+    """
+    if change is None or seconds <= 0:
+        return {"rate_rps": None, "inflight": None, "pending": None}
+    busy_us = change.counters.get(REQUEST_US)
+    return {"rate_rps": (change.requests + change.failures) / seconds,
+            "inflight": None if busy_us is None else busy_us / (seconds * 1e6),
+            "pending": change.gauges.get(PENDING)}

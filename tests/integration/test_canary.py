@@ -68,10 +68,11 @@ class Versions:
     different: int
 
 
-def slow_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
+def slow_onnx_graph(n_features: int = models.N_FEATURES, *, width: int = SLOW_WIDTH,
+                    layers: int = SLOW_LAYERS) -> Any:
     """``tests.models.onnx_graph("softmax")``'s I/O, plus a heavy MatMul chain in the path.
 
-    The input is widened to ``SLOW_WIDTH`` and multiplied ``SLOW_LAYERS`` times by one
+    The input is widened to ``width`` and multiplied ``layers`` times by one
     orthogonal matrix (norms stay put, so no overflow; one shared initializer keeps the
     file small); a vanishing multiple of the chain's sum joins the logits, so the runtime
     cannot skip it and the answers stay a proper softmax.
@@ -79,19 +80,19 @@ def slow_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
     from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(5)
-    q, _ = np.linalg.qr(rng.standard_normal((SLOW_WIDTH, SLOW_WIDTH)))
+    q, _ = np.linalg.qr(rng.standard_normal((width, width)))
     inits = [
         numpy_helper.from_array(rng.standard_normal((n_features, 3)).astype(np.float32), "W"),
-        numpy_helper.from_array(rng.standard_normal((n_features, SLOW_WIDTH))
+        numpy_helper.from_array(rng.standard_normal((n_features, width))
                                 .astype(np.float32), "Wide"),
         numpy_helper.from_array(q.astype(np.float32), "Q"),
         numpy_helper.from_array(np.array([1e-30], np.float32), "tiny"),
     ]
     nodes = [helper.make_node("MatMul", ["input", "Wide"], ["h0"])]
-    for i in range(SLOW_LAYERS):
+    for i in range(layers):
         nodes.append(helper.make_node("MatMul", [f"h{i}", "Q"], [f"h{i + 1}"]))
     nodes += [
-        helper.make_node("ReduceSum", [f"h{SLOW_LAYERS}"], ["total"], keepdims=1),
+        helper.make_node("ReduceSum", [f"h{layers}"], ["total"], keepdims=1),
         helper.make_node("Mul", ["total", "tiny"], ["nudge"]),
         helper.make_node("MatMul", ["input", "W"], ["raw"]),
         helper.make_node("Add", ["raw", "nudge"], ["logits"]),

@@ -115,9 +115,11 @@ def _w(i: int, requests: int = 100, errors: int = 0, us: float | None = 1000.0,
     ([], "passed", "nothing to watch"),
     ([_w(0, errors=1)], "passed", "no breach"),            # 1 of 101 is under 1%
     ([_w(0, errors=5)], "passed", "no breach"),             # 5%, but 5 errors prove little
-    ([_w(0, errors=12)], "breach", "error rate"),
-    ([_w(0, errors=50)], "breach", "since the swap"),
-    ([_w(0, errors=4), _w(1, errors=5), _w(2, errors=6)], "breach", "15 of 315"),
+    # A window is one block of evidence (errors come in bursts): one bad window is not
+    # proof, a few are (tasks/bake.py, the betting e-process on per-window fractions).
+    ([_w(0, errors=12)], "passed", "no breach"),
+    ([_w(0, errors=50), _w(1, errors=50)], "breach", "since the swap"),
+    ([_w(i, errors=12) for i in range(3)], "breach", "36 of 336"),
     ([_w(i, errors=1) for i in range(3)], "passed", "no breach"),  # 1% = the budget
     ([_w(0, requests=0)], "breach", "no evidence"),
     ([_w(0, us=1600.0)], "passed", "no breach"),            # one slow window is not a breach
