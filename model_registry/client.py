@@ -3,18 +3,25 @@
 Aliases and tags only, never stages (deprecated since MLflow 2.9). MLflow exceptions are
 translated here into :class:`ModelNotFound`, :class:`Unreachable` and
 :class:`InfrastructureError`, with messages that list what does exist.
+
+Every call is idempotent and retried here, once, on a transient failure (a refused or reset
+connection, a timeout, 408/429/502/503/504: :func:`modelship.faults.is_transient`) with
+backoff inside a time budget (:class:`modelship.faults.RetryPolicy`); MLflow's own retries
+are off, so the two never multiply. :func:`mlflow_client` is the one place an
+``MlflowClient`` is built.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from modelship.candidate import ResolvedVersion
-from modelship.errors import InfrastructureError, ModelNotFound, UsageError
+from modelship.errors import InfrastructureError, ModelNotFound, Unreachable, UsageError
+from modelship.faults import DEFAULT_RETRY, RetryPolicy, call_with_retries, is_transient, reason
 from modelship.http import expect_ok
 
 if TYPE_CHECKING:
@@ -25,6 +32,24 @@ SUPPORTED_FLAVORS = ("onnx", "pytorch", "sklearn")
 PRODUCTION_ALIAS = "production"
 PREVIOUS_ALIAS = "previous"
 
+T = TypeVar("T")
+
+
+def mlflow_client(tracking_uri: str, *, timeout_s: float) -> MlflowClient:
+    """The one way modelship builds an ``MlflowClient``: ``timeout_s`` (seconds) per request
+    and no retries of MLflow's own (its default retries a dead server for minutes; callers
+    retry through :func:`modelship.faults.call_with_retries`, or not at all)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    # Some MLflow helpers (logged-model URIs behind models:/name/N) consult the global
+    # tracking URI whatever is passed to them; without this they create ./mlflow.db.
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, timeout_s)))
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
 
 class RegistryClient:
     """One MLflow tracking server. The constructor does no I/O.
@@ -32,54 +57,71 @@ class RegistryClient:
     Args:
         tracking_uri: MLflow server URL, e.g. ``http://127.0.0.1:5000``.
         timeout_s: Timeout of one request, in seconds.
+        retry: How a call is retried on a transient failure.
     """
 
-    def __init__(self, tracking_uri: str, *, timeout_s: float) -> None:
+    def __init__(self, tracking_uri: str, *, timeout_s: float,
+                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
         self.tracking_uri = tracking_uri.rstrip("/")
         self.timeout_s = timeout_s
+        self.retry = retry
 
     def ping(self) -> None:
         """Raise Unreachable/InfrastructureError unless ``/health`` answers 200."""
         expect_ok(f"{self.tracking_uri}/health", timeout_s=self.timeout_s, what="MLflow")
 
-    @contextmanager
-    def _mlflow(self) -> Iterator[MlflowClient]:
-        """An MlflowClient with this client's timeout and few retries (MLflow's own default
-        retries for minutes against a dead server)."""
-        import mlflow
-        from mlflow import MlflowClient
+    def _call(self, action: str, body: Callable[[MlflowClient], T]) -> T:
+        """``body(client)``, retried on a transient failure, MLflow's errors translated."""
 
-        # Some MLflow helpers (logged-model URIs behind models:/name/N) consult the global
-        # tracking URI whatever is passed to them; without this they create ./mlflow.db.
-        mlflow.set_tracking_uri(self.tracking_uri)
-        mlflow.set_registry_uri(self.tracking_uri)
-        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, self.timeout_s)))
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        def attempt() -> T:
+            with self._mlflow(action) as client:
+                return body(client)
+
+        return call_with_retries(attempt, policy=self.retry)
+
+    @contextmanager
+    def _mlflow(self, action: str = "answer") -> Iterator[MlflowClient]:
+        """An MlflowClient (:func:`mlflow_client`); MLflow's failures leave as the tree's."""
         try:
-            yield MlflowClient(tracking_uri=self.tracking_uri,
-                               registry_uri=self.tracking_uri)
+            yield mlflow_client(self.tracking_uri, timeout_s=self.timeout_s)
         except (ModelNotFound, UsageError):
             raise
         except Exception as exc:
-            from mlflow.exceptions import MlflowException
+            translated = self._translate(exc, action)
+            if translated is exc:
+                raise
+            raise translated from exc
 
-            if isinstance(exc, MlflowException):
-                raise InfrastructureError(
-                    f"MLflow at {self.tracking_uri} failed: {exc.message}",
-                    hint="see the MLflow server log",
-                    endpoint=self.tracking_uri,
-                ) from exc
-            raise
+    def _translate(self, exc: Exception, action: str) -> Exception:
+        if isinstance(exc, InfrastructureError):
+            return exc
+        if is_transient(exc):
+            return Unreachable(
+                f"MLflow at {self.tracking_uri} did not answer while trying to {action} "
+                f"({reason(exc)})",
+                hint="check that MLflow is running (`modelship doctor`) and "
+                "MLFLOW_TRACKING_URI is right, then run the command again",
+                endpoint=self.tracking_uri, transient=True)
+        from mlflow.exceptions import MlflowException
+
+        if isinstance(exc, MlflowException):
+            return InfrastructureError(
+                f"MLflow at {self.tracking_uri} failed to {action}: {exc.message}",
+                hint="see the MLflow server log",
+                endpoint=self.tracking_uri,
+            )
+        return exc
 
     # -- reading -------------------------------------------------------------------------
 
     def aliases(self, name: str) -> dict[str, int]:
         """Alias -> version number for a registered model."""
-        self.ping()
-        with self._mlflow() as client:
+
+        def body(client: MlflowClient) -> dict[str, int]:
             model = self._registered_model(client, name)
             return {alias: int(version) for alias, version in model.aliases.items()}
+
+        return self._call(f"read the aliases of {name}", body)
 
     def _registered_model(self, client: MlflowClient, name: str) -> Any:
         from mlflow.exceptions import MlflowException
@@ -99,38 +141,41 @@ class RegistryClient:
 
     def version_number(self, name: str, *, version: int | None, alias: str | None) -> int:
         """Turn ``--version`` or ``--alias`` into a version number that exists."""
-        from mlflow.exceptions import MlflowException
-
         if (version is None) == (alias is None):
             raise UsageError("pass exactly one of --version and --alias",
                              hint="e.g. `--version 3` or `--alias candidate`")
-        self.ping()
-        with self._mlflow() as client:
-            model = self._registered_model(client, name)
-            if alias is not None:
-                if alias not in model.aliases:
-                    existing = ", ".join(f"{a} -> v{v}" for a, v in sorted(model.aliases.items()))
-                    raise ModelNotFound(
-                        f"model {name!r} has no alias {alias!r}",
-                        hint=f"its aliases are: {existing or 'none'}; pass --version N "
-                        "instead, or set the alias in MLflow",
-                        model=name, alias=alias,
-                    )
-                return int(model.aliases[alias])
-            try:
-                client.get_model_version(name, str(version))
-            except MlflowException as exc:
-                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
-                    raise
-                versions = sorted(int(v.version) for v in
-                                  client.search_model_versions(f"name='{name}'"))
+        ref = f"v{version}" if alias is None else f"@{alias}"
+        return self._call(f"find {name} {ref}",
+                          lambda client: self._version_number(client, name, version, alias))
+
+    def _version_number(self, client: MlflowClient, name: str, version: int | None,
+                        alias: str | None) -> int:
+        from mlflow.exceptions import MlflowException
+
+        model = self._registered_model(client, name)
+        if alias is not None:
+            if alias not in model.aliases:
+                existing = ", ".join(f"{a} -> v{v}" for a, v in sorted(model.aliases.items()))
                 raise ModelNotFound(
-                    f"model {name!r} has no version {version}",
-                    hint=f"its versions are: {', '.join(map(str, versions)) or 'none'}",
-                    model=name, version=version,
-                ) from exc
-            assert version is not None
-            return int(version)
+                    f"model {name!r} has no alias {alias!r}",
+                    hint=f"its aliases are: {existing or 'none'}; pass --version N "
+                    "instead, or set the alias in MLflow",
+                    model=name, alias=alias,
+                )
+            return int(model.aliases[alias])
+        try:
+            client.get_model_version(name, str(version))
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            versions = sorted(int(v.version) for v in
+                              client.search_model_versions(f"name='{name}'"))
+            raise ModelNotFound(
+                f"model {name!r} has no version {version}",
+                hint=f"its versions are: {', '.join(map(str, versions)) or 'none'}",
+                model=name, version=version,
+            ) from exc
+        return int(str(version))
 
     def resolve(
         self, name: str, *, version: int | None = None, alias: str | None = None,
@@ -141,19 +186,20 @@ class RegistryClient:
         from mlflow.models import Model
 
         number = self.version_number(name, version=version, alias=alias)
-        with self._mlflow() as client:
+
+        def body(client: MlflowClient) -> tuple[Any, Path, Any, dict[str, float], Any]:
             mv = client.get_model_version(name, str(number))
             target = download_dir / f"{name}-v{number}"
             target.mkdir(parents=True, exist_ok=True)
             local = Path(mlflow.artifacts.download_artifacts(
                 artifact_uri=f"models:/{name}/{number}", dst_path=str(target),
                 tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri))
-            mlmodel = Model.load(str(local))
-            flavors = tuple(mlmodel.flavors)
-            metrics: dict[str, float] = {}
-            if mv.run_id:
-                metrics = dict(client.get_run(mv.run_id).data.metrics)
-            registered = client.get_registered_model(name)
+            metrics = dict(client.get_run(mv.run_id).data.metrics) if mv.run_id else {}
+            return mv, local, Model.load(str(local)), metrics, client.get_registered_model(name)
+
+        mv, local, mlmodel, metrics, registered = self._call(
+            f"download {name} v{number}", body)
+        flavors = tuple(mlmodel.flavors)
         version_aliases = tuple(sorted(a for a, v in registered.aliases.items()
                                        if int(v) == number))
         signature = mlmodel.signature.to_dict() if mlmodel.signature else None
@@ -176,7 +222,7 @@ class RegistryClient:
         import mlflow.artifacts
         from mlflow.exceptions import MlflowException
 
-        with self._mlflow() as client:
+        def body(client: MlflowClient) -> Path | None:
             parent = str(Path(path).parent) if Path(path).parent != Path(".") else None
             names = {f.path for f in client.list_artifacts(run_id, parent)}
             if path not in names:
@@ -185,23 +231,34 @@ class RegistryClient:
                 return Path(mlflow.artifacts.download_artifacts(
                     run_id=run_id, artifact_path=path, dst_path=str(dst),
                     tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri))
-            except MlflowException:
+            except MlflowException as exc:
+                if is_transient(exc):
+                    raise
                 return None
+
+        return self._call(f"download {path} of run {run_id}", body)
 
     # -- writing -------------------------------------------------------------------------
 
     def set_alias(self, name: str, alias: str, version: int) -> None:
-        with self._mlflow() as client:
-            client.set_registered_model_alias(name, alias, str(version))
+        self._call(f"point {name}@{alias} at v{version}",
+                   lambda client: client.set_registered_model_alias(name, alias, str(version)))
 
     def delete_alias(self, name: str, alias: str) -> None:
-        with self._mlflow() as client:
-            client.delete_registered_model_alias(name, alias)
+        self._call(f"delete {name}@{alias}",
+                   lambda client: client.delete_registered_model_alias(name, alias))
 
     def set_tags(self, name: str, version: int, tags: dict[str, str]) -> None:
-        with self._mlflow() as client:
+        def body(client: MlflowClient) -> None:
             for key, value in tags.items():
                 client.set_model_version_tag(name, str(version), key, value)
+
+        self._call(f"tag {name} v{version}", body)
+
+    def version_tags(self, name: str, version: int) -> dict[str, str]:
+        """The tags of one model version (recovery reads ``modelship.release_id``)."""
+        return self._call(f"read the tags of {name} v{version}", lambda client: dict(
+            client.get_model_version(name, str(version)).tags or {}))
 
     def production_version(self, name: str) -> int | None:
         """The version the ``production`` alias points at, or None."""

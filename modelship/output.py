@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from modelship.errors import ModelshipError
+from modelship.faults import describe_traceback, translate
 
 T = TypeVar("T")
 
@@ -46,26 +51,83 @@ def run_reporting(
 ) -> int:
     """Run a command body; print its result or its error; return the process exit code.
 
-    Errors become one line (plus the hint) on stderr, and with ``--json`` also an error
-    document on stdout, so scripts always get exactly one JSON document.
+    Every way out ends the same: an error (of any type, a stop signal included) becomes
+    one line on stderr, and with ``--json`` also an error document on stdout, so scripts
+    always get exactly one JSON document and never a traceback (:func:`report_failure`).
     """
     try:
         # Libraries print to stdout (MLflow's "View run ..."): keep stdout for the one
         # JSON document, everything else goes to stderr.
         with contextlib.redirect_stdout(sys.stderr):
             result = action()
-    except ModelshipError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        if as_json:
-            print_json(exc.to_dict())
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+            document = to_json(result) if as_json else None
+            text = "" if as_json else render(result)
+            code = exit_code(result)
+    except BaseException as exc:  # noqa: BLE001 - every way out is reported; see below
+        return report_failure(exc, as_json=as_json)
     if as_json:
-        print_json(to_json(result))
-    else:
-        text = render(result)
-        if text:
-            print(text, flush=True)
-    return exit_code(result)
+        print_json(document)
+    elif text:
+        print(text, flush=True)
+    return code
+
+
+def failure_document(exc: BaseException) -> dict[str, Any]:
+    """What a failed command reports (pure): the error document of ``--json`` output.
+
+    A stop signal exits 128 + its number (130 SIGINT, 143 SIGTERM); a modelship error
+    keeps its class and exit code; anything else is translated (a transport failure becomes
+    :class:`~modelship.errors.Unreachable` naming the endpoint, the rest exit 1 naming the
+    exception).
+    """
+    from modelship.signals import exit_code_for, stop_signal
+
+    signum = stop_signal(exc)
+    if signum is not None:
+        name = signal.Signals(signum).name
+        return {"error": "StopRequested", "exit_code": exit_code_for(signum),
+                "message": f"stopped by {name}", "hint": "the next command finishes or undoes "
+                "what this one left; `modelship status MODEL` shows what serves",
+                "details": {"signal": name}}
+    return translate(exc).to_dict()
+
+
+def report_failure(exc: BaseException, *, as_json: bool) -> int:
+    """Say ``exc`` in one line on stderr (plus the JSON document with ``--json``); return
+    the exit code. The traceback of an unexpected error goes to a log file, not the
+    terminal. ``SystemExit`` and the CLI framework's own exits pass through."""
+    if isinstance(exc, SystemExit | GeneratorExit) or _is_cli_exit(exc):
+        raise exc
+    document = failure_document(exc)
+    if document["error"] == "InfrastructureError" and not isinstance(exc, ModelshipError):
+        saved = _save_traceback(exc)
+        if saved:
+            document["details"] = {**document.get("details", {}), "traceback": saved}
+            document["hint"] = f"{document['hint']}; the traceback is in {saved}"
+    line = document["message"].rstrip(".")
+    if document.get("hint"):
+        line += f". {document['hint'][0].upper()}{document['hint'][1:].rstrip('.')}."
+    print(f"error: {' '.join(line.split())}", file=sys.stderr, flush=True)
+    if as_json:
+        print_json(document)
+    return int(document["exit_code"])
+
+
+def _is_cli_exit(exc: BaseException) -> bool:
+    """click's Exit/Abort/usage errors: the framework reports those itself."""
+    return type(exc).__module__.startswith("click.")
+
+
+def _save_traceback(exc: BaseException) -> str | None:
+    """Append the traceback to ``$MODELSHIP_HOME/logs/errors.log``; its path, or None."""
+    home = Path(os.environ.get("MODELSHIP_HOME", ".modelship"))
+    folder = home / "logs" if home.is_dir() else Path(tempfile.gettempdir())
+    path = folder / ("errors.log" if home.is_dir() else "modelship-errors.log")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()}\n"
+                      f"{describe_traceback(exc)}\n")
+    except OSError:
+        return None
+    return str(path)

@@ -1,11 +1,34 @@
-"""The Prefect API, as modelship needs it: health now, runs and approvals later."""
+"""The Prefect API, as modelship needs it: its health, bounded client settings, and flow
+runs whose outcome survives an API that went away.
+
+Prefect's own client retries a refused connection (once it has connected) 5 times with
+backoff 2^n s and waits 60 s for an answer: one call to a dead server costs about a minute,
+and a release makes several after its last stage (the flow's final state, the record's
+artifact, the lock's release), which is how a CLI once hung for 455 s. The CLI bounds them
+with :data:`BOUNDED_CLIENT`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, ParamSpec, TypeVar
 
+from modelship.errors import ModelshipError
+from modelship.faults import is_transient, translate
 from modelship.http import expect_ok
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Prefect client settings for every modelship process (set as environment defaults by
+#: the CLI, before Prefect is imported): 2 retries (2 s, then 4 s of backoff) and 10 s per
+#: request, so a call to a dead API gives up within seconds.
+BOUNDED_CLIENT = {"PREFECT_CLIENT_MAX_RETRIES": "2", "PREFECT_API_REQUEST_TIMEOUT": "10"}
+#: Longest wait for queued run logs and events at the end of a flow run, in seconds.
+FLUSH_TIMEOUT_S = 3.0
 
 
 class PrefectApi:
@@ -40,11 +63,15 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
     with temporary_settings({PREFECT_API_URL: api_url}):
         try:
             yield
+        except Exception as exc:
+            if isinstance(exc, ModelshipError) or not is_transient(exc):
+                raise
+            raise translate(exc, what="the Prefect API", endpoint=api_url) from exc
         finally:
             _flush_to_api()
 
 
-def _flush_to_api(timeout_s: float = 10.0) -> None:
+def _flush_to_api(timeout_s: float = FLUSH_TIMEOUT_S) -> None:
     """Send the queued run logs and events while the API URL still points at the stack.
 
     Left for interpreter exit, Prefect's background senders would run outside the block:
@@ -59,3 +86,62 @@ def _flush_to_api(timeout_s: float = 10.0) -> None:
             service.drain_all(timeout=timeout_s, at_exit=False)
         except Exception:  # noqa: BLE001 - best effort: a log flush never fails a release
             pass
+
+
+# --------------------------------------------------------------------------------------
+# a flow's own outcome wins over a failure to report it
+
+_OUTCOMES: ContextVar[list[tuple[str, Any]] | None] = ContextVar("modelship_flow_outcomes",
+                                                                 default=None)
+
+
+def keeps_outcome(fn: Callable[P, T]) -> Callable[P, T]:
+    """Decorate a flow function (under ``@flow``) so that :func:`run_flow` learns what its
+    body returned or raised, even when Prefect's engine then fails to record it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        sink = _OUTCOMES.get()
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as exc:
+            if sink is not None:
+                sink.append(("raised", exc))
+            raise
+        if sink is not None:
+            sink.append(("returned", value))
+        return value
+
+    return wrapper
+
+
+def run_flow(call: Callable[[], T], *, api_url: str | None) -> T:
+    """Run a flow (``call``) against ``api_url`` and return what its body returned.
+
+    When the body finished but Prefect failed afterwards (the API went down: the final
+    state, an artifact), the body's own outcome stands, with a note: a release that
+    succeeded exits 0 and says that Prefect did not record it; a release that failed
+    raises its own error, not the engine's. A failure before the body ran (Prefect down
+    at the start) is :class:`~modelship.errors.Unreachable` naming the API.
+    """
+    sink: list[tuple[str, Any]] = []
+    token = _OUTCOMES.set(sink)
+    try:
+        with pointed_at(api_url):
+            return call()
+    except Exception as exc:
+        if not sink or sink[-1][1] is exc or exc.__cause__ is sink[-1][1]:
+            raise
+        kind, value = sink[-1]
+        note = (f"Prefect at {api_url} did not record the end of this flow run "
+                f"({translate(exc).message}); the outcome here is the run's own, and the "
+                "ledger holds its record")
+        if kind == "raised":
+            if isinstance(value, ModelshipError):
+                value.details.setdefault("notes", []).append(note)
+            raise value from exc
+        if isinstance(value, dict):
+            value.setdefault("notes", []).append(note)
+        return value
+    finally:
+        _OUTCOMES.reset(token)

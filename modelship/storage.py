@@ -2,6 +2,12 @@
 
 botocore errors are translated here, at the boundary, into :class:`StorageError` and
 :class:`Unreachable` whose messages name the endpoint, the bucket and the fix.
+
+Retries: botocore's standard mode retries every call :data:`S3_ATTEMPTS` times in all
+(with jittered exponential backoff) on the same failures that
+:func:`modelship.faults.is_transient` calls transient: connection errors, timeouts,
+throttling, 502/503/504. What still fails after that is marked ``retried``, so no outer
+layer retries it again.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelship.errors import CredentialsRejected, StorageError, Unreachable
+from modelship.faults import is_transient, reason
 
 if TYPE_CHECKING:
     from boto3.s3.transfer import TransferConfig
@@ -20,6 +27,9 @@ if TYPE_CHECKING:
 CREDENTIAL_ERRORS = {
     "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden",
 }
+#: Tries per S3 call, the first included (botocore's standard retry mode): at most 2 + 4 s
+#: of backoff, so a dead endpoint costs seconds.
+S3_ATTEMPTS = 3
 
 
 class S3Storage:
@@ -73,7 +83,7 @@ class S3Storage:
                 config=Config(
                     connect_timeout=self._timeout_s,
                     read_timeout=self._timeout_s,
-                    retries={"max_attempts": 2, "mode": "standard"},
+                    retries={"total_max_attempts": S3_ATTEMPTS, "mode": "standard"},
                     s3={"addressing_style": "path"},
                     signature_version="s3v4",
                 ),
@@ -89,12 +99,15 @@ class S3Storage:
             ReadTimeoutError,
         )
 
-        if isinstance(exc, EndpointConnectionError | ConnectionClosedError | ReadTimeoutError):
+        transient = is_transient(exc)
+        if (transient and not isinstance(exc, ClientError)) or isinstance(
+                exc, EndpointConnectionError | ConnectionClosedError | ReadTimeoutError):
             return Unreachable(
-                f"S3 endpoint {self.endpoint} did not answer while trying to {action}",
+                f"S3 endpoint {self.endpoint} did not answer while trying to {action} "
+                f"({reason(exc)})",
                 hint="check that the S3 server is running (`modelship doctor`) and "
                 "MODELSHIP_S3_ENDPOINT is right",
-                endpoint=self.endpoint,
+                endpoint=self.endpoint, transient=True, retried=S3_ATTEMPTS,
             )
         if isinstance(exc, NoCredentialsError):
             return StorageError(
@@ -125,6 +138,7 @@ class S3Storage:
                 hint="see the S3 server's log",
                 endpoint=self.endpoint,
                 code=code,
+                **({"transient": True, "retried": S3_ATTEMPTS} if transient else {}),
             )
         return StorageError(f"S3 at {self.endpoint} failed to {action}: {exc}",
                             endpoint=self.endpoint)

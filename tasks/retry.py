@@ -1,23 +1,27 @@
 """Retry only what is transient (STYLE §7): unreachable servers and timeouts, never a
 failed validation or gate. Used as Prefect's ``retry_condition_fn`` on the idempotent
-tasks of a release."""
+tasks of a release.
+
+What is transient is decided in one place, :func:`modelship.faults.is_transient`. The
+clients retry their own idempotent calls (MLflow, S3) within a time budget; a stage is
+retried only for a transient error that no call-level loop retried already, so the two
+layers never multiply into a hang.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from modelship.errors import ModelshipError, Unreachable
+from modelship.faults import already_retried, is_transient
 
 TRANSIENT_RETRIES = 2
 
+__all__ = ["TRANSIENT_RETRIES", "is_transient", "retry_transient", "stage_should_retry"]
 
-def is_transient(exc: BaseException | None) -> bool:
-    """An error that the same call may not raise a moment later."""
-    if isinstance(exc, Unreachable):
-        return True
-    if isinstance(exc, ModelshipError):
-        return bool(exc.details.get("transient"))
-    return isinstance(exc, TimeoutError | ConnectionError)
+
+def stage_should_retry(exc: BaseException | None) -> bool:
+    """Whether a failed stage is worth running again (pure)."""
+    return is_transient(exc) and not already_retried(exc)
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -25,5 +29,5 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     try:
         state.result()
     except BaseException as exc:  # noqa: BLE001 - the state re-raises what the task raised
-        return is_transient(exc)
+        return stage_should_retry(exc)
     return False

@@ -287,12 +287,10 @@ def compare(rule: ComparisonRule, challenger: dict[str, float],
 
 
 def _client(tracking_uri: str) -> Any:
-    import mlflow
-    from mlflow import MlflowClient
+    """The one MLflow client factory; artifact uploads get a minute per request."""
+    from model_registry.client import mlflow_client
 
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
-    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    return mlflow_client(tracking_uri, timeout_s=60.0)
 
 
 def _translated(what: str, tracking_uri: str, exc: Exception) -> Exception:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Annotated
 
 import typer
@@ -42,19 +43,38 @@ def _root(version: Annotated[bool, typer.Option(
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point.
+
+    Every way out of a command ends in one stderr line (plus a JSON error document with
+    ``--json``) and its exit code, never a traceback: the commands report their own errors
+    (:func:`modelship.output.run_reporting`); what escapes them, and a SIGINT or SIGTERM
+    outside one, is reported here the same way. Prefect's client gets bounded retries and
+    a request timeout (:data:`modelship.prefect_api.BOUNDED_CLIENT`), so an API that is
+    down costs seconds, not minutes.
+    """
+    from modelship.output import report_failure
+    from modelship.prefect_api import BOUNDED_CLIENT
+    from modelship.signals import stop_on_signals
+
     # No network but loopback here, and progress bars would garble stderr progress lines.
     for key, value in {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
                        "GX_ANALYTICS_ENABLED": "false",
                        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-                       "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3"}.items():
+                       "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
+                       **BOUNDED_CLIENT}.items():
         os.environ.setdefault(key, value)
     # Prefect's background senders warn "Still processing items: N items remaining..." while
     # they flush at exit: noise for a CLI user, whose result is already printed.
     for service in ("APILogWorker", "EventsWorker"):
         logging.getLogger(service).setLevel(logging.ERROR)
-    app()
+    try:
+        with stop_on_signals():
+            app()
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the last resort: one line, an exit code
+        sys.exit(report_failure(exc, as_json="--json" in sys.argv[1:]))
 
 
 __all__ = ["app", "main"]

@@ -81,7 +81,7 @@ def promote(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
 
         from flows.check import parse_ref
         from flows.promote import PromoteParams, promote_flow
-        from modelship.prefect_api import pointed_at
+        from modelship.prefect_api import run_flow
 
         parse_ref(version, alias)
         current = settings()
@@ -93,8 +93,7 @@ def promote(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
             if approvers else None,
             requested_by=requested_by or current.requester or getpass.getuser(),
             trigger="cli", allow_breaking_changes=allow_breaking_changes)
-        with pointed_at(current.prefect_api_url):
-            return promote_flow(params)
+        return run_flow(lambda: promote_flow(params), api_url=current.prefect_api_url)
 
     finish(run_reporting(action, as_json=as_json, render=render_record, to_json=lambda d: d,
                          exit_code=lambda d: int(d.get("exit_code") or 0)))

@@ -101,11 +101,12 @@ class PromoteStarter:
 def ensure_mlflow_webhook(tracking_uri: str, url: str, secret: str, *,
                           name: str = MLFLOW_WEBHOOK_NAME) -> str:
     """Create (or point again) the MLflow webhook that calls this receiver; returns its id."""
-    from mlflow import MlflowClient
     from mlflow.entities.webhook import WebhookEvent
     from mlflow.exceptions import MlflowException
 
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    from model_registry.client import mlflow_client
+
+    client = mlflow_client(tracking_uri, timeout_s=10.0)
     events: list[Any] = [WebhookEvent.from_str(MLFLOW_EVENT)]
     try:
         existing = [w for w in client.list_webhooks(max_results=100) if w.name == name]

@@ -1,0 +1,161 @@
+"""Every way out of a command is one stderr line, one JSON document with --json, and an exit
+code (modelship.output); a flow's own outcome survives Prefect failing to record it
+(modelship.prefect_api.run_flow)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from modelship.errors import GateFailed, ReleaseCancelled, Unreachable
+from modelship.output import run_reporting
+from modelship.prefect_api import keeps_outcome, run_flow
+from modelship.signals import StopRequested
+
+
+def _connect_error() -> BaseException:
+    request = httpx.Request("POST", "http://127.0.0.1:4200/api/flow_runs/")
+    try:
+        try:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        except httpx.ConnectError as inner:
+            raise RuntimeError("Failed to reach API at http://127.0.0.1:4200/api/") from inner
+    except RuntimeError as outer:
+        return outer
+
+
+CASES: list[tuple[str, Any, int, str, str]] = [
+    # name, what the body raises, exit code, JSON "error", words the line must hold
+    ("gate", GateFailed("the gates stopped fraud v3", hint="production is unchanged"), 4,
+     "GateFailed", "the gates stopped fraud v3. Production is unchanged."),
+    ("prefect down", _connect_error(), 1, "Unreachable",
+     "at http://127.0.0.1:4200/api/ did not answer (Connection refused)"),
+    ("bug", KeyError("replicas"), 1, "InfrastructureError", "unexpected KeyError: 'replicas'"),
+    ("sigterm", StopRequested(signal.SIGTERM), 143, "StopRequested", "stopped by SIGTERM"),
+    ("ctrl-c", KeyboardInterrupt(), 130, "StopRequested", "stopped by SIGINT"),
+    ("cancelled release", ReleaseCancelled("fraud v3 was undone", signum=signal.SIGTERM), 143,
+     "ReleaseCancelled", "fraud v3 was undone"),
+]
+
+
+@pytest.mark.parametrize(("name", "error", "code", "kind", "words"), CASES,
+                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("as_json", [True, False])
+def test_any_exception_is_one_line_one_document_and_an_exit_code(
+        name: str, error: BaseException, code: int, kind: str, words: str, as_json: bool,
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MODELSHIP_HOME", str(tmp_path))
+
+    def action() -> dict[str, Any]:
+        raise error
+
+    assert run_reporting(action, as_json=as_json, render=str, to_json=dict) == code
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("error: ") and words in err, err
+    assert "Traceback" not in out + err
+    if as_json:
+        document = json.loads(out)
+        assert document["error"] == kind and document["exit_code"] == code
+        assert document["message"] in err
+    else:
+        assert out == ""
+
+
+def test_an_unexpected_error_keeps_its_traceback_in_a_log_not_on_the_terminal(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MODELSHIP_HOME", str(tmp_path))
+
+    def action() -> None:
+        {}["replicas"]  # noqa: B018 - the bug under test
+
+    assert run_reporting(action, as_json=True, render=str, to_json=dict) == 1
+    out, err = capsys.readouterr()
+    log = tmp_path / "logs" / "errors.log"
+    assert json.loads(out)["details"]["traceback"] == str(log)
+    assert f"the traceback is in {log}" in err
+    assert "Traceback (most recent call last)" in log.read_text()
+    assert "KeyError: 'replicas'" in log.read_text()
+
+
+def test_a_result_that_cannot_be_rendered_is_reported_like_any_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = run_reporting(lambda: {"replicas": []}, as_json=False,
+                         render=lambda doc: doc["consistent"], to_json=dict)
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and "unexpected KeyError: 'consistent'" in err
+
+
+def test_the_result_and_its_exit_code_when_nothing_fails(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = run_reporting(lambda: {"exit_code": 4}, as_json=True, render=str,
+                         to_json=dict, exit_code=lambda d: int(d["exit_code"]))
+    out, err = capsys.readouterr()
+    assert code == 4 and json.loads(out) == {"exit_code": 4} and err == ""
+
+
+# --------------------------------------------------------------------------------------
+# the flow's outcome wins over a failure to record it
+
+
+def _engine(body: Any, *, fails_after: BaseException | None) -> Any:
+    """What Prefect's engine does around a flow body: run it, then report to the API."""
+
+    def run() -> Any:
+        try:
+            value = body()
+        except BaseException:
+            if fails_after is not None:
+                raise fails_after from None
+            raise
+        if fails_after is not None:
+            raise fails_after
+        return value
+
+    return run
+
+
+def test_a_release_that_succeeded_stays_a_success_when_prefect_cannot_record_it() -> None:
+    body = keeps_outcome(lambda: {"status": "released", "exit_code": 0, "notes": []})
+    record = run_flow(_engine(body, fails_after=_connect_error()), api_url=None)
+    assert record["status"] == "released" and record["exit_code"] == 0
+    assert len(record["notes"]) == 1
+    assert "did not record the end of this flow run" in record["notes"][0]
+    assert "http://127.0.0.1:4200/api/ did not answer" in record["notes"][0]
+
+
+def test_a_release_that_failed_raises_its_own_error_not_the_engines() -> None:
+    gate = GateFailed("the gates stopped fraud v3")
+
+    def body() -> None:
+        raise gate
+
+    with pytest.raises(GateFailed) as caught:
+        run_flow(_engine(keeps_outcome(body), fails_after=_connect_error()), api_url=None)
+    assert caught.value is gate
+    assert "did not record the end" in caught.value.details["notes"][0]
+
+
+def test_a_failure_before_the_body_ran_is_the_engines_own() -> None:
+    def engine() -> None:
+        raise _connect_error()  # e.g. creating the flow run: the body never ran
+
+    with pytest.raises(RuntimeError, match="Failed to reach API"):
+        run_flow(engine, api_url=None)
+
+
+def test_a_body_error_that_the_engine_reraises_passes_unchanged() -> None:
+    down = Unreachable("S3 endpoint http://127.0.0.1:9 did not answer")
+
+    def body() -> None:
+        raise down
+
+    with pytest.raises(Unreachable) as caught:
+        run_flow(_engine(keeps_outcome(body), fails_after=None), api_url=None)
+    assert caught.value is down and "notes" not in down.details
