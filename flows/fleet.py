@@ -206,7 +206,7 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
                                  to_version=target, candidate=digest,
                                  forced=evidence["basis"] == "forced")
     record.gates = {"evidence": evidence}
-    with release_lock(model, prefect_api_url=settings.prefect_api_url, home=settings.home,
+    with release_lock(model, storage=clients.storage, home=settings.home,
                       release_id=record.id, kind="swap"):
         ledger.write(record)
         try:
@@ -307,7 +307,7 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
                                  to_version=to, forced=force and not served_before(records, to))
     record.candidate = digest
     old_production = aliases.get(PRODUCTION_ALIAS)
-    with release_lock(model, prefect_api_url=settings.prefect_api_url, home=settings.home,
+    with release_lock(model, storage=clients.storage, home=settings.home,
                       release_id=record.id, kind="rollback"):
         ledger.write(record)
         progress(f"moving alias {PRODUCTION_ALIAS} of {model} to v{to} (first)")
@@ -383,7 +383,7 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
                                      clients.storage,
                                      repository_prefix=settings.repository_prefix,
                                      model=model, version=version))
-    with release_lock(model, prefect_api_url=settings.prefect_api_url, home=settings.home,
+    with release_lock(model, storage=clients.storage, home=settings.home,
                       release_id=record.id, kind="canary"):
         result = run_canary(settings, clients, policy, model=model, candidate=version,
                             baseline=baseline, progress=progress)

@@ -288,7 +288,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
         record.candidate = read_candidate_digest(
             clients.storage, repository_prefix=settings.repository_prefix, model=model,
             version=version)
-        with release_lock(model, prefect_api_url=settings.prefect_api_url, home=settings.home,
+        with release_lock(model, storage=clients.storage, home=settings.home,
                           release_id=record.id, kind="promote") as lock, \
                 _unload_kept_canary(clients, journal, keep=approval.required):
             _note_takeover(journal, lock)
@@ -522,7 +522,7 @@ def _recover_dead_runs(settings: Settings, clients: Clients, policy: Policy, led
     dead = dead_runs(ledger, record.model, record.id)
     if not dead:
         return
-    with release_lock(record.model, prefect_api_url=settings.prefect_api_url,
+    with release_lock(record.model, storage=clients.storage,
                       home=settings.home, release_id=record.id, kind="promote") as lock:
         _note_takeover(journal, lock)
         _mark_interrupted(ledger, record.model, record.id, only={r.id for r in dead})

@@ -43,9 +43,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -66,8 +68,10 @@ from modelship.errors import (
     ApprovalUnavailable,
     InfrastructureError,
     ModelshipError,
+    ReleaseLocked,
 )
 from modelship.loadgen import LoadReport, LoadSpec, Target, run_load, run_paired
+from modelship.locks import canary_slot
 from modelship.policy import ApprovalPolicy, Policy
 from modelship.slack import blocks
 from modelship.triton.metrics import Scrape, delta
@@ -752,8 +756,18 @@ def evidence_watch(settings: Any, clients: Any, *, model: str, version: int,
                 clients.storage, getattr(clients, "registry", None),
                 repository_prefix=settings.repository_prefix, model=model, version=version,
                 rows=rows)
-        report = _probe(canary.endpoint.grpc, model, version, baseline, rows_box["rows"],
-                        seconds=probe_s, rps=probe_rps, timeout_s=settings.http_timeout_s)
+        # The probe is load on the shared canary Triton: it takes the canary slot, without
+        # waiting. While another model's canary measures there, this look skips its probe
+        # (the e-processes allow any number of looks), so neither measures the other.
+        with ExitStack() as slot:
+            try:
+                slot.enter_context(canary_slot(
+                    clients.storage, model=model, wait_s=0,
+                    owner=f"approval watch of {model} v{version} (pid {os.getpid()})"))
+            except ReleaseLocked:
+                return None
+            report = _probe(canary.endpoint.grpc, model, version, baseline, rows_box["rows"],
+                            seconds=probe_s, rps=probe_rps, timeout_s=settings.http_timeout_s)
         return judge.probe(probe_batch(report.measured_records()))
 
     def evidence() -> tuple[Kind, str] | None:

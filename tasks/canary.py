@@ -64,6 +64,7 @@ from modelship.triton.client import TritonServer
 from modelship.triton.gpu import GpuEvidence, GpuSample, canary_gpu_evidence, fleet_target
 from modelship.triton.metrics import Scrape
 from modelship.triton.target import render_for_servers
+from tasks.canary_slot import in_canary_slot
 from tasks.sequential import SequentialCanary, SequentialConfig, SequentialDecision
 
 Progress = Callable[[str], None]
@@ -761,6 +762,7 @@ def _report_dir(settings: Settings, model: str, candidate: int) -> Path:
 # --------------------------------------------------------------------------- the stage
 
 
+@in_canary_slot  # one canary at a time on the canary Triton (issue 18; owner: locks)
 def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: str,
                candidate: int, baseline: int | None,
                progress: Progress = _quiet, report_dir: Path | None = None,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from modelship.cli._common import JsonOpt, app, finish, progress, run_reporting, settings, table
+from modelship.stack.components import prefect_ui_url
 
 DEMO_MODEL = "demo-fraud"
 #: The approval step: carol asks for v2, alice (or the release-approvers group) approves.
@@ -57,6 +58,14 @@ def train_and_register(tracking_uri: str, *, name: str, strength: float, seed: i
             test.head(256).to_parquet(path)
             mlflow.log_artifact(str(path), artifact_path="golden")
     return int(info.registered_model_version)
+
+
+def flow_run_links(ui: str | None, releases: list[dict[str, Any]]) -> dict[str, str]:
+    """The Prefect UI page of each release's flow run (its task runs, logs, artifacts), by
+    release id."""
+    runs = {r["id"]: (r.get("holder") or {}).get("flow_run_id") for r in releases}
+    return {release: f"{ui}/runs/flow-run/{run}" for release, run in runs.items()
+            if ui and run}
 
 
 def _shown(version: int | None) -> str:
@@ -139,11 +148,12 @@ def run_demo(current: Any) -> dict[str, Any]:
         finally:
             stop.set()
         releases.append(record)
-    ui = (current.prefect_api_url or "").removesuffix("/api")
+    ui = prefect_ui_url(current.prefect_api_url) if current.prefect_api_url else None
     return {"model": DEMO_MODEL, "releases": releases,
             "outcome": f"v{releases[-1]['to_version']} {releases[-1]['status']}",
             "seconds": round(time.monotonic() - started, 1), "approval_click": clicked,
             "look": {"prefect_ui": f"{ui}/runs" if ui else None,
+                     "flow_runs": flow_run_links(ui, releases),
                      "slack_messages": f"{current.slack_api_url.rstrip('/')}/_emulator/messages"
                      if current.slack_api_url else None,
                      "history": f"modelship history {DEMO_MODEL}",
@@ -165,6 +175,8 @@ def demo(as_json: JsonOpt = False) -> None:
         return (table(["release", "versions", "status", "stages"], rows)
                 + f"\n{doc['model']}: {doc['outcome']} ({doc['seconds']:.0f} s in all)"
                 + f"\nPrefect UI (flow runs, task runs, artifacts): {look['prefect_ui']}"
+                + "".join(f"\n  flow run of {release}: {link}"
+                          for release, link in look["flow_runs"].items())
                 + f"\nSlack thread (emulator): {look['slack_messages']}"
                 + f"\nSlack web view (click Approve/Reject as anyone): "
                 f"{look['slack_web_view']}"

@@ -285,7 +285,7 @@ def reconcile(model: Annotated[str | None, typer.Argument(
                 "signing_key": key_bytes(settings.manifest_signing_key), "model": model,
                 "timeout_s": settings.control_timeout_s,
                 "probe_timeout_s": settings.http_timeout_s, "dry_run": dry_run,
-                "lock": lambda name: release_lock(name, prefect_api_url=settings.prefect_api_url,
+                "lock": lambda name: release_lock(name, storage=clients.storage,
                                                   home=settings.home, kind="reconcile"),
                 "progress": progress}
 

@@ -8,9 +8,7 @@ file lists, and checks that their ports are closed.
 
 from __future__ import annotations
 
-import base64
 import os
-import secrets
 import shutil
 import sys
 import threading
@@ -25,6 +23,13 @@ from typing import Any
 from modelship.errors import ModelshipError, StackError, UsageError
 from modelship.settings import Settings
 from modelship.stack import components as c
+from modelship.stack.keys import (
+    drop_undecryptable_webhooks,
+    reusable_ports,
+    save_ports,
+    saved_ports,
+    stack_keys,
+)
 from modelship.stack.process import (
     LOOPBACK,
     ProcessRecord,
@@ -210,14 +215,30 @@ def up(
     home = _private_dir(settings.home.resolve())
     logs, data = _private_dir(home / "logs"), _private_dir(home / "data")
     (data / "seaweedfs").mkdir(exist_ok=True)
+    # Every key data may depend on is made once per home and kept (see stack/keys.py).
+    keys, _ = stack_keys(home)
     seaweed_conf = _private_dir(home / SEAWEED_CONF_DIR)
     _private_file(seaweed_conf / "security.toml", c.seaweed_security_toml(
-        write_key=secrets.token_hex(24), read_key=secrets.token_hex(24),
-        filer_write_key=secrets.token_hex(24), filer_read_key=secrets.token_hex(24)))
+        write_key=keys["seaweed_write_key"], read_key=keys["seaweed_read_key"],
+        filer_write_key=keys["seaweed_filer_write_key"],
+        filer_read_key=keys["seaweed_filer_read_key"]))
     signing_key = manifest_signing_key(home)
+    for url in drop_undecryptable_webhooks(data / "mlflow.db", keys["mlflow_webhook_key"]):
+        progress(f"dropped the MLflow webhook to {url}: its secret was encrypted with a key "
+                 "this home no longer has (the receiver registers it again)")
 
     n_triton = replicas + 1
-    ports = _allocate_ports(len(c.SEAWEED_PORT_NAMES) + 3 + 3 * n_triton, base_port)
+    count = len(c.SEAWEED_PORT_NAMES) + 3 + 3 * n_triton
+    previous = saved_ports(home)
+    ports = (reusable_ports(previous, count=count, is_busy=port_open)
+             if base_port is None else None)
+    reuse = ports is not None and not any(
+        port_open(previous.get(k, 0)) for k in ("approvals", "webhooks"))
+    if previous.get("ports") and base_port is None and not reuse:
+        progress("the ports of this home's last stack are taken or differ in number: using "
+                 "new ones (links recorded before point at the old ports)")
+    if ports is None or not reuse:
+        ports = _allocate_ports(count, base_port)
     seaweed_ports = dict(zip(c.SEAWEED_PORT_NAMES, ports, strict=False))
     # SeaweedFS's built-in worker always dials the admin port + 10000, whatever the flag says.
     seaweed_ports["admin_grpc"] = seaweed_ports["admin"] + 10000
@@ -229,13 +250,16 @@ def up(
     rest = ports[len(c.SEAWEED_PORT_NAMES):]
     mlflow_port, prefect_port, slack_port = rest[0], rest[1], rest[2]
     triton_ports = [tuple(rest[3 + 3 * i: 6 + 3 * i]) for i in range(n_triton)]
-    approvals_port = (free_ports(1, avoid=set(ports))[0] if base_port is None
-                      else _allocate_ports(1, base_port + len(ports))[0])
-    webhooks_port = (free_ports(1, avoid={*ports, approvals_port})[0] if base_port is None
-                     else _allocate_ports(1, base_port + len(ports) + 1)[0])
+    if reuse:
+        approvals_port, webhooks_port = int(previous["approvals"]), int(previous["webhooks"])
+    else:
+        approvals_port = (free_ports(1, avoid=set(ports))[0] if base_port is None
+                          else _allocate_ports(1, base_port + len(ports))[0])
+        webhooks_port = (free_ports(1, avoid={*ports, approvals_port})[0] if base_port is None
+                         else _allocate_ports(1, base_port + len(ports) + 1)[0])
+    save_ports(home, {"ports": ports, "approvals": approvals_port, "webhooks": webhooks_port})
 
-    access_key = "ms" + secrets.token_hex(8)
-    secret_key = secrets.token_hex(20)
+    access_key, secret_key = keys["access_key"], keys["secret_key"]
     bucket = settings.bucket
     s3_endpoint = f"http://{LOOPBACK}:{seaweed_ports['s3']}"
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
@@ -258,7 +282,7 @@ def up(
         name: {"name": name, **c.endpoint_urls(*triton_ports[i])}
         for i, name in enumerate(triton_names)
     }
-    slack_token = "xoxb-modelship-" + secrets.token_hex(8)
+    slack_token = keys["slack_token"]
     state: dict[str, Any] = {
         "version": STATE_VERSION,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -273,13 +297,13 @@ def up(
         "prefect_api_url": f"http://{LOOPBACK}:{prefect_port}/api",
         "slack_api_url": f"http://{LOOPBACK}:{slack_port}/api/",
         "slack_token": slack_token,
-        "slack_signing_secret": secrets.token_hex(16),
+        "slack_signing_secret": keys["slack_signing_secret"],
         "manifest_signing_key": signing_key,
         "seaweedfs": {"filer": f"http://{LOOPBACK}:{seaweed_ports['filer']}"},
         "approvals_url": f"http://{LOOPBACK}:{approvals_port}/slack/interactivity",
         "webhooks_url": f"http://{LOOPBACK}:{webhooks_port}/mlflow/webhook",
-        "mlflow_webhook_secret": secrets.token_hex(24),
-        "mlflow_webhook_key": base64.urlsafe_b64encode(secrets.token_bytes(32)).decode(),
+        "mlflow_webhook_secret": keys["mlflow_webhook_secret"],
+        "mlflow_webhook_key": keys["mlflow_webhook_key"],
         "triton": {
             "replicas": [endpoints[n] for n in triton_names[:-1]],
             "canary": endpoints["canary"],
@@ -334,7 +358,8 @@ def up(
         prefect_proc = launch(
             "prefect",
             c.prefect_command(venv_bin, port=prefect_port),
-            c.prefect_env(base_env, prefect_home=data / "prefect", db_path=data / "prefect.db"),
+            c.prefect_env(base_env, prefect_home=data / "prefect", db_path=data / "prefect.db",
+                          port=prefect_port),
             [prefect_port],
         )
         # MLflow touches S3 only when artifacts move, so it can boot while SeaweedFS does.
@@ -449,7 +474,9 @@ def _component_env(name: str, state: dict[str, Any], settings: Settings) -> dict
         return c.seaweed_env(base_env, **keys)
     if name == "prefect":
         return c.prefect_env(base_env, prefect_home=data / "prefect",
-                             db_path=data / "prefect.db")
+                             db_path=data / "prefect.db",
+                             port=int(str(state["prefect_api_url"]).rsplit(":", 1)[1]
+                                      .split("/")[0]))
     if name == "mlflow":
         return c.mlflow_env(base_env, s3_endpoint=state["s3_endpoint"],
                             webhook_key=state.get("mlflow_webhook_key"),
