@@ -67,7 +67,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
     again = _json("swap", MODEL, "--to", str(v2), settings=stack_settings)
     assert again["kind"] == "noop"
 
-    with release_lock(MODEL, prefect_api_url=stack_settings.prefect_api_url,
+    with release_lock(MODEL, storage=build_clients(stack_settings).storage,
                       home=stack_settings.home):
         locked = _json("swap", MODEL, "--to", str(v1), settings=stack_settings, code=1)
     assert locked["error"] == "ReleaseLocked" and "another release" in locked["message"]

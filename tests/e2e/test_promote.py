@@ -138,7 +138,7 @@ def test_a_second_release_is_told_who_holds_the_lock(stack_settings: Settings,
                                                      policy: Path) -> None:
     uri = str(stack_settings.mlflow_tracking_uri)
     version = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
-    with release_lock(MODEL, prefect_api_url=stack_settings.prefect_api_url,
+    with release_lock(MODEL, storage=build_clients(stack_settings).storage,
                       home=stack_settings.home, release_id="holder-test", kind="promote"):
         locked = _promote(stack_settings, policy, "--version", str(version), code=1)
         assert locked["status"] == "failed" and "holder-test" in locked["reason"]
