@@ -119,7 +119,7 @@ from modelship.triton.metrics import (
     parse_metrics,
     scrape_text,
 )
-from tasks.blocks import diagnose, lag1, long_run_variance, overdispersion
+from tasks.blocks import HIGH_LAG1, diagnose, lag1, long_run_variance, overdispersion
 
 Progress = Callable[[str], None]
 Outcome = Literal["passed", "held", "breach", "infrastructure"]
@@ -585,6 +585,7 @@ def latency_state(windows: Sequence[Window], reference: Reference | None,
                             upper_ratio=math.exp(test.upper(alpha_look)),
                             tolerance_ratio=math.exp(margin), p_value=p, alpha=alpha_look,
                             block_sd=test.block_sd, lag1=test.lag1,
+                            lag1_high=bool(test.lag1 > HIGH_LAG1),
                             effective_tolerance_pct=effective_tolerance_pct(
                                 policy, test.block_sd, int(before.size)))
                 if p <= alpha_look and breach is None:

@@ -48,6 +48,9 @@ def render_record(record: dict[str, Any]) -> str:
                          + (" (dry run)" if gate.get("dry_run") else ""))
         lines.append(f"  canary: {plan['canary']['expected_s']}")
         lines.append(f"  replicas touched: {', '.join(plan['replicas'])}")
+        bake = plan.get("bake") or {}
+        if bake.get("effective_tolerance"):
+            lines.append(f"  bake: {bake['duration_s']:g} s; {bake['effective_tolerance']}")
         lines.append(f"  rollback target: v{plan['rollback_target']}")
         approval = plan["approval"]
         lines.append(f"  approval: {'required by ' + ', '.join(approval['approvers']) if approval['required'] else 'not required'}")  # noqa: E501

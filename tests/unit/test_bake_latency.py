@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from modelship.cli.release import render_record
 from modelship.policy import BakePolicy
 from modelship.triton.metrics import PENDING, REQUEST_US, delta, load_of, parse_metrics
 from tasks.bake import (
@@ -221,6 +222,7 @@ def test_a_regression_at_matched_load_names_the_rule_ratio_and_load() -> None:
     assert "latency_p50" in verdict.reason and "matched load" in verdict.reason
     assert "×1.25" in verdict.reason and "80.0 req/s" in verdict.reason
     assert verdict.latency["rules"][0]["ratio"] == pytest.approx(2.0, rel=0.1)
+    assert verdict.latency["rules"][0]["lag1_high"] is False  # independent windows
 
 
 def test_a_surge_holds_latency_for_the_whole_bake_and_the_release_may_complete() -> None:
@@ -355,3 +357,14 @@ def test_window_and_report_records_carry_the_load() -> None:
     assert shown["baseline"]["kind"] == "pre-swap" and len(shown["baseline"]["windows"]) == 2
     assert shown["latency"]["reference_rate_rps"] == pytest.approx(81.234)
     assert "errors" in shown and shown["errors"]["failed"] == 0
+
+
+def test_dry_run_output_prints_the_effective_tolerance() -> None:
+    record = {"kind": "promote", "model": "m", "from_version": 1, "to_version": 2,
+              "status": "planned", "exit_code": 0, "id": "r1", "stages": [],
+              "plan": {"stages": ["resolve"], "gates": [], "canary": {"expected_s": "-"},
+                       "replicas": ["triton-0"], "rollback_target": 1,
+                       "approval": {"required": False, "approvers": []},
+                       "bake": plan(BakePolicy(duration_s=120))}}
+    shown = render_record(record)
+    assert "bake: 120 s; +29.6% latency at unchanged load is caught" in shown
