@@ -989,7 +989,8 @@ class BakePolicy(_Section):
         "the swap, in windows of `window_s`: the pre-swap reference the latency is compared "
         "with, at the load it saw. Its size bounds what the bake can tell apart: with 30 s "
         "at 80 req/s, +30% latency is caught ≥ 90% within a 120-s bake (`promote --dry-run` "
-        "prints the effective tolerance). Float > 0. Default 30.",
+        "prints the effective tolerance); below 2 × `window_s` the latency rules have no "
+        "reference and only errors are judged. Float > 0. Default 30.",
     )
     probe_rps: float = Field(
         default=80.0,

@@ -511,7 +511,8 @@ def plan(policy: BakePolicy) -> dict[str, Any]:
     n = total_windows(policy)
     quantiles = policy.latency_quantiles
     points, final = look_plan(n, policy.alpha / max(len(quantiles), 1))
-    effective = effective_tolerance_pct(policy) if quantiles and n else None
+    blocks = int(math.ceil(policy.baseline_s / policy.window_s))
+    effective = effective_tolerance_pct(policy) if quantiles and n and blocks >= 2 else None
     return jsonable({
         "duration_s": policy.duration_s, "window_s": policy.window_s, "windows": n,
         "baseline_s": policy.baseline_s, "probe_rps": policy.probe_rps,
@@ -523,6 +524,8 @@ def plan(policy: BakePolicy) -> dict[str, Any]:
                           "alpha_at_end": final},
         "effective_tolerance_pct": None if effective is None else round(effective, 1),
         "effective_tolerance": (
+            "latency not judged: baseline_s covers fewer than 2 windows of window_s, so the "
+            "reference has no spread to compare with" if quantiles and n and blocks < 2 else
             None if effective is None else
             f"+{effective:.1f}% latency at unchanged load is caught with probability 0.9 "
             f"by the end of a {policy.duration_s:g}-s bake (tolerance "

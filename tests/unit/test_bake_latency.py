@@ -368,3 +368,13 @@ def test_dry_run_output_prints_the_effective_tolerance() -> None:
                        "bake": plan(BakePolicy(duration_s=120))}}
     shown = render_record(record)
     assert "bake: 120 s; +29.6% latency at unchanged load is caught" in shown
+
+
+def test_a_reference_of_one_window_turns_the_latency_rules_off_and_says_so() -> None:
+    shown = plan(BakePolicy(duration_s=4, window_s=2, baseline_s=2))
+    assert shown["effective_tolerance_pct"] is None
+    assert "fewer than 2 windows" in shown["effective_tolerance"]
+    rng = np.random.default_rng(9)
+    one = Reference((_window(-1, _lat(rng, 160)),))
+    verdict = judge_windows([_window(0, _lat(rng, 160, 3.0))], one, POLICY)
+    assert verdict.outcome == "passed" and verdict.latency["status"] == "no reference"
