@@ -6,7 +6,7 @@ import importlib
 import sys
 
 BENCHMARKS = ["bench.stack_startup", "bench.staging", "bench.judge", "bench.loadgen", "bench.swap",
-              "bench.e2e"]
+              "bench.fleet_scale", "bench.e2e"]
 
 
 def main() -> None:
