@@ -84,45 +84,54 @@ def rollback(model: ModelArg,
 
 @app.command("status")
 def status(model: ModelArg, as_json: JsonOpt = False) -> None:
-    """Per replica: the ready versions and the config digest; flags an inconsistent fleet."""
-    from flows import fleet
-
-    def render(doc: dict[str, Any]) -> str:
-        rows = [(r.get("name"), r["url"], ",".join(map(str, r.get("ready_versions", []))) or "-",
-                 (r.get("config_digest") or "-")[:12], r.get("error", ""))
-                for r in doc["replicas"]]
-        state = "consistent" if doc["consistent"] else "INCONSISTENT"
-        serving = f"v{doc['production_version']}" if doc["production_version"] is not None \
-            else "nothing"
-        last = doc.get("last_release") or {}
-        lines = [table(["replica", "url", "ready", "config", "error"], rows),
-                 f"{model}: serving {serving} ({state}); aliases {doc['aliases']}"]
-        if doc.get("summary"):
-            lines.append(doc["summary"])
-        lines.extend(f"note: {note}" for note in doc.get("notes") or [])
-        if last.get("id"):
-            lines.append(f"last release: {last['kind']} {last['id']} v{last['from_version']} "
-                         f"-> v{last['to_version']}: {last['status']}")
-        if doc.get("registry_error"):
-            lines.append(f"registry: {doc['registry_error']}")
-        if _never_deployed(doc):
-            lines.append(f"next: `modelship promote {model} --version V` releases it")
-        elif not doc["consistent"]:
-            lines.append(f"next: `modelship rollback {model}` or `modelship swap {model} --to V`"
-                         " converges the replicas")
-        return "\n".join(lines)
+    """Compare the replicas (versions and live configs, batching included) with the
+    production pin, the production alias and the newest ledger record. Exit 1 on any
+    disagreement, naming the command that repairs it; a source that is down is noted."""
+    from flows.status import status_report
 
     finish(run_reporting(
-        lambda: with_clients(lambda _s, clients: fleet.status(clients, model=model)),
-        as_json=as_json, render=render, to_json=lambda d: d,
-        exit_code=lambda d: 0 if d["consistent"] or _never_deployed(d) else 1))
+        lambda: with_clients(lambda settings, clients: status_report(settings, clients,
+                                                                     model=model)),
+        as_json=as_json, render=_render_status, to_json=lambda d: d,
+        exit_code=lambda d: 0 if d["consistent"] else 1))
 
 
-def _never_deployed(doc: dict[str, Any]) -> bool:
-    """Every replica answered and none serves the model: nothing to converge (exit 0)."""
-    replicas = doc.get("replicas") or []
-    return bool(replicas) and not doc.get("served") and all(
-        "error" not in r and not r.get("ready_versions") for r in replicas)
+def _render_status(doc: dict[str, Any]) -> str:
+    """A short table per replica, what each source says, the disagreements and next."""
+    model, pin = doc["model"], doc.get("pin")
+
+    def batching(row: dict[str, Any]) -> str:
+        return {True: "on", False: "off", None: "-"}[row.get("dynamic_batching")]
+
+    def matches(row: dict[str, Any]) -> str:
+        return {True: "yes", False: "NO", None: "-"}[row.get("matches_pin")]
+
+    rows = [(r.get("name"), ",".join(f"v{v}" for v in r.get("ready_versions", [])) or "-",
+             batching(r), matches(r), r.get("error") or "")
+            for r in doc["replicas"]]
+    record = doc.get("record") or {}
+    said = [f"pin {'v' + str(pin['version']) if pin else '-'}" if "s3" not in doc["unread"]
+            else "pin: S3 not read",
+            f"alias production {_v(doc['aliases'].get('production'))}"
+            if "mlflow" not in doc["unread"] else "alias: MLflow not read",
+            (f"ledger {record['kind']} {record['id']} {_v(record['from_version'])} -> "
+             f"{_v(record['to_version'])} {record['status']}") if record else "ledger: -"]
+    lines = [table(["replica", "ready", "batching", "as pinned", "error"], rows),
+             doc["summary"], "; ".join(said)]
+    if doc.get("in_progress"):
+        lines.append(f"in progress: {doc['in_progress']}")
+    lines.extend(f"DISAGREES ({d['kind']}): {d['detail']}\n  repair: {d['repair']}"
+                 for d in doc["disagreements"])
+    lines.extend(f"note: {note}" for note in doc.get("notes") or [])
+    if doc.get("next"):
+        lines.append(f"next: {doc['next']}")
+    elif not doc.get("served") and not doc.get("expected"):
+        lines.append(f"next: `modelship promote {model} --version V` releases it")
+    return "\n".join(lines)
+
+
+def _v(version: int | None) -> str:
+    return f"v{version}" if version is not None else "-"
 
 
 @app.command("load")

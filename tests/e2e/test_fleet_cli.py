@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import time
 from typing import Any
 
 import pytest
@@ -12,7 +14,13 @@ import pytest
 from modelship.clients import build_clients
 from modelship.locks import release_lock
 from modelship.settings import Settings
-from modelship.triton.model_config import from_pbtxt, to_json, with_versions
+from modelship.triton.model_config import (
+    from_live_json,
+    from_pbtxt,
+    to_json,
+    with_versions,
+    without_dynamic_batching,
+)
 from tests import models
 from tests.conftest import run_cli, start_cli
 
@@ -218,3 +226,107 @@ def test_status_of_a_model_never_deployed_is_not_an_error(stack_settings: Settin
     assert doc["replicas"] and all(not r["ready_versions"] for r in doc["replicas"])
     shown = run_cli("status", "cli-never-deployed", home=stack_settings.home)
     assert shown.returncode == 0 and "modelship promote cli-never-deployed" in shown.stdout
+
+
+def _status(settings: Settings, code: int, env: dict[str, str] | None = None) -> Any:
+    done = run_cli("status", MODEL, "--json", home=settings.home, env=env)
+    assert done.returncode == code, (done.stdout[-3000:], done.stderr[-3000:])
+    return json.loads(done.stdout)
+
+
+def _pause_batching_everywhere(settings: Settings) -> None:
+    """What a swap stopped while batching was paused leaves: the right version, batching
+    off, on every replica."""
+    clients = build_clients(settings)
+    try:
+        for replica in clients.replicas:
+            live = from_live_json(replica.model_config(MODEL))
+            replica.load_model(MODEL, config_json=to_json(without_dynamic_batching(live)))
+    finally:
+        clients.close()
+
+
+def test_status_compares_the_fleet_with_the_pin_the_alias_and_the_ledger(
+        stack_settings: Settings, versions: tuple[int, int]) -> None:
+    """Each disagreement is exit 1 with its repair; after the repair, exit 0."""
+    v1, _ = versions
+    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    good = _status(stack_settings, 0)
+    assert good["consistent"] and good["disagreements"] == [] and good["next"] is None
+    assert good["pin"]["version"] == v1 and good["pin"]["dynamic_batching"]
+    assert good["expected"]["version"] == v1 and good["record"]["kind"] == "swap"
+    assert all(r["matches_pin"] and r["dynamic_batching"] for r in good["replicas"])
+
+    _pause_batching_everywhere(stack_settings)
+    paused = _status(stack_settings, 1)
+    assert paused["production_version"] == v1  # every replica on the right version ...
+    assert [d["kind"] for d in paused["disagreements"]] == ["config_drift"]  # ... unlike this
+    assert "dynamic batching off" in paused["disagreements"][0]["detail"]
+    assert paused["next"].startswith(f"`modelship reconcile {MODEL}`")
+    shown = run_cli("status", MODEL, home=stack_settings.home)
+    assert shown.returncode == 1 and f"next: `modelship reconcile {MODEL}`" in shown.stdout
+    assert _json("reconcile", MODEL, settings=stack_settings)["changed"] == 2
+    assert _status(stack_settings, 0)["consistent"]
+
+    clients = build_clients(stack_settings)
+    assert clients.registry is not None
+    try:
+        clients.registry.set_alias(MODEL, "production", versions[1])
+        moved = _status(stack_settings, 1)
+        assert [d["kind"] for d in moved["disagreements"]] == ["alias"]
+        assert moved["next"].startswith(f"`modelship swap {MODEL} --to {v1}`")
+    finally:
+        clients.registry.set_alias(MODEL, "production", v1)
+        clients.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+DEPENDENCIES = [
+    ("mlflow", "MLFLOW_TRACKING_URI", "http://127.0.0.1:{port}"),
+    ("s3", "MODELSHIP_S3_ENDPOINT", "http://127.0.0.1:{port}"),
+    ("prefect", "PREFECT_API_URL", "http://127.0.0.1:{port}/api"),
+]
+
+
+@pytest.mark.parametrize(("source", "variable", "url"), DEPENDENCIES)
+def test_status_answers_with_one_dependency_down_and_says_which(
+        stack_settings: Settings, versions: tuple[int, int], source: str, variable: str,
+        url: str) -> None:
+    """A stopped server refuses connections: the replicas are still compared with what
+    did answer, the note names the one that did not, and nothing else is wrong (exit 0)."""
+    v1, _ = versions
+    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    doc = _status(stack_settings, 0, env={variable: url.format(port=_closed_port())})
+    assert [u["source"] for u in doc["unreachable"]] == [source]
+    assert doc["consistent"] and doc["production_version"] == v1
+    assert [r["ready_versions"] for r in doc["replicas"]] == [[v1], [v1]]
+    assert any(n.startswith({"mlflow": "MLflow", "s3": "S3", "prefect": "Prefect"}[source])
+               for n in doc["notes"])
+
+
+@pytest.mark.parametrize(("source", "variable", "url"), DEPENDENCIES)
+def test_status_ends_within_its_deadline_when_a_dependency_hangs(
+        stack_settings: Settings, versions: tuple[int, int], source: str, variable: str,
+        url: str) -> None:
+    """A server that accepts connections and never answers is reported unreachable once
+    the read's deadline (2 x MODELSHIP_HTTP_TIMEOUT_S) has passed; the rest is compared."""
+    v1, _ = versions
+    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)  # connections complete in the backlog; nothing ever answers
+        env = {variable: url.format(port=hung.getsockname()[1]),
+               "MODELSHIP_HTTP_TIMEOUT_S": "3"}
+        began = time.monotonic()
+        doc = _status(stack_settings, 0, env=env)
+        elapsed = time.monotonic() - began
+    assert [u["source"] for u in doc["unreachable"]] == [source]
+    assert doc["production_version"] == v1
+    # The deadline (6 s here) plus the CLI's start-up; far below what retrying clients
+    # took against a hung server (minutes, in issue 18).
+    assert elapsed < 30, elapsed
