@@ -183,14 +183,16 @@ def bake_traffic(rng: np.random.Generator, *, reference: int, windows: int,
     ``phi`` across the whole run (:func:`ar1_latency`), so dependence crosses windows and
     the swap. After the swap the version's latency is ×``scale``, and from window
     ``load_at`` after it the traffic is ×``load_after`` (a surge: more requests, slower
-    by :func:`queueing_factor`). Failures follow :func:`bursty_errors` over every request
-    after the swap (probe and organic), in order, so bursts cross window edges.
+    by :func:`queueing_factor`); a negative ``load_at`` starts the step that many windows
+    before the swap (a load step the reference shares). Failures follow
+    :func:`bursty_errors` over every request after the swap (probe and organic), in order,
+    so bursts cross window edges.
     """
     per = max(int(round(probe_rps * window_s)), 1)
     total = reference + windows
     lat = ar1_latency(rng, per * total, phi, sampler).reshape(total, per)
     load = np.ones(total)
-    load[reference + max(load_at, 0):] = load_after
+    load[max(reference + load_at, 0):] = load_after
     lat = lat * queueing_factor(load, base_util)[:, None] / queueing_factor(1.0, base_util)
     lat[reference:] *= scale
     sent = np.rint(per * load).astype(np.int64)
