@@ -11,6 +11,7 @@ with :data:`BOUNDED_CLIENT`.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -112,6 +113,9 @@ def keeps_outcome(fn: Callable[P, T]) -> Callable[P, T]:
             sink.append(("returned", value))
         return value
 
+    # Prefect builds the flow's parameter model from this signature; resolved here, in the
+    # flow's own module, because the wrapper's globals (this module) do not know its types.
+    wrapper.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
     return wrapper
 
 

@@ -159,3 +159,12 @@ def test_a_body_error_that_the_engine_reraises_passes_unchanged() -> None:
     with pytest.raises(Unreachable) as caught:
         run_flow(_engine(keeps_outcome(body), fails_after=None), api_url=None)
     assert caught.value is down and "notes" not in down.details
+
+
+def test_a_flow_under_keeps_outcome_still_validates_its_parameters() -> None:
+    """Prefect builds the parameter model from the decorated signature; the flow's own
+    types (defined in its module, not in prefect_api) must resolve."""
+    from flows.promote import PromoteParams, promote_flow
+
+    checked = promote_flow.validate_parameters({"params": {"model": "m", "version": 3}})
+    assert checked["params"] == PromoteParams(model="m", version=3)
