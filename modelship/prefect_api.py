@@ -25,9 +25,10 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 #: Prefect client settings for every modelship process (set as environment defaults by
-#: the CLI, before Prefect is imported): 2 retries (2 s, then 4 s of backoff) and 10 s per
-#: request, so a call to a dead API gives up within seconds.
-BOUNDED_CLIENT = {"PREFECT_CLIENT_MAX_RETRIES": "2", "PREFECT_API_REQUEST_TIMEOUT": "10"}
+#: the CLI, before Prefect is imported): one retry after 2 s and 10 s per request, so a call
+#: to a refused API gives up in about 2 s, and one to a server that accepts but never
+#: answers in about 22 s.
+BOUNDED_CLIENT = {"PREFECT_CLIENT_MAX_RETRIES": "1", "PREFECT_API_REQUEST_TIMEOUT": "10"}
 #: Longest wait for queued run logs and events at the end of a flow run, in seconds.
 FLUSH_TIMEOUT_S = 3.0
 

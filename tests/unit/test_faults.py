@@ -342,3 +342,17 @@ def test_s3_refused_is_unreachable_after_botocores_retries() -> None:
     assert error.message.startswith(f"S3 endpoint {endpoint} did not answer while trying to "
                                     "read s3://b/releases/fraud/x.json")
     assert error.details["retried"] == S3_ATTEMPTS and not stage_should_retry(error)
+
+
+def test_a_server_that_never_answers_costs_the_budget_plus_one_timeout() -> None:
+    with socket.socket() as hung:  # accepts connections (the backlog), never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        client = RegistryClient(url, timeout_s=1, retry=FAST)
+        started = time.monotonic()
+        with pytest.raises(Unreachable) as caught:
+            client.aliases("fraud")
+        took = time.monotonic() - started
+    assert took < FAST.budget_s + 1 + 2, took  # budget, one request timeout, slack
+    assert caught.value.details["retried"] >= 2 and "timed out" in caught.value.message
