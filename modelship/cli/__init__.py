@@ -42,6 +42,13 @@ def _root(version: Annotated[bool, typer.Option(
     """Release pipeline that promotes MLflow-registered models to NVIDIA Triton."""
 
 
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """A log filter that keeps the line and drops the traceback."""
+    record.exc_info = None
+    record.exc_text = None
+    return True
+
+
 def main() -> None:
     """Console-script entry point.
 
@@ -68,6 +75,10 @@ def main() -> None:
     # they flush at exit: noise for a CLI user, whose result is already printed.
     for service in ("APILogWorker", "EventsWorker"):
         logging.getLogger(service).setLevel(logging.ERROR)
+    # Prefect logs a failed flow or task run with its traceback; the command says the error
+    # in one line instead (an unexpected one keeps its traceback in a log file).
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logging.getLogger(name).addFilter(_without_traceback)
     try:
         with stop_on_signals():
             app()

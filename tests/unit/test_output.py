@@ -168,3 +168,29 @@ def test_a_flow_under_keeps_outcome_still_validates_its_parameters() -> None:
 
     checked = promote_flow.validate_parameters({"params": {"model": "m", "version": 3}})
     assert checked["params"] == PromoteParams(model="m", version=3)
+
+
+def test_the_cli_keeps_prefects_run_logs_to_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+    import sys
+
+    from modelship.cli import _without_traceback, main
+
+    monkeypatch.setattr("sys.argv", ["modelship", "--version"])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("modelship ")
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        try:
+            raise GateFailed("the gates stopped fraud v3")
+        except GateFailed:
+            record = logger.makeRecord(name, logging.ERROR, __file__, 1, "Encountered %r",
+                                       (sys.exc_info()[1],), sys.exc_info())
+        try:
+            assert logger.filter(record)  # installed by main(), on the loggers Prefect uses
+        finally:
+            logger.removeFilter(_without_traceback)
+        text = logging.Formatter().format(record)
+        assert text == "Encountered GateFailed('the gates stopped fraud v3')", text
