@@ -24,22 +24,37 @@ from typing import Any
 
 from model_registry.client import PREVIOUS_ALIAS, PRODUCTION_ALIAS
 from model_registry.ledger import (
+    RELEASE_ID_TAG,
     Ledger,
     ReleaseRecord,
+    StageEntry,
     last_release,
     now_iso,
+    release_intent,
     rollback_target,
     served_before,
 )
 from modelship.clients import Clients
-from modelship.errors import ModelNotFound, ModelshipError, PreflightError, UsageError
+from modelship.errors import (
+    InfrastructureError,
+    ModelNotFound,
+    ModelshipError,
+    PreflightError,
+    ReleaseCancelled,
+    ReleaseIncomplete,
+    ReleaseLocked,
+    UsageError,
+)
 from modelship.locks import release_lock
 from modelship.policy import Policy
 from modelship.settings import Settings
+from modelship.signals import stop_signal
 from modelship.signing import key_bytes
 from modelship.triton.model_config import example_request
+from tasks import recovery
 from tasks.evidence import read_candidate_digest, require_evidence
 from tasks.stage import prune_versions, staged_config
+from tasks.swap import fleet_status
 
 Progress = Callable[[str], None]
 
@@ -165,10 +180,184 @@ def record_release(settings: Settings, clients: Clients, policy: Policy,
     return {"aliases": clients.registry.aliases(model), "pruned": pruned}
 
 
+# --------------------------------------------------------------------------------------
+# the transaction: intent first, then released or undone on every way out
+
+
+class FleetEffects:
+    """The steps of :mod:`tasks.recovery` on the real fleet, pin and MLflow (without an
+    MLflow configured, the alias and tag steps have nothing to keep true)."""
+
+    def __init__(self, settings: Settings, clients: Clients, policy: Policy, *, model: str,
+                 progress: Progress = _quiet) -> None:
+        self.settings, self.clients, self.policy = settings, clients, policy
+        self.model, self.progress = model, progress
+
+    def fleet_to(self, version: int | None) -> None:
+        done = undo_swap(self.settings, self.clients, self.policy, model=self.model,
+                         previous=version, progress=self.progress)
+        if not done.get("ok"):
+            where = "nothing" if version is None else f"v{version}"
+            raise InfrastructureError(
+                f"the fleet of {self.model} could not be put on {where}: "
+                f"{done.get('reason')}", hint=f"`modelship status {self.model}`; once the "
+                f"replicas answer, `modelship reconcile {self.model}` finishes it",
+                model=self.model)
+
+    def set_alias(self, alias: str, version: int | None) -> None:
+        registry = self.clients.registry
+        if registry is None:  # no MLflow configured: no alias to keep true
+            return
+        if version is not None:
+            registry.set_alias(self.model, alias, version)
+        elif alias in registry.aliases(self.model):
+            registry.delete_alias(self.model, alias)
+
+    def tag_release(self, version: int, release_id: str) -> None:
+        if self.clients.registry is None:
+            return
+        self.clients.registry.set_tags(self.model, version, {
+            RELEASE_ID_TAG: release_id, "modelship.released_at": now_iso()})
+
+
+def observer(settings: Settings, clients: Clients,
+             model: str) -> Callable[[ReleaseRecord], recovery.Seen]:
+    """Reads what the fleet, the pin and MLflow say about a record's model now."""
+    def observe(record: ReleaseRecord) -> recovery.Seen:
+        return recovery.observe_seen(
+            clients, model=model, version=recovery.intent_of(record).get("to_version"),
+            release_id=record.id, repository_prefix=settings.repository_prefix,
+            signing_key=key_bytes(settings.manifest_signing_key))
+    return observe
+
+
+def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model: str,
+                  by: str, progress: Progress = _quiet) -> dict[str, Any]:
+    """Before anything else, under the model's lock: finish or undo what dead or
+    incomplete releases of ``model`` left (:func:`tasks.recovery.recover`), and unload
+    what dead runs left on the canary.
+
+    Returns:
+        ``{"interrupted", "finished", "unloaded", "fleet"}``: ``fleet`` is the fleet step
+        taken (``{"ok", "to_version"}``), None when the fleet was left as it was.
+
+    Raises:
+        ReleaseIncomplete: what was left could not be finished now; nothing else may run.
+    """
+    if clients.storage is None:
+        return {"interrupted": [], "finished": [], "unloaded": [], "fleet": None}
+    ledger = _ledger(clients)
+    effects = FleetEffects(settings, clients, policy, model=model, progress=progress)
+    report = recovery.recover(ledger, model, by=by, observe=observer(settings, clients, model),
+                              effects=effects, progress=progress)
+    report["unloaded"] = recovery.unload_leftovers(clients.canary, model) \
+        if report["interrupted"] else []
+    return report
+
+
+def end_release(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,
+                exc: BaseException | None, *, write: Callable[[ReleaseRecord], object],
+                progress: Progress = _quiet) -> recovery.Ending:
+    """Every way out of a fleet change that wrote its intent: reach released or undone
+    (:func:`tasks.recovery.close`), end and write the record, and say what happened.
+
+    Raises:
+        ReleaseIncomplete: the goal could not be reached now (recorded ``incomplete``).
+        ReleaseCancelled: a stop request (SIGINT, SIGTERM, a cancel) undid the release.
+        The original exception, for any other failure (the record ends undone).
+    """
+    closing = recovery.closing_for(record, exc)
+    effects = FleetEffects(settings, clients, policy, model=record.model, progress=progress)
+    try:
+        ending = recovery.close(record, closing, observe=observer(settings, clients,
+                                                                    record.model),
+                                effects=effects, write=write, progress=progress)
+    except ModelshipError as failed:  # the ledger could not be written: it stays running
+        raise ReleaseIncomplete(
+            f"release {record.id} of {record.model} ended {record.status}, but its record "
+            f"could not be written: {failed.message}", hint="the next modelship command "
+            f"for {record.model} finishes it from what the fleet and MLflow say (`modelship "
+            f"reconcile {record.model}`)", model=record.model, release_id=record.id,
+            record=record.to_dict()) from exc or failed
+    if not ending.reached:
+        raise ReleaseIncomplete(
+            f"release {record.id} of {record.model} is incomplete: "
+            f"{'; '.join(ending.incomplete['missing'])} could not be done "
+            f"({ending.incomplete['error']})",
+            hint=f"bring back what is down (`modelship doctor`); the next modelship command "
+            f"for {record.model} finishes it (`modelship reconcile {record.model}`)",
+            model=record.model, release_id=record.id, record=record.to_dict()) from exc
+    signum = None if exc is None else stop_signal(exc)
+    if exc is None or closing.goal == "released":
+        return ending
+    if signum is not None:
+        raise ReleaseCancelled(f"{record.kind} of {record.model} {record.reason}",
+                               signum=signum, hint=f"`modelship history {record.model}` "
+                               "shows the record", model=record.model,
+                               record=record.to_dict()) from exc
+    if isinstance(exc, ModelshipError):
+        exc.details["record"] = record.to_dict()
+    raise exc
+
+
+def repair_noop(settings: Settings, clients: Clients, policy: Policy, *, model: str,
+                version: int, release_id: str, progress: Progress = _quiet) -> list[str]:
+    """A no-op's truth, made whole: ``version`` serves on every replica, so the pin, its
+    release tag and the aliases are brought to say so (``previous`` from the ledger).
+
+    Returns:
+        What was repaired, in words (empty: nothing was wrong).
+
+    Raises:
+        ReleaseIncomplete: a repair could not be done now (MLflow down).
+    """
+    assert clients.storage is not None
+    records = _ledger(clients).records(model)
+    tagged_by = recovery.newest_release_of(records, version) or release_id
+    target = recovery.repair_target(version, previous=rollback_target(records, version),
+                                    release_id=tagged_by)
+    seen = recovery.observe_seen(clients, model=model, version=version, release_id=tagged_by,
+                                 repository_prefix=settings.repository_prefix,
+                                 signing_key=key_bytes(settings.manifest_signing_key))
+    decision = recovery.Decision(release_id, "released", recovery.steps_to(target, seen),
+                                 "noop", 0, f"v{version} already serves", target)
+    effects = FleetEffects(settings, clients, policy, model=model, progress=progress)
+    ending = recovery.carry_out(decision, effects, progress=progress)
+    if not ending.reached:
+        raise ReleaseIncomplete(
+            f"{model} v{version} serves on every replica, but "
+            f"{'; '.join(ending.incomplete['missing'])} could not be repaired "
+            f"({ending.incomplete['error']})", hint="bring back what is down (`modelship "
+            "doctor`), then run the same command again", model=model)
+    return ending.done
+
+
+def refuse_while_running(ledger: Ledger, model: str, *, what: str) -> None:
+    """Name a live release of ``model`` instead of guessing around it (a rollback during a
+    bake): it holds the lock, and stopping it undoes its swap."""
+    live = recovery.live_runs(ledger.records(model))
+    if not live:
+        return
+    run = live[0]
+    stage = next((s.name for s in reversed(run.stages)), "start")
+    flow_run = run.holder.get("flow_run_id")
+    raise ReleaseLocked(
+        f"cannot {what} {model}: release {run.id} ({run.kind} v{run.from_version} -> "
+        f"v{run.to_version}, by {run.requester or '?'}) is running, in its {stage} stage "
+        f"(pid {run.holder.get('pid')} on {run.holder.get('host')})",
+        hint=f"stop it and it undoes its own swap and records it: `kill -TERM "
+        f"{run.holder.get('pid')}`" + (f" or cancel flow run {flow_run} in Prefect"
+                                       if flow_run else "")
+        + f"; then `modelship status {model}`", model=model, release_id=run.id)
+
+
 def _serving(clients: Clients, model: str) -> tuple[int | None, dict[str, Any]]:
-    """What every replica serves (None: nothing, or a mixed fleet), and the status."""
-    doc = status(clients, model=model)
-    return doc["production_version"], doc
+    """What every replica serves (None: nothing, or a mixed fleet), asked of the replicas
+    alone: a fleet change must not depend on MLflow to know what serves."""
+    doc = fleet_status(clients.replicas, model)
+    rows = doc["replicas"]
+    serving = int(rows[0]["ready_versions"][0]) if doc["consistent"] else None
+    return serving, {**doc, "production_version": serving}
 
 
 def _converge_needed(doc: dict[str, Any]) -> bool:
@@ -182,46 +371,123 @@ def _finish(ledger: Ledger, record: ReleaseRecord, status_: str, code: int,
     ledger.write(record)
 
 
+def aliases_now(clients: Clients, model: str) -> dict[str, int] | None:
+    """The model's aliases, {} when it has none or no MLflow is configured; None when
+    MLflow does not answer (the intent then keeps ``previous`` as it is)."""
+    if clients.registry is None:
+        return {}
+    try:
+        return dict(clients.registry.aliases(model))
+    except ModelNotFound:
+        return {}
+    except Exception:  # noqa: BLE001 - MLflow down: the intent says what it can
+        return None
+
+
+def _begin(settings: Settings, ledger: Ledger, record: ReleaseRecord, clients: Clients, *,
+           doc: dict[str, Any], target: int, stage: str) -> None:
+    """Write the intent and open the fleet stage, before the first change of the fleet.
+
+    A mixed fleet (a converge) has no one version to go back to: its undo goes to the
+    recorded production (the pin); with no pin either, the only way home is forward, so
+    the intent is committed from the start."""
+    serving = doc.get("production_version")
+    mixed = _converge_needed(doc)
+    back = serving
+    if mixed:
+        seen = recovery.observe_seen(clients, model=record.model, version=None,
+                                     release_id=None,
+                                     repository_prefix=settings.repository_prefix,
+                                     signing_key=key_bytes(settings.manifest_signing_key))
+        back = seen.pin if isinstance(seen.pin, int) else None
+    record.intent = release_intent(from_version=back, to_version=target,
+                                   aliases=aliases_now(clients, record.model),
+                                   release_id=record.id)
+    if mixed and back is None:
+        record.intent["committed_at"] = now_iso()
+        record.notes.append("the fleet was mixed with no recorded production: converging "
+                            "forward is the only way home, so this swap is never undone")
+    record.stages.append(StageEntry(stage, now_iso()))
+    ledger.write(record)
+
+
+def _commit(ledger: Ledger, record: ReleaseRecord, stage: str) -> None:
+    """The fleet switched: the point of no return of a plain swap or rollback."""
+    entry = record.stage(stage)
+    if entry is not None:
+        entry.outcome, entry.ended_at = "ok", now_iso()
+    record.intent["committed_at"] = now_iso()
+    ledger.write(record)
+
+
 def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, target: int,
          force: bool = False, dry_run: bool = False, requester: str | None = None,
          progress: Progress = _quiet) -> dict[str, Any]:
-    """``modelship swap``: evidence, lock, swap, aliases; recorded in the ledger."""
+    """``modelship swap``: under the model's lock, first finish or undo what dead or
+    incomplete releases left; then evidence, the intent, the swap, and released (tag,
+    ``previous``, ``production`` last) or undone on every way out. A no-op repairs the
+    pin, the tag and the aliases to what serves."""
     _require_fleet(clients)
     assert clients.storage is not None
     ledger = _ledger(clients)
     digest = read_candidate_digest(clients.storage, repository_prefix=settings.repository_prefix,
                                    model=model, version=target)
-    serving, doc = _serving(clients, model)
-    records = ledger.records(model)
-    converge = _converge_needed(doc)
-    evidence = require_evidence(records, model=model, digest=digest, serving=serving,
-                                force=force)
-    footprint = _recorded_footprint(records, digest, progress)
-    sized = {k: footprint[k] for k in ("footprint_bytes", "footprint_detail")}
     if dry_run:
+        serving, doc = _serving(clients, model)
+        records = ledger.records(model)
+        evidence = require_evidence(records, model=model, digest=digest, serving=serving,
+                                    force=force)
+        footprint = _recorded_footprint(records, digest, progress)
         report = swap_unlocked(settings, clients, policy, model=model, target=target,
-                               dry_run=True, converge=converge, progress=progress, **sized)
+                               dry_run=True, converge=_converge_needed(doc),
+                               progress=progress,
+                               **{k: footprint[k] for k in ("footprint_bytes",
+                                                            "footprint_detail")})
         return {**report, "evidence": evidence, "footprint": footprint["evidence"]}
-    record = ReleaseRecord.start("swap", model, requester=requester, from_version=serving,
-                                 to_version=target, candidate=digest,
-                                 forced=evidence["basis"] == "forced")
-    record.gates = {"evidence": evidence}
+    record = ReleaseRecord.start("swap", model, requester=requester, to_version=target,
+                                 candidate=digest)
+    refuse_while_running(ledger, model, what="swap")
     with release_lock(model, storage=clients.storage, home=settings.home,
                       release_id=record.id, kind="swap"):
-        ledger.write(record)
+        recovered = recover_model(settings, clients, policy, model=model, by=record.id,
+                                  progress=progress)
+        serving, doc = _serving(clients, model)
+        records = ledger.records(model)
+        evidence = require_evidence(records, model=model, digest=digest, serving=serving,
+                                    force=force)
+        footprint = _recorded_footprint(records, digest, progress)
+        record.from_version, record.forced = serving, evidence["basis"] == "forced"
+        record.gates = {"evidence": evidence}
+        if recovered["finished"]:
+            record.notes.append(f"finished first: {recovered['finished']}")
+        _begin(settings, ledger, record, clients, doc=doc, target=target, stage="swap")
         try:
             report = swap_unlocked(settings, clients, policy, model=model, target=target,
-                                   converge=converge, progress=progress, **sized)
+                                   converge=_converge_needed(doc), progress=progress,
+                                   **{k: footprint[k] for k in ("footprint_bytes",
+                                                                "footprint_detail")})
             record.swap = {**report, "footprint": footprint["evidence"]}
-            if clients.registry is not None and report.get("kind") != "noop":
-                _move_aliases(clients, model, to=target, served=serving)
-        except ModelshipError as exc:
-            _finish(ledger, record, "failed", exc.exit_code, exc.message)
-            raise
-    _finish(ledger, record, "noop" if report.get("kind") == "noop" else "released", 0,
-            None)
+            if report.get("kind") == "noop":
+                repaired = repair_noop(settings, clients, policy, model=model,
+                                       version=target, release_id=record.id,
+                                       progress=progress)
+                record.notes.extend(f"repaired: {line}" for line in repaired)
+                record.intent = {}  # nothing changed the fleet: nothing to finish or undo
+                _finish(ledger, record, "noop", 0, f"v{target} already serves"
+                        + (f"; repaired {'; '.join(repaired)}" if repaired else ""))
+                return {**report, "release_id": record.id, "evidence": evidence,
+                        "footprint": footprint["evidence"], "repaired": repaired}
+            _commit(ledger, record, "swap")
+        except BaseException as exc:
+            if record.status != "running":
+                raise
+            end_release(settings, clients, policy, record, exc, write=ledger.write,
+                        progress=progress)
+            raise  # end_release raises; this line is for the type checker
+        end_release(settings, clients, policy, record, None, write=ledger.write,
+                    progress=progress)
     return {**report, "release_id": record.id, "evidence": evidence,
-            "footprint": footprint["evidence"]}
+            "footprint": footprint["evidence"], "status": record.status}
 
 
 def status(clients: Clients, *, model: str) -> dict[str, Any]:
@@ -265,16 +531,73 @@ def status(clients: Clients, *, model: str) -> dict[str, Any]:
 def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str,
              to: int | None, force: bool = False, dry_run: bool = False,
              requester: str | None = None, progress: Progress = _quiet) -> dict[str, Any]:
-    """Alias first, then the fleet; the alias is put back on any failure."""
+    """Under the model's lock, first finish or undo what dead or incomplete releases left;
+    then the intent, the ``production`` alias first, the fleet, and released (tag,
+    ``previous``) or undone (fleet and alias back) on every way out. A live release of the
+    model (say in its bake) is named, with how to stop it."""
     _require_fleet(clients)
     if clients.registry is None:
         raise UsageError("rollback needs MLflow to move the production alias",
                          hint="set MLFLOW_TRACKING_URI or run `modelship stack up`")
     assert clients.storage is not None
     ledger = _ledger(clients)
-    aliases = clients.registry.aliases(model)
     if to is not None:
         clients.registry.version_number(model, version=to, alias=None)  # names what exists
+    if dry_run:
+        return _rollback_plan(settings, clients, policy, ledger, model=model, to=to,
+                              force=force, dry_run=True, progress=progress)[0]
+    record = ReleaseRecord.start("rollback", model, requester=requester)
+    refuse_while_running(ledger, model, what="roll back")
+    with release_lock(model, storage=clients.storage, home=settings.home,
+                      release_id=record.id, kind="rollback"):
+        recovered = recover_model(settings, clients, policy, model=model, by=record.id,
+                                  progress=progress)
+        plan, doc = _rollback_plan(settings, clients, policy, ledger, model=model, to=to,
+                                   force=force, dry_run=False, progress=progress)
+        current, target = plan["from_version"], plan["to_version"]
+        record.from_version, record.to_version = current, target
+        record.candidate, record.forced = plan["digest"], plan["forced"]
+        if recovered["finished"]:
+            record.notes.append(f"finished first: {recovered['finished']}")
+        _begin(settings, ledger, record, clients, doc=doc, target=target, stage="swap")
+        try:
+            progress(f"moving alias {PRODUCTION_ALIAS} of {model} to v{target} (first)")
+            clients.registry.set_alias(model, PRODUCTION_ALIAS, target)
+            report = {**swap_unlocked(settings, clients, policy, model=model, target=target,
+                                      converge=_converge_needed(doc), progress=progress,
+                                      **plan["sized"]),
+                      "footprint": plan["footprint"]}
+            record.swap = report
+            _commit(ledger, record, "swap")
+        except BaseException as exc:
+            if record.status != "running":
+                raise
+            progress(f"rollback stopped ({type(exc).__name__}): putting the fleet and alias "
+                     f"{PRODUCTION_ALIAS} back on {'nothing' if current is None else current}")
+            end_release(settings, clients, policy, record, exc, write=ledger.write,
+                        progress=progress)
+            raise  # end_release raises; this line is for the type checker
+        end_release(settings, clients, policy, record, None, write=ledger.write,
+                    progress=progress)
+        record.reason = f"rolled back from v{current}"
+        try:
+            clients.registry.set_tags(model, target, {"modelship.rolled_back_from":
+                                                      str(current)})
+            ledger.write(record)
+        except ModelshipError as exc:
+            progress(f"note: the rolled_back_from tag was not written: {exc.message}")
+    return {"model": model, "from_version": current, "to_version": target, "dry_run": False,
+            "release_id": record.id, "aliases": aliases_now(clients, model),
+            "swap": report, "status": record.status}
+
+
+def _rollback_plan(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger, *,
+                   model: str, to: int | None, force: bool, dry_run: bool,
+                   progress: Progress) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Where a rollback goes (the ledger's default target, or ``to`` if it served before),
+    sized for the headroom preflight; with ``dry_run`` the swap's plan too."""
+    assert clients.registry is not None and clients.storage is not None
+    aliases = clients.registry.aliases(model)
     serving, doc = _serving(clients, model)
     current = serving if serving is not None else aliases.get(PRODUCTION_ALIAS)
     records = ledger.records(model)
@@ -293,46 +616,20 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
             "ledger has no release of it)",
             hint=f"release it with `modelship promote {model} --version {to}`, which checks "
             "and canaries it, or pass --force (recorded)", model=model, version=to)
-    converge = _converge_needed(doc)
     digest = read_candidate_digest(clients.storage, repository_prefix=settings.repository_prefix,
                                    model=model, version=to)
     footprint = _recorded_footprint(records, digest, progress)
     sized = {k: footprint[k] for k in ("footprint_bytes", "footprint_detail")}
+    plan = {"model": model, "from_version": current, "to_version": to, "digest": digest,
+            "forced": force and not served_before(records, to), "sized": sized,
+            "footprint": footprint["evidence"]}
     if dry_run:
         report = swap_unlocked(settings, clients, policy, model=model, target=to,
-                               dry_run=True, converge=converge, progress=progress, **sized)
+                               dry_run=True, converge=_converge_needed(doc),
+                               progress=progress, **sized)
         return {"model": model, "from_version": current, "to_version": to, "dry_run": True,
-                "swap": {**report, "footprint": footprint["evidence"]}}
-    record = ReleaseRecord.start("rollback", model, requester=requester, from_version=current,
-                                 to_version=to, forced=force and not served_before(records, to))
-    record.candidate = digest
-    old_production = aliases.get(PRODUCTION_ALIAS)
-    with release_lock(model, storage=clients.storage, home=settings.home,
-                      release_id=record.id, kind="rollback"):
-        ledger.write(record)
-        progress(f"moving alias {PRODUCTION_ALIAS} of {model} to v{to} (first)")
-        clients.registry.set_alias(model, PRODUCTION_ALIAS, to)
-        try:
-            report = {**swap_unlocked(settings, clients, policy, model=model, target=to,
-                                      converge=converge, progress=progress, **sized),
-                      "footprint": footprint["evidence"]}
-        except BaseException as exc:
-            if old_production is not None:
-                progress(f"rollback failed: putting alias {PRODUCTION_ALIAS} back on "
-                         f"v{old_production}")
-                clients.registry.set_alias(model, PRODUCTION_ALIAS, old_production)
-            code = exc.exit_code if isinstance(exc, ModelshipError) else 1
-            _finish(ledger, record, "failed", code, str(exc))
-            raise
-        record.swap = report
-        if current is not None and current != to:
-            clients.registry.set_alias(model, PREVIOUS_ALIAS, current)
-        clients.registry.set_tags(model, to, {"modelship.rolled_back_from": str(current),
-                                              "modelship.release_id": record.id})
-    _finish(ledger, record, "released", 0, f"rolled back from v{current}")
-    return {"model": model, "from_version": current, "to_version": to, "dry_run": False,
-            "release_id": record.id, "aliases": clients.registry.aliases(model),
-            "swap": report}
+                "swap": {**report, "footprint": footprint["evidence"]}}, doc
+    return plan, doc
 
 
 def history(clients: Clients, *, model: str) -> list[dict[str, Any]]:

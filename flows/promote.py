@@ -12,9 +12,10 @@ stage stopped the release and why. The ``production`` alias moves **last**, afte
 
 from __future__ import annotations
 
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from flows import fleet
 from flows.check import CheckReport, run_check, stage_checked
-from model_registry.ledger import Ledger, ReleaseRecord, now_iso
+from model_registry.ledger import Ledger, ReleaseRecord, now_iso, release_intent
 from modelship.clients import Clients, build_clients, notifier_for
 from modelship.errors import (
     BakeBreached,
@@ -33,10 +34,13 @@ from modelship.errors import (
     InfrastructureError,
     ModelshipError,
     PreflightError,
+    ReleaseCancelled,
     UsageError,
 )
 from modelship.policy import Policy, policy_for
+from modelship.prefect_api import keeps_outcome
 from modelship.settings import Settings, load_settings
+from modelship.signals import deferred, exit_code_for, stop_on_signals, stop_signal
 from tasks import bake as baking
 from tasks.approve import (
     ApprovalChannels,
@@ -48,6 +52,8 @@ from tasks.approve import (
 )
 from tasks.evidence import read_candidate_digest
 from tasks.record import ReleaseJournal
+from tasks.recovery import dead_runs, unfinished
+from tasks.recovery import loaded_models as loaded_models  # moved; the crash matrix imports it
 from tasks.retry import TRANSIENT_RETRIES, retry_transient
 
 Progress = Callable[[str], None]
@@ -223,6 +229,7 @@ def record_task(settings: Settings, clients: Clients, policy: Policy, record: Re
 
 
 @flow(name="modelship-promote", flow_run_name=_run_name, log_prints=True)
+@keeps_outcome  # the CLI reports the release's own outcome if Prefect fails to record it
 def promote_flow(params: PromoteParams) -> dict[str, Any]:
     """Release one model version to every replica: the whole pipeline, recorded."""
     settings = load_settings()
@@ -230,8 +237,9 @@ def promote_flow(params: PromoteParams) -> dict[str, Any]:
     try:
         policy = policy_for(params.model, settings.policies_dir,
                             Path(params.policy_file) if params.policy_file else None)
-        return run_promote(settings, clients, policy, params,
-                           progress=get_run_logger().info)
+        with stop_on_signals():  # SIGTERM (a cancel, a pod stop) and SIGINT: stop cleanly
+            return run_promote(settings, clients, policy, params,
+                               progress=get_run_logger().info)
     finally:
         clients.close()
 
@@ -261,13 +269,15 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
     try:
         journal.open()
         if not params.dry_run:
-            _recover_dead_runs(settings, clients, policy, ledger, journal)
+            _recover_first(settings, clients, policy, ledger, journal)
         with journal.stage("resolve") as entry:
             resolved = resolve_task(clients, model, params.version, params.alias)
             record.to_version, record.from_version = resolved["version"], resolved["serving"]
             entry.details.update(resolved)
         version, serving = int(resolved["version"]), resolved["serving"]
         if serving == version:
+            if not params.dry_run:
+                _repair_noop(settings, clients, policy, journal, version)
             journal.finish("noop", 0, f"{model} v{version} already serves on every replica")
             return record.to_dict()
         with tempfile.TemporaryDirectory(prefix="modelship-promote-") as tmp:
@@ -292,7 +302,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                           release_id=record.id, kind="promote") as lock, \
                 _unload_kept_canary(clients, journal, keep=approval.required):
             _note_takeover(journal, lock)
-            _mark_interrupted(ledger, model, record.id)
+            _recover_first(settings, clients, policy, ledger, journal, lock)
             with journal.stage("canary") as entry:
                 result: Any = canary_task(settings, clients, policy, model, version,
                                           serving, approval.required)
@@ -324,26 +334,60 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                     baseline = baseline_task(settings, clients, policy, model, serving, payload)
                     entry.details.update(baseline.to_dict())
             lock.check()
-            with journal.stage("swap") as entry:
-                record.swap = swap_task(settings, clients, policy, model, version, serving,
-                                        result.candidate_bytes)
-                entry.details["skew_ms"] = record.swap.get("skew_ms")
-            with journal.stage("bake") as entry:
-                _bake(settings, clients, policy, record, payload, baseline, entry.details)
-            with journal.stage("record") as entry:
-                entry.details.update(record_task(settings, clients, policy, record, model,
-                                                 version))
-        journal.finish("released", 0, f"{model} v{version} serves on every replica")
+            # the intent, before the first change of the fleet; from here every way out
+            # ends released or undone (flows.fleet.end_release)
+            record.intent = release_intent(from_version=serving, to_version=version,
+                                           aliases=fleet.aliases_now(clients, model),
+                                           release_id=record.id)
+            journal.save()
+            try:
+                with journal.stage("swap") as entry:
+                    record.swap = swap_task(settings, clients, policy, model, version,
+                                            serving, result.candidate_bytes)
+                    entry.details["skew_ms"] = record.swap.get("skew_ms")
+                with journal.stage("bake") as entry:
+                    _bake(settings, clients, policy, record, payload, baseline,
+                          entry.details)
+                record.intent["committed_at"] = now_iso()  # baked: the point of no return
+                journal.save()
+                with journal.stage("record") as entry:
+                    entry.details.update(record_task(settings, clients, policy, record,
+                                                     model, version))
+            except BaseException as exc:
+                if record.status != "running":
+                    raise
+                fleet.end_release(settings, clients, policy, record, exc,
+                                  write=_end(journal), progress=progress)
+                raise  # end_release raises; this line is for the type checker
+            fleet.end_release(settings, clients, policy, record, None, write=_end(journal),
+                              progress=progress)
         _publish_record(record)
         return record.to_dict()
     except ModelshipError as exc:
-        status = ("rolled_back" if isinstance(exc, BakeBreached) or record.bake.get(
-            "rolled_back") else "failed" if exc.exit_code == 1 else "rejected")
-        journal.finish(status, exc.exit_code, exc.message,
-                       links=[f"next: {exc.hint}"] if exc.hint else [])
+        if record.status == "running":  # else end_release ended it (released or undone)
+            status = ("rolled_back" if isinstance(exc, BakeBreached) or record.bake.get(
+                "rolled_back") else "failed" if exc.exit_code == 1 else "rejected")
+            journal.finish(status, exc.exit_code, exc.message,
+                           links=[f"next: {exc.hint}"] if exc.hint else [])
         exc.details["record"] = record.to_dict()
         _publish_record(record)
         raise
+    except BaseException as exc:  # a stop request (or a bug) before the fleet changed
+        signum = stop_signal(exc)
+        if record.status == "running":
+            with deferred(f"release {record.id} records its stop", say=progress):
+                if signum is not None:
+                    journal.finish("cancelled", exit_code_for(signum),
+                                   f"stopped by {signal.Signals(signum).name} during "
+                                   f"{_last_stage(record)}; nothing in production was "
+                                   "changed")
+                else:
+                    journal.finish("failed", 1, f"{type(exc).__name__}: {exc}")
+        if signum is None:
+            raise
+        raise ReleaseCancelled(f"promote of {model} {record.reason}", signum=signum,
+                               hint=f"`modelship history {model}` shows the record",
+                               model=model, record=record.to_dict()) from exc
 
 
 def _bake(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,
@@ -415,96 +459,19 @@ def _gate_lines(gates: dict[str, Any]) -> list[str]:
     return gate_lines(gates)
 
 
-def _mark_interrupted(ledger: Ledger, model: str, current: str,
-                      only: set[str] | None = None) -> None:
-    """Records still ``running`` when this release holds the lock belong to dead runs."""
-    for old in ledger.records(model):
-        if old.id != current and old.status == "running" and not old.dry_run \
-                and old.kind in ("promote", "swap", "rollback") \
-                and (only is None or old.id in only):
-            stage = next((s.name for s in reversed(old.stages)), "start")
-            old.finish("interrupted", 1, f"the run stopped during {stage} (its process "
-                       f"died); release {current} found it")
-            for entry in old.approvals:  # a click for it is refused (no run waits any more)
-                if entry.get("kind") == "request" and entry.get("status") == "pending":
-                    entry.update(status="interrupted", decided_at=now_iso(),
-                                 reason=f"the run died while it waited; release {current} "
-                                 "found it")
-            ledger.write(old)
-
-
 # --------------------------------------------------------------------------------------
-# crash safety: a rerun cleans up after a release whose process died
-
-
-def dead_runs(ledger: Ledger, model: str, current: str) -> list[ReleaseRecord]:
-    """Records of ``model`` still ``running`` whose process is gone, newest first.
-
-    Same host: the holder's pid no longer exists. Another host: the record reached the
-    canary, so it held the release lock, which the caller is about to take (a live holder
-    keeps it, and the caller then stops with ReleaseLocked).
-    """
-    import socket
-
-    from modelship.procinfo import process_start_ticks
-
-    here = socket.gethostname()
-    found = []
-    for old in ledger.records(model):
-        if old.id == current or old.status != "running" or old.dry_run \
-                or old.kind not in ("promote", "swap", "rollback"):
-            continue
-        pid = old.holder.get("pid")
-        if old.holder.get("host") == here and isinstance(pid, int):
-            if process_start_ticks(pid) is None:
-                found.append(old)
-        elif old.stage("canary") is not None:
-            found.append(old)
-    return found
-
-
-def loaded_models(server: Any) -> list[str]:
-    """Every model a Triton server has loaded: the repository index lists repository models
-    only, so a trial model loaded from files is found through the statistics of all ready
-    models."""
-    names = {str(m.get("name")) for m in server.repository_index()
-             if m.get("state") in ("READY", "LOADING")}
-    try:
-        stats = server.grpc.get_inference_statistics(as_json=True,
-                                                     client_timeout=server.timeout_s)
-    except Exception as exc:  # noqa: BLE001 - translated: the server did not answer
-        raise InfrastructureError(f"{server.name} did not list its models: {exc}",
-                                  hint="check the canary Triton (`modelship doctor`)") from exc
-    names.update(str(m.get("name")) for m in stats.get("model_stats", []))
-    return sorted(names)
+# crash safety: before anything else, finish or undo what dead or incomplete runs left
+# (decided in tasks/recovery.py; the same for swap, rollback and reconcile)
 
 
 @task(name="recover", task_run_name="recover {model}", cache_policy=NO_CACHE,
       retries=TRANSIENT_RETRIES, retry_condition_fn=retry_transient)
 def recover_task(settings: Settings, clients: Clients, policy: Policy, model: str,
-                 dead: list[ReleaseRecord]) -> dict[str, Any]:
-    """Undo what dead runs left: canary and trial models on the canary Triton, and a fleet
-    they began to swap (back to what served before them, pin included)."""
-    unloaded = []
-    if clients.canary is not None:
-        for name in loaded_models(clients.canary):
-            if name == model or name.startswith(f"_trial_{model}_v"):
-                clients.canary.unload_model(name)
-                unloaded.append(name)
-    fleet_undo = None
-    swapped = [r for r in dead if r.stage("swap") is not None]
-    if swapped:
-        fleet_undo = fleet.undo_swap(settings, clients, policy, model=model,
-                                     previous=swapped[0].from_version,
-                                     progress=get_run_logger().info)
-        if not fleet_undo.get("ok") and swapped[0].from_version is not None:
-            raise InfrastructureError(
-                f"a dead release of {model} left the fleet mid-swap and it could not be "
-                f"put back: {fleet_undo.get('reason')}",
-                hint=f"`modelship status {model}`, then `modelship reconcile {model}`",
-                model=model)
-    return {"interrupted": [r.id for r in dead], "unloaded": unloaded,
-            "fleet": fleet_undo}
+                 by: str) -> dict[str, Any]:
+    """Finish or undo what dead or incomplete runs left (fleet, pin, aliases, tags, their
+    records), and unload their canary and trial models."""
+    return fleet.recover_model(settings, clients, policy, model=model, by=by,
+                               progress=get_run_logger().info)
 
 
 def _note_takeover(journal: ReleaseJournal, lock: Any) -> None:
@@ -513,21 +480,58 @@ def _note_takeover(journal: ReleaseJournal, lock: Any) -> None:
                      "process on this host is gone")
 
 
-def _recover_dead_runs(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger,
-                       journal: ReleaseJournal) -> None:
-    """Under the model's lock: mark dead runs interrupted, then clean up after them."""
+def _needs_recovery(ledger: Ledger, model: str, current: str) -> bool:
+    return bool(dead_runs(ledger, model, current)) or any(
+        r.status == "incomplete" for r in unfinished(ledger.records(model), current))
+
+
+def _recover_first(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger,
+                   journal: ReleaseJournal, lock: Any = None) -> None:
+    """Under the model's lock (``lock`` when the caller holds it already): finish or undo
+    dead and incomplete runs. A live run of the same model in another terminal is not
+    dead, so it is never touched."""
     from modelship.locks import release_lock
 
     record = journal.record
-    dead = dead_runs(ledger, record.model, record.id)
-    if not dead:
+    if not _needs_recovery(ledger, record.model, record.id):
         return
-    with release_lock(record.model, storage=clients.storage,
-                      home=settings.home, release_id=record.id, kind="promote") as lock:
-        _note_takeover(journal, lock)
-        _mark_interrupted(ledger, record.model, record.id, only={r.id for r in dead})
+    held = nullcontext(lock) if lock is not None else release_lock(
+        record.model, storage=clients.storage, home=settings.home,
+        release_id=record.id, kind="promote")
+    with held as taken:
+        if lock is None:
+            _note_takeover(journal, taken)
         with journal.stage("recover") as entry:
-            entry.details.update(recover_task(settings, clients, policy, record.model, dead))
+            entry.details.update(recover_task(settings, clients, policy, record.model,
+                                              record.id))
+
+
+def _repair_noop(settings: Settings, clients: Clients, policy: Policy,
+                 journal: ReleaseJournal, version: int) -> None:
+    """The version already serves: make the pin, its tag and the aliases say so too."""
+    from modelship.locks import release_lock
+
+    record = journal.record
+    with release_lock(record.model, storage=clients.storage,
+                      home=settings.home, release_id=record.id, kind="promote"), \
+            journal.stage("repair") as entry:
+        repaired = fleet.repair_noop(settings, clients, policy, model=record.model,
+                                     version=version, release_id=record.id,
+                                     progress=journal.progress)
+        entry.details["repaired"] = repaired
+        if not repaired:
+            entry.outcome, entry.reason = "skipped", "the pin, the tag and the aliases agree"
+
+
+def _last_stage(record: ReleaseRecord) -> str:
+    return next((s.name for s in reversed(record.stages)), "start")
+
+
+def _end(journal: ReleaseJournal) -> Callable[[ReleaseRecord], None]:
+    """The journal's last write, for :func:`flows.fleet.end_release`."""
+    def write(record: ReleaseRecord) -> None:
+        journal.finish(record.status, int(record.exit_code or 0), record.reason)
+    return write
 
 
 def release_plan(settings: Settings, clients: Clients, policy: Policy,

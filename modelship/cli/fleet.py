@@ -277,9 +277,12 @@ def reconcile(model: Annotated[str | None, typer.Argument(
     """Bring every reachable replica back to the production recorded in the repository (a
     replica that restarted empty, or one a crashed swap left behind). Verified bytes only."""
     import json
+    import os
     import sys
 
+    from flows import fleet
     from modelship.locks import release_lock
+    from modelship.policy import policy_for
     from modelship.signing import key_bytes
     from tasks import reconcile as reconciling
 
@@ -296,6 +299,10 @@ def reconcile(model: Annotated[str | None, typer.Argument(
                 "probe_timeout_s": settings.http_timeout_s, "dry_run": dry_run,
                 "lock": lambda name: release_lock(name, storage=clients.storage,
                                                   home=settings.home, kind="reconcile"),
+                # first, under that lock: finish or undo dead and incomplete releases
+                "recover": lambda name: fleet.recover_model(
+                    settings, clients, policy_for(name, settings.policies_dir, None),
+                    model=name, by=f"reconcile-{os.getpid()}", progress=progress),
                 "progress": progress}
 
     def render(doc: dict[str, Any]) -> str:
