@@ -122,3 +122,29 @@ def test_locks_table_says_how_to_free_a_gone_or_unknown_holder() -> None:
     assert "`modelship unlock n`" in text and "unknown" in text
     assert "`modelship unlock c --canary --release r1`" in text
     assert render_locks([], "m") == "no lock is held for m"
+
+
+def test_webhooks_encrypted_with_a_lost_key_are_dropped_and_the_rest_kept(
+        tmp_path: Path) -> None:
+    import sqlite3
+
+    from cryptography.fernet import Fernet
+
+    from modelship.stack.keys import drop_undecryptable_webhooks
+
+    kept, lost = Fernet.generate_key(), Fernet.generate_key()
+    db_path = tmp_path / "mlflow.db"
+    with sqlite3.connect(db_path) as db:
+        db.execute("CREATE TABLE webhooks (webhook_id TEXT, url TEXT, secret TEXT)")
+        db.execute("CREATE TABLE webhook_events (webhook_id TEXT, entity TEXT)")
+        for webhook_id, key in (("w-kept", kept), ("w-lost", lost)):
+            db.execute("INSERT INTO webhooks VALUES (?, ?, ?)", (
+                webhook_id, f"http://x/{webhook_id}", Fernet(key).encrypt(b"s").decode()))
+            db.execute("INSERT INTO webhook_events VALUES (?, 'model_version')", (webhook_id,))
+        db.execute("INSERT INTO webhooks VALUES ('w-none', 'http://x/none', NULL)")
+    assert drop_undecryptable_webhooks(db_path, kept.decode()) == ["http://x/w-lost"]
+    with sqlite3.connect(db_path) as db:
+        assert sorted(r[0] for r in db.execute("SELECT webhook_id FROM webhooks")) == [
+            "w-kept", "w-none"]
+        assert [r[0] for r in db.execute("SELECT webhook_id FROM webhook_events")] == ["w-kept"]
+    assert drop_undecryptable_webhooks(tmp_path / "absent.db", kept.decode()) == []
