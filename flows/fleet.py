@@ -250,8 +250,13 @@ def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model
     effects = FleetEffects(settings, clients, policy, model=model, progress=progress)
     report = recovery.recover(ledger, model, by=by, observe=observer(settings, clients, model),
                               effects=effects, progress=progress)
-    report["unloaded"] = recovery.unload_leftovers(clients.canary, model) \
-        if report["interrupted"] else []
+    report["unloaded"] = []
+    if report["interrupted"]:
+        try:
+            report["unloaded"] = recovery.unload_leftovers(clients.canary, model)
+        except ModelshipError as exc:  # the canary is not production: never a blocker
+            report["canary_error"] = exc.message
+            progress(f"note: what dead runs left on the canary stays: {exc.message}")
     return report
 
 

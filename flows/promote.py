@@ -348,8 +348,9 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                 with journal.stage("bake") as entry:
                     _bake(settings, clients, policy, record, payload, baseline,
                           entry.details)
-                record.intent["committed_at"] = now_iso()  # baked: the point of no return
-                journal.save()
+                    # baked: the point of no return, decided before the stage's save (an
+                    # S3 outage there then finishes forward, and the tag tells the next run)
+                    record.intent["committed_at"] = now_iso()
                 with journal.stage("record") as entry:
                     entry.details.update(record_task(settings, clients, policy, record,
                                                      model, version))

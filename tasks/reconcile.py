@@ -268,14 +268,20 @@ def reconcile(
         guard = lock(name) if lock is not None else nullcontext()
         try:
             with guard:
-                recovered = recover(name) if recover is not None and not dry_run else None
+                recovered = _recover(recover, name, progress) \
+                    if recover is not None and not dry_run else None
                 result = _reconcile_model(
                     replicas, model=name, storage=storage,
                     repository_prefix=repository_prefix, signing_key=signing_key,
                     timeout_s=timeout_s, probe_timeout_s=probe_timeout_s, dry_run=dry_run,
                     progress=progress)
-                if recovered and (recovered.get("finished") or recovered.get("unloaded")):
+                if recovered and any(recovered.get(k) for k in ("finished", "unloaded",
+                                                                "error")):
                     result["recovered"] = recovered
+                if recovered and recovered.get("error"):
+                    # the replicas were still brought to the pin; the release is not done
+                    result.update(ok=False, error=recovered["error"],
+                                  hint=recovered.get("hint"), exit_code=1)
                 results.append(result)
         except ModelshipError as exc:
             progress(f"{name}: not reconciled: {exc.message}")
@@ -283,6 +289,18 @@ def reconcile(
                             "hint": exc.hint, "exit_code": exc.exit_code})
     return {"models": results, "changed": sum(len(r["changed"]) for r in results),
             "ok": all(r["ok"] for r in results), "dry_run": dry_run}
+
+
+def _recover(recover: Callable[[str], dict[str, Any]], model: str,
+             progress: Progress) -> dict[str, Any]:
+    """The recover hook; a release it could not finish (a dependency down) is reported,
+    and the replicas are still reconciled to the pin: what it could do (the fleet first)
+    is done, and a restarted replica must not wait for MLflow."""
+    try:
+        return recover(model)
+    except ModelshipError as exc:
+        progress(f"{model}: {exc.message}")
+        return {"error": exc.message, "hint": exc.hint}
 
 
 def watch(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
 
+from modelship.errors import ReleaseIncomplete
 from modelship.policy import TritonPolicy
 from modelship.triton.model_config import (
     ModelSpec,
@@ -16,7 +18,7 @@ from modelship.triton.model_config import (
     without_dynamic_batching,
 )
 from modelship.triton.swap_plan import ReplicaView
-from tasks.reconcile import Pin, plan_reconcile, watch
+from tasks.reconcile import Pin, plan_reconcile, reconcile, watch
 
 SPEC = ModelSpec("fraud", inputs=(TensorSpec("input", "float32", (6,)),),
                  outputs=(TensorSpec("label", "int64", ()),))
@@ -73,3 +75,45 @@ def test_watch_reconciles_every_interval_and_stops_after_its_rounds(
     assert [r["changed"] for r in reports] == [1, 2, 3]
     assert pauses == [3.0, 3.0]
     assert all(c["model"] == "fraud" for c in calls)
+
+
+class _NoPinStorage:
+    """A repository where the model has no production pin yet."""
+
+    bucket = "b"
+
+    def head(self, key: str) -> None:
+        return None
+
+
+def test_reconcile_finishes_releases_first_and_reports_one_it_could_not() -> None:
+    held: list[str] = []
+    calls: list[str] = []
+
+    def lock(model: str) -> Any:
+        held.append(model)
+        return nullcontext()
+
+    def finished(model: str) -> dict[str, Any]:
+        calls.append(model)
+        assert held == [model]  # under the model's lock, before anything else
+        return {"interrupted": ["R1"], "finished": [{"id": "R1", "goal": "undone"}]}
+
+    def mlflow_down(model: str) -> dict[str, Any]:
+        raise ReleaseIncomplete("release R2 of m is incomplete", hint="bring MLflow back")
+
+    kwargs: dict[str, Any] = {"storage": _NoPinStorage(), "repository_prefix": "P",
+                              "signing_key": b"k", "model": "m", "lock": lock}
+    done = reconcile([], recover=finished, **kwargs)
+    assert calls == ["m"] and done["ok"]
+    assert done["models"][0]["recovered"]["finished"][0]["id"] == "R1"
+
+    held.clear()
+    stuck = reconcile([], recover=mlflow_down, **kwargs)
+    model = stuck["models"][0]
+    assert not stuck["ok"] and model["exit_code"] == 1
+    assert "R2" in model["error"] and model["hint"] == "bring MLflow back"
+    assert model["status"].startswith("no production recorded")  # still reconciled
+
+    untouched = reconcile([], recover=mlflow_down, dry_run=True, **kwargs)
+    assert untouched["ok"] and "recovered" not in untouched["models"][0]
