@@ -31,6 +31,8 @@ T = TypeVar("T")
 BOUNDED_CLIENT = {"PREFECT_CLIENT_MAX_RETRIES": "1", "PREFECT_API_REQUEST_TIMEOUT": "10"}
 #: Longest wait for queued run logs and events at the end of a flow run, in seconds.
 FLUSH_TIMEOUT_S = 3.0
+#: Reconnections of the run-events websocket per event (Prefect's default is 10).
+EVENT_RECONNECTIONS = 1
 
 
 class PrefectApi:
@@ -60,8 +62,15 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
     if not api_url:
         yield
         return
+    from prefect.events.clients import PrefectEventsClient
+    from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    # Run events (task run states) go over a websocket whose client tries to reconnect 10
+    # times, sleeping 1 s from the fourth try, for EACH queued event: against a dead server
+    # that is ~8 s an event, paid at exit. Here: two tries an event, no sleep.
+    EventsWorker.set_client_override(PrefectEventsClient, api_url=api_url,
+                                     reconnection_attempts=EVENT_RECONNECTIONS)
     with temporary_settings({PREFECT_API_URL: api_url}):
         try:
             yield
@@ -71,6 +80,7 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
             raise translate(exc, what="the Prefect API", endpoint=api_url) from exc
         finally:
             _flush_to_api()
+            EventsWorker.set_client_override(None)
 
 
 def _flush_to_api(timeout_s: float = FLUSH_TIMEOUT_S) -> None:
