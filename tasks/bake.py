@@ -64,11 +64,18 @@ Rules (pure: :func:`judge_windows`; the I/O around them is :func:`measure_window
     them would hold exactly when a slower version is at fault. They are recorded as
     evidence, not matched;
   - Triton's server-side compute time (which excludes queueing) was the other candidate.
-    On CPU servers it is not load-free: the replicas share the node's cores with each
-    other and with the clients, so more traffic means longer compute (CPU contention; see
-    ``bench/results/bake_load.json`` for the measurement on this stack). It cannot be the
-    load-matched control here; the probe latency at a matched rate is (queueing included,
-    which at a matched rate is the version's own doing).
+    Measured on this stack (2 replicas and the canary on 2 CPU cores, the test softmax
+    model, probe 80 req/s, 4-s windows, the same version throughout; ``bench/bake_load.py``):
+    quiet, 79 req/s, compute 1480 µs per request, probe p50 2.37 ms (per-request log-spread
+    0.30); with 1-2 closed-loop organic clients, 700-1400 req/s, compute fell to ×0.5-0.6
+    (dynamic batching amortises the backend's per-call cost) while the probe p50 stayed
+    ×0.85-1.0; with 12 clients (the window where all of them were sending: 1250 req/s,
+    8.9 requests in flight) compute rose ×2.8 (4170 µs: CPU contention, the replicas share
+    two cores with the clients; ×1.7 over the level's three windows), queue ×10, and the
+    probe p50 ×2.1 (``bench/results/bake_load.json``). Compute time moves with load in
+    both directions, so it is no load-free control on CPU servers; the probe latency at a
+    matched rate is (queueing included, which at a matched rate is the version's own
+    doing). Both are recorded.
   - a concurrent control (issue 20: a holdback share of live traffic on the previous
     version, through the gateway) plugs in as a :class:`Reference` of kind ``holdback``
     whose windows are measured at the same time as the bake's: it covers every load, so
