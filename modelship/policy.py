@@ -534,10 +534,13 @@ class CanaryPolicy(_Section):
     )
     sequential: bool = Field(
         default=False,
-        description="Watch the canary with always-valid sequential tests (tasks.sequential, "
-        "Lindon et al. 2022) in rounds of `sequential_round_s`: stop as soon as a latency or "
-        "error regression is certain (verdict `failed`), or, once `min_samples` are in, as "
-        "soon as the candidate is clearly fine; false detections stay ≤ α over all looks. "
+        description="Watch the canary with always-valid sequential tests (tasks.sequential: "
+        "mixture e-processes on counts deflated by the variance inflation measured from the "
+        "looks, each look a time block) in rounds of `sequential_round_s`: stop as soon as a "
+        "latency or error regression is certain (verdict `failed`), or, once `min_samples` "
+        "are in, as soon as a confidence sequence shows every latency and error rule within "
+        "its tolerance (at each rule's `power`). The watch spends half of each of those "
+        "rules' α and the fixed tests the other half, so the family-wise α is spent once. "
         "`true` or `false`. Default `false` (one fixed-horizon judgement).",
     )
     sequential_round_s: float = Field(

@@ -19,6 +19,13 @@ statistics:
   its degrees of freedom (:func:`overdispersion`). A burst of 8 errors in one block gives
   φ ≈ 8; independent errors give φ ≈ 1. The exact binomial test on counts deflated by φ
   (``k/φ`` of ``n/φ``, :func:`quasi_binomial_sf`) is the exact test when φ = 1.
+- **Incidents** (the clusters of a point process, e.g. Ferro & Segers, "Inference for
+  clusters of extreme values", JRSS-B 65(2), 2003): events next to each other in time
+  (failed requests, requests above a quantile) merged into runs; the variance of a count
+  of clustered events is ``E[L²]/E[L]`` times the count's Poisson variance, with ``L`` the
+  run length (:func:`run_lengths`, :func:`cluster_inflation`, normalised by what runs of
+  independent events give). Measurable within one block, where a spread across blocks is
+  not.
 - **Betting confidence sequences** for bounded block means (Waudby-Smith & Ramdas,
   "Estimating means of bounded random variables by betting", JRSS-B 86(1), 2024,
   arXiv:2010.09686): the hedged capital process with predictable plug-in bets
@@ -58,6 +65,7 @@ __all__ = [
     "block_count",
     "block_ids",
     "block_sums",
+    "cluster_inflation",
     "diagnose",
     "lag1",
     "long_run_variance",
@@ -65,6 +73,7 @@ __all__ = [
     "order_ids",
     "overdispersion",
     "quasi_binomial_sf",
+    "run_lengths",
 ]
 
 TARGET_BLOCKS = 40
@@ -269,6 +278,29 @@ def quasi_binomial_sf(k: float, n: float, rate: float, phi: float = 1.0) -> floa
     if ke > ne:
         return 0.0
     return float(special.betainc(ke, ne - ke + 1.0, rate))
+
+
+def run_lengths(events: np.ndarray) -> tuple[int, int]:
+    """``(Σ L, Σ L²)`` over the runs of consecutive True values of a boolean sequence."""
+    x = np.asarray(events, dtype=bool).ravel()
+    if not x.any():
+        return 0, 0
+    edges = np.diff(np.concatenate([[0], x.astype(np.int8), [0]]))
+    lengths = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
+    return int(lengths.sum()), int(np.dot(lengths, lengths))
+
+
+def cluster_inflation(sum_len: float, sum_len_sq: float, total: float) -> float:
+    """Variance inflation of an event count from its runs: ``(Σ L² / Σ L)`` over what
+    independent events at the same rate give, ``(1 + p)/(1 - p)``; at least 1.
+
+    ``sum_len`` is the number of events (:func:`run_lengths`), ``total`` the trials.
+    Bursts of 8 failures give ≈ 15 (geometric lengths of mean 8); independent events ≈ 1.
+    """
+    if not sum_len > 0 or not total > 0:
+        return 1.0
+    p = min(sum_len / total, 0.999)
+    return max((sum_len_sq / sum_len) / ((1.0 + p) / (1.0 - p)), 1.0)
 
 
 @dataclass(frozen=True)

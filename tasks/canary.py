@@ -65,7 +65,7 @@ from modelship.triton.gpu import GpuEvidence, GpuSample, canary_gpu_evidence, fl
 from modelship.triton.metrics import Scrape
 from modelship.triton.target import render_for_servers
 from tasks.canary_slot import in_canary_slot
-from tasks.sequential import SequentialCanary, SequentialConfig, SequentialDecision
+from tasks.sequential import SequentialCanary, SequentialConfig, SequentialDecision, WatchRule
 
 Progress = Callable[[str], None]
 
@@ -409,38 +409,79 @@ def _ok_by_arm(records: Sequence[RequestRecord], paired: bool) -> dict[str, int]
     return counts
 
 
-def sequential_config(rules: Sequence[GateRule]) -> SequentialConfig:
-    """The sequential watch's settings from the policy's gates (pure).
+SEQUENTIAL_SHARE = 0.5
+"""Share of each watched rule's α that the sequential watch spends; the fixed test gets the
+rest, so the rule set's family-wise α (:func:`tasks.gates.family_alpha`) is spent once."""
 
-    The latency tolerance is the smallest ``max_increase_pct`` of the blocking latency
-    rules, α the smallest of their α (and of the error rule's), and the error budget the
-    error rule's ``max_rate``; without such rules the watch's defaults apply.
+_QUANTILES = {"latency_p50_ms": 0.5, "latency_mean_ms": 0.5, "latency_p90_ms": 0.9,
+              "latency_p95_ms": 0.95, "latency_p99_ms": 0.99}
+
+
+def watched(rule: GateRule) -> bool:
+    """Whether the sequential watch judges a rule too (blocking latency and error rules)."""
+    return not rule.dry_run and rule.test in ("mann_whitney", "quantile", "exact_rate")
+
+
+def sequential_config(rules: Sequence[GateRule], *,
+                      share: float = SEQUENTIAL_SHARE) -> SequentialConfig:
+    """The sequential watch's rules from the policy's gates (pure): one per watched rule,
+    with its own tolerance, effect and power, and ``share`` of its α.
+
+    Latency rules watch their quantile (0.5 for p50 and mean) within ``max_increase_pct``;
+    ``effect`` (default: the tolerance itself) centres the regression prior, and
+    ``power`` sets the early pass: a rule is shown within tolerance when its confidence
+    sequence at ``power`` excludes everything beyond it, so a candidate exactly at the
+    tolerance passes early at most ``1 - power`` of the time. The scalar fields summarise
+    (smallest tolerance and budget, total α) for messages and older callers.
     """
-    blocking = [r for r in rules if not r.dry_run]
-    latency = [r for r in blocking if r.test in ("mann_whitney", "quantile")]
-    errors = [r for r in blocking if r.test == "exact_rate"]
     base = SequentialConfig()
+    watch: list[WatchRule] = []
+    for rule in (r for r in rules if watched(r)):
+        if rule.test == "exact_rate":
+            budget = float(rule.max_rate or 0.0)
+            effect = float(rule.effect if rule.effect is not None else budget or 1e-3)
+            watch.append(WatchRule(rule.name, "errors", budget, rule.alpha * share,
+                                   rule.power, effect))
+        else:
+            pct = float(rule.max_increase_pct or base.max_increase_pct)
+            watch.append(WatchRule(rule.name, "latency", pct, rule.alpha * share, rule.power,
+                                   float(rule.effect if rule.effect is not None else pct),
+                                   _QUANTILES.get(rule.metric, 0.5)))
+    latency = [w for w in watch if w.kind == "latency"]
+    errors = [w for w in watch if w.kind == "errors"]
     return SequentialConfig(
-        alpha=min([base.alpha, *(r.alpha for r in latency + errors)]),
-        max_increase_pct=min([float(r.max_increase_pct or base.max_increase_pct)
-                              for r in latency] or [base.max_increase_pct]),
-        max_error_rate=min([float(r.max_rate or 0.0) for r in errors]
-                           or [base.max_error_rate]),
+        alpha=sum(w.alpha for w in watch) if watch else base.alpha,
+        max_increase_pct=min([w.tolerance for w in latency] or [base.max_increase_pct]),
+        max_error_rate=min([w.tolerance for w in errors] or [base.max_error_rate]),
+        rules=tuple(watch),
     )
+
+
+def spend_alpha(rules: Sequence[GateRule], *, share: float = SEQUENTIAL_SHARE
+                ) -> list[GateRule]:
+    """The fixed gates when the sequential watch runs too (pure): every watched rule keeps
+    ``1 - share`` of its α (the watch spends the rest), so the family-wise α is spent once.
+    The canary plans its load with these rules, so the fixed tests keep their power."""
+    return [r.model_copy(update={"alpha": r.alpha * (1.0 - share)}) if watched(r) else r
+            for r in rules]
 
 
 def _feed(watch: SequentialCanary, records: Sequence[RequestRecord]) -> SequentialDecision:
     """One look: the round's answers of each arm, in completion order, and its errors."""
     arms: dict[str, list[float]] = {BASELINE: [], CANDIDATE: []}
     errors = {BASELINE: 0, CANDIDATE: 0}
-    for r in records:
+    failed: dict[str, list[bool]] = {BASELINE: [], CANDIDATE: []}
+    for r in sorted(records, key=lambda rec: rec.start_s):
         arm = r.tag or CANDIDATE
+        failed[arm].append(not r.ok)
         if r.ok:
             arms[arm].append(r.latency_ms)
         else:
             errors[arm] += 1
     return watch.update(np.asarray(arms[BASELINE]), np.asarray(arms[CANDIDATE]),
-                        baseline_errors=errors[BASELINE], candidate_errors=errors[CANDIDATE])
+                        baseline_errors=errors[BASELINE], candidate_errors=errors[CANDIDATE],
+                        baseline_failed=np.asarray(failed[BASELINE], dtype=bool),
+                        candidate_failed=np.asarray(failed[CANDIDATE], dtype=bool))
 
 
 def _measure(url: str, model: str, candidate: int, baseline: int | None,
@@ -485,7 +526,10 @@ def _measure(url: str, model: str, candidate: int, baseline: int | None,
                                  max_duration_s=max(duration_s, spec.max_duration_s))
         report = _load_once(url, model, candidate, baseline, payload, round_spec)
         measured = report.measured_records()
-        out.records.extend(measured)
+        # One timeline across rounds (each round's clock starts at 0): the gates split the
+        # run into time blocks by these send times.
+        offset = out.measured_s
+        out.records.extend(replace(r, start_s=r.start_s + offset) for r in measured)
         out.measured_s += report.duration_s
         if first:
             out.stable = report.stable
@@ -522,8 +566,14 @@ def _measure(url: str, model: str, candidate: int, baseline: int | None,
 
 def _arm(version: int, records: Sequence[RequestRecord], measured_s: float,
          server: dict[str, Any] | None) -> ArmMeasurements:
+    """One arm's measurements, with the send time of every request (the gates' blocks).
+
+    The rounds' clocks each start at 0; :func:`_measure` shifts each round after the
+    previous ones, so the send times form one timeline."""
     ok = [r.latency_ms for r in records if r.ok]
     return ArmMeasurements(
+        latency_s=np.asarray([r.start_s for r in records if r.ok], dtype=float),
+        error_s=np.asarray([r.start_s for r in records if not r.ok], dtype=float),
         version=version,
         latency_ms=np.asarray(ok, dtype=float),
         requests=len(records),
@@ -713,6 +763,20 @@ def _check_alive(server: TritonServer, where: str) -> None:
         ) from exc
 
 
+def tail_reference_refusal(report: Any) -> str | None:
+    """Why a blocking quantile rule refused to judge (too few baseline requests above its
+    quantile), when that is what keeps the gates from a verdict; None otherwise (pure).
+
+    A failed verdict stands: a refusal never hides a rule that failed.
+    """
+    if str(getattr(report, "verdict", "")) == "failed":
+        return None
+    for result in getattr(report, "results", ()):
+        if result.details.get("reference_too_small") and not result.dry_run:
+            return str(result.message)
+    return None
+
+
 def _shared_errors(report: Any) -> str | None:
     """The message of a rule that found both arms failing alike (see tasks.gates)."""
     for result in getattr(report, "results", ()):
@@ -842,6 +906,9 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     no_gpu = [n for n in gpu_rules_skipped(rules, on_gpu=on_gpu) if n not in skipped]
     skipped += no_gpu
     judged = [r for r in rules if r.name not in skipped]
+    # With the sequential watch on, it spends half of each watched rule's α and the fixed
+    # tests the other half: the family-wise α of the rule set is spent once.
+    fixed = spend_alpha(judged) if canary.sequential and baseline is not None else judged
     paired = baseline is not None
     url = server.endpoint.grpc if canary.protocol == "grpc" else server.endpoint.http
     spec = load_spec(canary, timeout_s=settings.http_timeout_s, keep_outputs=paired)
@@ -885,7 +952,7 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
             warm_records = _load_once(url, model, candidate, baseline, payload, warm).records
 
         def plan(records: Sequence[RequestRecord]) -> int:
-            return required_samples(judged, records, paired=paired, floor=canary.min_samples)
+            return required_samples(fixed, records, paired=paired, floor=canary.min_samples)
 
         first_plan = plan(warm_records)
         before = _scrape(server, settings.http_timeout_s, notes)
@@ -896,7 +963,7 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
             reference = np.asarray([r.latency_ms for r in warm_records
                                     if r.ok and r.tag == BASELINE], dtype=float)
             watch = SequentialCanary(sequential_config(judged),
-                                     reference_ms=reference if reference.size >= 20 else None)
+                                     reference_ms=reference if reference.size else None)
         with _MetricsTicker(server, settings.http_timeout_s, _SCRAPE_PERIOD_S) as ticker:
             measured = _measure(url, model, candidate, baseline, payload, spec, plan=plan,
                                 required=first_plan, deadline=deadline, progress=progress,
@@ -970,10 +1037,19 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     decision = measured.decision
     early_pass = decision is not None and decision.status == "passed" \
         and min(counts.values()) < required
-    gate_report = evaluate(snapshot, judged,
+    # An early pass showed every watched rule within its tolerance (confidence sequences):
+    # those rules are not judged again on a sample smaller than their plan, the others are.
+    gate_report = evaluate(snapshot, [r for r in fixed if not (early_pass and watched(r))],
                            min_samples=canary.min_samples if early_pass else required)
     if decision is not None:
         gate_report = with_sequential(gate_report, decision)
+    refused = tail_reference_refusal(gate_report)
+    if refused:
+        raise UsageError(
+            f"the canary of {model} v{candidate} cannot judge the tail: {refused}",
+            hint="raise canary.min_samples (and canary.max_duration_s so the canary can reach "
+                 "it), or judge a lower percentile",
+            model=model, candidate=candidate, key="canary.min_samples", cleanup=cleanup)
     shared = _shared_errors(gate_report)
     if shared:
         raise GatesInconclusive(

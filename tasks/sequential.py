@@ -58,11 +58,15 @@ import numpy as np
 from scipy import special, stats
 
 from modelship.measurements import MeasurementError, check_latency
+from tasks.blocks import cluster_inflation, lag1, run_lengths
 
 __all__ = [
+    "MIN_TAIL_REFERENCE",
     "SequentialCanary",
     "SequentialConfig",
     "SequentialDecision",
+    "WatchRule",
+    "inflation",
     "log_e_above",
     "log_e_below",
     "log_e_over_budget",
@@ -72,11 +76,12 @@ __all__ = [
 Status = Literal["continue", "failed", "passed", "inconclusive"]
 
 
-def log_e_above(k: int, n: int, theta0: float, a: float = 1.0, b: float = 1.0) -> float:
+def log_e_above(k: float, n: float, theta0: float, a: float = 1.0, b: float = 1.0) -> float:
     """log E for H0 ``θ ≤ θ0`` after ``k`` successes in ``n`` Bernoulli trials.
 
     The mixture of likelihood ratios over θ ~ Beta(a, b) truncated to ``(θ0, 1)``; 0 at
-    ``n = 0``. Computed with ``betaln`` and ``stats.beta.logsf`` (log space).
+    ``n = 0``. Computed with ``betaln`` and ``stats.beta.logsf`` (log space). Counts may
+    be fractional: the watch divides them by a measured variance inflation.
     """
     if n <= 0:
         return 0.0
@@ -97,7 +102,7 @@ def _log_beta_sf(x: float, a: float, b: float) -> float:
     return float(stats.beta.logsf(x, a, b))
 
 
-def log_e_below(k: int, n: int, theta1: float, a: float = 1.0, b: float = 1.0) -> float:
+def log_e_below(k: float, n: float, theta1: float, a: float = 1.0, b: float = 1.0) -> float:
     """log E for H0' ``θ ≥ θ1``: the mirror of :func:`log_e_above` (prior on ``(0, θ1)``)."""
     return log_e_above(n - k, n, 1.0 - theta1, b, a)
 
@@ -136,18 +141,50 @@ def quantile_bound(reference: np.ndarray, q: float, alpha: float) -> tuple[float
 
 
 @dataclass(frozen=True)
-class SequentialConfig:
-    """What the sequential canary tests, and at which levels.
+class WatchRule:
+    """One rule of the sequential watch, with its own α, effect and power.
 
     Attributes:
-        alpha: False detection rate over all looks and all rules (split evenly).
-        beta: Chance of passing early a candidate at the regression it must catch.
+        name: The gate rule's name (``latency_p50``, ``latency_p99``, ``error_rate``).
+        kind: ``latency`` (a quantile ``q`` within ``tolerance`` percent of the baseline's)
+            or ``errors`` (the candidate's error rate within the budget ``tolerance``).
+        tolerance: Percent for latency, a rate for errors.
+        alpha: False-fail rate of this rule over all looks (its share of the rule's α).
+        power: Wanted power at ``effect``; ``1 - power`` bounds the chance of an early pass
+            for a candidate exactly at the tolerance.
+        effect: The violation beyond the tolerance the rule must catch (percentage points,
+            or a rate above the budget): it centres the prior of the regression e-process.
+        quantile: The latency quantile judged (0.5 for typical latency).
+    """
+
+    name: str
+    kind: Literal["latency", "errors"]
+    tolerance: float
+    alpha: float
+    power: float
+    effect: float
+    quantile: float = 0.5
+
+
+@dataclass(frozen=True)
+class SequentialConfig:
+    """What the sequential watch tests, and at which levels.
+
+    The scalar fields describe the default watch (p50 and p99 latency within
+    ``max_increase_pct``, errors within ``max_error_rate``, ``alpha`` split evenly, early
+    passes at ``beta``); ``rules``, when given, replaces it rule by rule
+    (:func:`tasks.canary.sequential_config` builds them from the policy's gates, each with
+    its own α share, effect and power).
+
+    Attributes:
+        alpha: False detection rate over all looks and all default rules (split evenly).
+        beta: Chance of passing early a candidate exactly at a default rule's tolerance.
         max_increase_pct: Latency tolerance, percent of the baseline's quantile.
-        quantiles: Latency quantiles judged: 0.5 (typical) and 0.99 (tail) by default.
-        effect_pct: The latency regression beyond the tolerance that must be caught, in
-            percentage points (the "clearly fine" bound).
+        quantiles: Latency quantiles judged by default: 0.5 (typical) and 0.99 (tail).
+        effect_pct: Latency regression beyond the tolerance that must be caught, points.
         max_error_rate: Error budget (H0: the candidate's rate ≤ it).
         error_effect: The error rate above the budget that must be caught.
+        rules: Explicit rules; empty means the defaults above.
     """
 
     alpha: float = 0.01
@@ -157,15 +194,40 @@ class SequentialConfig:
     effect_pct: float = 40.0
     max_error_rate: float = 0.001
     error_effect: float = 0.004
+    rules: tuple[WatchRule, ...] = ()
 
-    @property
-    def rules(self) -> int:
-        return len(self.quantiles) + 1
+    def watch_rules(self) -> tuple[WatchRule, ...]:
+        """The rules judged: ``rules``, or the defaults from the scalar fields."""
+        if self.rules:
+            return self.rules
+        share = self.alpha / (len(self.quantiles) + 1)
+        latency = tuple(WatchRule(f"latency_p{q * 100:g}", "latency", self.max_increase_pct,
+                                  share, 1.0 - self.beta, self.effect_pct, q)
+                        for q in self.quantiles)
+        return (WatchRule("error_rate", "errors", self.max_error_rate, share, 1.0 - self.beta,
+                          self.error_effect), *latency)
 
 
 @dataclass(frozen=True)
 class RuleState:
-    """One rule's evidence after the last look (JSON-ready through ``to_dict``)."""
+    """One rule's evidence after the last look (JSON-ready through ``to_dict``).
+
+    Attributes:
+        name: The rule.
+        log_e_regression: log e-value against "within tolerance" (fails at log 1/α).
+        log_e_fine: log e-value against "beyond tolerance" (passes early at log 1/(1-power)).
+        events: Discordant pairs (latency) or requests (errors), before deflation.
+        hits: Pairs with the candidate above (latency) or errors.
+        detail: The evidence in words.
+        inflation: Variance inflation measured from the looks (≥ 1): the counts are divided
+            by it, so correlated requests and bursts of errors count as what they are.
+        lag1: Lag-1 autocorrelation of the rule's per-look statistic.
+        bound: Upper confidence bound of the statistic (latency: ratio to the baseline's
+            quantile; errors: the rate), or NaN when nothing is shown yet.
+        shown_within: Whether the confidence sequence puts the statistic inside its
+            tolerance.
+        calibrated: Whether the rule has its reference (latency) and is being judged.
+    """
 
     name: str
     log_e_regression: float
@@ -173,11 +235,18 @@ class RuleState:
     events: int
     hits: int
     detail: str
+    inflation: float = 1.0
+    lag1: float = math.nan
+    bound: float = math.nan
+    shown_within: bool = False
+    calibrated: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "e_regression": _exp(self.log_e_regression),
                 "e_fine": _exp(self.log_e_fine), "events": self.events, "hits": self.hits,
-                "detail": self.detail}
+                "detail": self.detail, "inflation": _num(self.inflation),
+                "lag1": _num(self.lag1), "upper_bound": _num(self.bound),
+                "shown_within": self.shown_within, "calibrated": self.calibrated}
 
 
 @dataclass(frozen=True)
@@ -185,10 +254,10 @@ class SequentialDecision:
     """The verdict after one look.
 
     Attributes:
-        status: ``failed`` (a regression is certain), ``passed`` (every rule is clearly
-            fine), ``inconclusive`` (both arms fail alike: not the candidate's doing), or
-            ``continue`` (keep measuring).
-        reason: One sentence naming the deciding rule and its evidence.
+        status: ``failed`` (a regression is certain), ``passed`` (every rule is shown within
+            its tolerance by its confidence sequence), ``inconclusive`` (both arms fail
+            alike: not the candidate's doing), or ``continue`` (keep measuring).
+        reason: One sentence naming the deciding rule and its evidence, or what was shown.
         looks: Batches ingested so far.
         samples: ``(candidate, baseline)`` requests ingested so far.
         rules: Each rule's evidence.
@@ -212,48 +281,128 @@ def _exp(x: float) -> float | None:
     return math.exp(min(x, 700.0))
 
 
+def _num(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+_RATIO_GRID = np.round(np.arange(0.70, 2.505, 0.005), 3)
+"""Latency ratios (candidate quantile / baseline's) at which the watch keeps discordance
+counts, for the upper confidence bound reported with an early pass."""
+
+MIN_TAIL_REFERENCE = 30
+"""Reference requests a latency rule needs above its quantile before it is judged."""
+
+
+INFLATION_CONFIDENCE = 0.8
+"""The watch deflates its counts by an upper confidence bound of the variance inflation at
+this level, not by the point estimate: early, with few looks, the spread of the blocks says
+little, and a point estimate near 1 would let correlated requests count as independent."""
+
+
+def inflation(hits: np.ndarray, events: np.ndarray, *,
+              confidence: float = INFLATION_CONFIDENCE) -> float:
+    """Upper confidence bound of the variance inflation of binomial counts, from blocks.
+
+    ``hits[b]`` of ``events[b]`` in block ``b``: Pearson's χ² of each block's count around
+    the rate of the other blocks, over the lower ``1 - confidence`` quantile of χ² on ``B - 1``
+    degrees of freedom (the usual interval of a variance ratio), at least 1. Correlated
+    requests within a block (or a burst of errors) raise it; independent ones leave it
+    near 1 once there are enough blocks. Infinite with fewer than 2 blocks that have
+    events (nothing is known yet); 1 without any event at all (there is nothing to deflate).
+    """
+    k = np.asarray(hits, dtype=float)
+    n = np.asarray(events, dtype=float)
+    keep = n > 0
+    k, n = k[keep], n[keep]
+    if not k.sum() > 0:
+        return 1.0
+    if k.size < 2:
+        return math.inf
+    # Each block against the rate of the others (leave one out): a burst or a run of
+    # correlated requests sets the pooled rate itself, so against it the block looks
+    # ordinary; against the other blocks it stands out. (+½ / +1 keep the rate inside
+    # (0, 1) when every event of the others is a hit.)
+    p = (k.sum() - k + 0.5) / (n.sum() - n + 1.0)
+    chi2 = float(np.sum((k - n * p) ** 2 / (n * p * (1.0 - p))))
+    low = float(stats.chi2.ppf(1.0 - confidence, k.size - 1))
+    return max(chi2 / low, 1.0) if low > 0 else math.inf
+
+
 class SequentialCanary:
     """Ingests batches of (baseline, candidate) measurements; decides after each one.
+
+    Each batch (one look, about a second of paired load) is a **block**: the evidence is
+    counted per block, and the spread of the per-block counts measures how much the
+    requests inside a block depend on each other (:func:`inflation`: correlated latencies
+    per arm, bursts of errors). Every rule's counts are divided by its inflation, the
+    running maximum over looks, before the mixture e-process sees them, so a burst of 8
+    errors weighs about one error and 100 correlated requests what they are worth. This is
+    the variance-inflation form of block evidence (the issue's alternative to betting on
+    bounded block statistics, which has little power for a 1% tail: see
+    :mod:`tasks.blocks` for the betting confidence sequence).
 
     Args:
         config: The rules and levels.
         reference_ms: Baseline latencies measured before the first look (the warm-up):
-            they fix each quantile's threshold. Without them, the first batch does, and is
-            not judged.
+            they fix each quantile's threshold. A quantile is judged once the reference (the
+            warm-up and then the baseline of the first looks, which are then not judged for
+            it) puts :data:`MIN_TAIL_REFERENCE` requests above it.
     """
 
     def __init__(self, config: SequentialConfig | None = None, *,
                  reference_ms: np.ndarray | None = None) -> None:
         self.config = config or SequentialConfig()
-        self._tau: dict[float, float] | None = None
-        self._theta1: dict[float, float] = {}
+        self.rules = self.config.watch_rules()
+        self._latency = [r for r in self.rules if r.kind == "latency"]
+        self._errors = [r for r in self.rules if r.kind == "errors"]
+        self._ref = np.zeros(0)
+        self._tau: dict[str, float] = {}
+        self._theta1: dict[str, float] = {}
+        # Per latency rule, per look: discordant pairs and candidate-above counts at every
+        # grid ratio (the tolerance ratio is one of them).
+        self._disc: dict[str, list[np.ndarray]] = {r.name: [] for r in self._latency}
+        self._up: dict[str, list[np.ndarray]] = {r.name: [] for r in self._latency}
+        self._infl: dict[str, float] = {r.name: 1.0 for r in self.rules}
+        # Runs of events per rule and arm: [Σ L, Σ L², trials] (incidents: see
+        # tasks.blocks.cluster_inflation), measurable within a single look.
+        self._runs: dict[tuple[str, str], list[float]] = {}
+        self._looks_err: list[tuple[int, int, int, int]] = []  # ke, ne, kb, nb per look
+        self.looks = 0
         if reference_ms is not None:
             self._calibrate(check_latency(reference_ms, "the reference sample"))
-        self._disc = dict.fromkeys(self.config.quantiles, 0)
-        self._up = dict.fromkeys(self.config.quantiles, 0)
-        self._err = [0, 0, 0, 0]  # candidate errors, requests, baseline errors, requests
-        self.looks = 0
         self.decision = SequentialDecision("continue", "no data yet", 0, (0, 0))
 
-    def _calibrate(self, ref: np.ndarray) -> None:
-        if ref.size < 2:
+    @staticmethod
+    def _ratio(rule: WatchRule) -> float:
+        return 1.0 + rule.tolerance / 100.0
+
+    def _calibrate(self, more: np.ndarray) -> None:
+        """Add baseline latencies to the reference; fix τ for every quantile it now covers."""
+        pending = [r for r in self._latency if r.name not in self._tau]
+        if not pending or more.size == 0:
             return
-        cfg = self.config
-        r_tol = 1.0 + cfg.max_increase_pct / 100.0
-        r_alt = r_tol + cfg.effect_pct / 100.0
-        self._tau = {q: float(np.quantile(ref, q)) for q in cfg.quantiles}
-        for q, tau in self._tau.items():
+        self._ref = np.concatenate([self._ref, more])
+        ref = self._ref
+        for rule in pending:
+            tau = float(np.quantile(ref, rule.quantile))
+            if int(np.count_nonzero(ref > tau)) < MIN_TAIL_REFERENCE:
+                continue
+            self._tau[rule.name] = tau
+            r_tol = self._ratio(rule)
+            r_alt = r_tol + rule.effect / 100.0
             p_b = max(float(np.mean(ref > tau)), 1.0 / ref.size)
             p_c = max(float(np.mean(ref > tau * r_tol / r_alt)), p_b)
             num = p_c * (1 - p_b)
             den = num + p_b * (1 - p_c)
-            self._theta1[q] = min(max(num / den if den > 0 else 0.5, 0.5), 0.999)
+            self._theta1[rule.name] = min(max(num / den if den > 0 else 0.75, 0.5), 0.999)
 
     def update(self, baseline_ms: np.ndarray, candidate_ms: np.ndarray, *,
                baseline_errors: int = 0, candidate_errors: int = 0,
                baseline_requests: int | None = None,
-               candidate_requests: int | None = None) -> SequentialDecision:
-        """Ingest one batch and decide.
+               candidate_requests: int | None = None,
+               baseline_failed: np.ndarray | None = None,
+               candidate_failed: np.ndarray | None = None) -> SequentialDecision:
+        """Ingest one batch (one block) and decide.
 
         Args:
             baseline_ms: Latencies of the baseline's answered requests in this batch, ms.
@@ -263,79 +412,180 @@ class SequentialCanary:
             candidate_errors: Failed candidate requests in this batch.
             baseline_requests: Requests sent to the baseline (default: answered + failed).
             candidate_requests: The same for the candidate.
+            baseline_failed: Whether each baseline request of the batch failed, in send
+                order: failures next to each other are merged into incidents, so a burst
+                weighs what it is worth. Without it only the spread across looks shows
+                bursts.
+            candidate_failed: The same for the candidate.
 
         Raises:
             MeasurementError: A latency is non-finite or negative.
         """
-        cfg = self.config
         b = check_latency(baseline_ms, "the baseline")
         c = check_latency(candidate_ms, "the candidate")
         self.looks += 1
-        self._err[0] += int(candidate_errors)
-        self._err[1] += int(candidate_requests if candidate_requests is not None
-                            else c.size + candidate_errors)
-        self._err[2] += int(baseline_errors)
-        self._err[3] += int(baseline_requests if baseline_requests is not None
-                            else b.size + baseline_errors)
-        if self._tau is None:
-            self._calibrate(b)
-        else:
-            r = 1.0 + cfg.max_increase_pct / 100.0
-            m = min(b.size, c.size)
-            for q, tau in self._tau.items():
-                b_up = b[:m] > tau
-                c_up = c[:m] / r > tau
-                disc = b_up != c_up
-                self._disc[q] += int(disc.sum())
-                self._up[q] += int((c_up & disc).sum())
+        ne = int(candidate_requests if candidate_requests is not None
+                 else c.size + candidate_errors)
+        nb = int(baseline_requests if baseline_requests is not None
+                 else b.size + baseline_errors)
+        self._looks_err.append((int(candidate_errors), ne, int(baseline_errors), nb))
+        for arm, failed in (("baseline", baseline_failed), ("candidate", candidate_failed)):
+            if failed is not None:
+                self._add_runs(("errors", arm), np.asarray(failed, dtype=bool))
+        m = min(b.size, c.size)
+        for rule in self._latency:
+            tau = self._tau.get(rule.name)
+            if tau is None:
+                continue
+            self._add_runs((rule.name, "baseline"), b > tau)
+            self._add_runs((rule.name, "candidate"), c / self._ratio(rule) > tau)
+            b_up = b[:m] > tau
+            c_up = c[:m, None] / _RATIO_GRID[None, :] > tau
+            disc = c_up != b_up[:, None]
+            self._disc[rule.name].append(disc.sum(axis=0))
+            self._up[rule.name].append((c_up & disc).sum(axis=0))
+        self._calibrate(b)
         self.decision = self._decide()
         return self.decision
 
-    def _decide(self) -> SequentialDecision:
-        cfg = self.config
-        level = math.log(cfg.rules / cfg.alpha)
-        fine_level = math.log(cfg.rules / cfg.beta)
-        ke, ne, kb, nb = self._err
-        samples = (ne, nb)
-        prior_mean = min(cfg.max_error_rate + cfg.error_effect, 0.5)
+    def _add_runs(self, key: tuple[str, str], events: np.ndarray) -> None:
+        total, squares = run_lengths(events)
+        acc = self._runs.setdefault(key, [0.0, 0.0, 0.0])
+        acc[0] += total
+        acc[1] += squares
+        acc[2] += events.size
+
+    def _cluster(self, name: str) -> float:
+        """The larger of the two arms' run-based inflation for a rule (1 without runs)."""
+        return max([cluster_inflation(*self._runs[(name, arm)]) for arm in
+                    ("baseline", "candidate") if (name, arm) in self._runs] or [1.0])
+
+    def _latency_state(self, rule: WatchRule) -> RuleState:
+        name = rule.name
+        tau = self._tau.get(name)
+        if tau is not None and not self._disc[name]:
+            return RuleState(name, 0.0, 0.0, 0, 0, f"reference fixed at {tau:.3g} ms; no "
+                             "look judged yet")
+        if tau is None:
+            above = int(np.count_nonzero(self._ref > np.quantile(self._ref, rule.quantile))) \
+                if self._ref.size else 0
+            return RuleState(name, 0.0, 0.0, 0, 0, f"waiting for a reference: {above} "
+                             f"baseline requests above its p{rule.quantile * 100:g}, "
+                             f"{MIN_TAIL_REFERENCE} needed", calibrated=False)
+        disc = np.asarray(self._disc[name])
+        up = np.asarray(self._up[name])
+        j = int(np.argmin(np.abs(_RATIO_GRID - self._ratio(rule))))
+        infl = max(inflation(up[:, j], disc[:, j]), self._cluster(name))
+        self._infl[name] = infl
+        k, n = float(up[:, j].sum()), float(disc[:, j].sum())
+        theta1 = self._theta1.get(name, 0.75)
+        a, bb = 4.0 * theta1, 4.0 * (1.0 - theta1)
+        log_reg = log_e_above(k / infl, n / infl, 0.5, a, bb) if n else 0.0
+        level = math.log(1.0 / (1.0 - rule.power))
+        ks, ns = up.sum(axis=0) / infl, disc.sum(axis=0) / infl
+
+        def fine_at(i: int) -> float:
+            return log_e_below(float(ks[i]), float(ns[i]), 0.5) if ns[i] > 0 else 0.0
+
+        fine_j = fine_at(j)
+        bound = math.nan
+        if fine_j >= level:
+            # The smallest grid ratio r at which "the candidate's quantile is at least r ×
+            # the baseline's" is rejected (the evidence grows with r): bisection.
+            lo, hi = -1, j
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fine_at(mid) >= level else (mid, hi)
+            bound = float(_RATIO_GRID[hi])
+        per_look = (up[:, j] - disc[:, j] / 2.0) / np.maximum(disc[:, j], 1)
+        ratio = self._ratio(rule)
+        return RuleState(
+            name, log_reg, fine_j, int(n), int(k),
+            f"{int(k)} of {int(n)} discordant pairs have the candidate (÷{ratio:.2f}) above "
+            f"the baseline's p{rule.quantile * 100:g} ({tau:.3g} ms), inflation "
+            f"{infl:.2g}", infl, lag1(per_look), bound,
+            bool(math.isfinite(bound) and bound <= ratio + 1e-9))
+
+    def _error_state(self, rule: WatchRule) -> tuple[RuleState, float]:
+        looks = np.asarray(self._looks_err, dtype=float).reshape(-1, 4)
+        infl = max(inflation(looks[:, 0], looks[:, 1]), self._cluster("errors"))
+        if looks[:, 2].sum() >= 2:  # the baseline: the concurrent estimate of burstiness
+            infl = max(infl, inflation(looks[:, 2], looks[:, 3]))
+        self._infl[rule.name] = infl
+        ke, ne, kb, nb = (float(x) for x in looks.sum(axis=0))
+        budget = rule.tolerance
+        prior_mean = min(budget + rule.effect, 0.5)
         a_err, b_err = 1.0, (1.0 - prior_mean) / prior_mean
-        p1 = min(cfg.max_error_rate + cfg.error_effect, 0.999)
-        err = RuleState(
-            "error_rate", log_e_above(ke, ne, cfg.max_error_rate, a_err, b_err),
-            log_e_below(ke, ne, p1, a_err, b_err), ne, ke,
-            f"{ke}/{ne} candidate errors against a budget of {cfg.max_error_rate:.3%}")
-        states = [err]
-        for q in cfg.quantiles:
-            n, k = self._disc[q], self._up[q]
-            theta1 = self._theta1.get(q, 0.75)
-            name = f"latency_p{q * 100:g}"
-            ratio = 1 + cfg.max_increase_pct / 100
-            states.append(RuleState(
-                name, log_e_above(k, n, 0.5), log_e_below(k, n, theta1), n, k,
-                f"{k} of {n} discordant pairs have the candidate (÷{ratio:.2f}) "
-                f"above the baseline's p{q * 100:g}" + (
-                    f" ({self._tau[q]:.3g} ms)" if self._tau else "")))
+        log_reg = log_e_above(ke / infl, ne / infl, budget, a_err, b_err)
+        fine = log_e_below(ke / infl, ne / infl, budget, a_err, b_err) if budget > 0 else 0.0
+        level = math.log(1.0 / (1.0 - rule.power))
+        bound = _rate_bound(ke / infl, ne / infl, level, a_err, b_err) if fine >= level \
+            else math.nan
+        base_log = log_e_above(kb / infl, nb / infl, budget, a_err, b_err)
+        rates = looks[:, 0] / np.maximum(looks[:, 1], 1)
+        return RuleState(
+            rule.name, log_reg, fine, int(ne), int(ke),
+            f"{int(ke)}/{int(ne)} candidate errors against a budget of {budget:.3%}, "
+            f"overdispersion {infl:.2g}", infl, lag1(rates), bound,
+            bool(fine >= level)), base_log
+
+    def _decide(self) -> SequentialDecision:
         looks = self.looks
+        arr = np.asarray(self._looks_err, dtype=np.int64).reshape(-1, 4)
+        ke, ne, kb, nb = (int(x) for x in arr.sum(axis=0))
+        samples = (ne, nb)
+        states: list[RuleState] = []
+        base_logs: dict[str, float] = {}
+        for rule in self.rules:
+            if rule.kind == "errors":
+                state, base_logs[rule.name] = self._error_state(rule)
+            else:
+                state = self._latency_state(rule)
+            states.append(state)
+        by_name = {r.name: r for r in self.rules}
         for state in states:
-            if state.log_e_regression >= level:
-                if state.name == "error_rate" and log_e_above(kb, nb, cfg.max_error_rate,
-                                                              a_err, b_err) >= level:
+            rule = by_name[state.name]
+            if state.log_e_regression >= math.log(1.0 / rule.alpha):
+                if rule.kind == "errors" and base_logs[rule.name] >= math.log(1.0 / rule.alpha):
                     return SequentialDecision(
                         "inconclusive", f"both arms fail alike: candidate {ke}/{ne}, baseline "
-                        f"{kb}/{nb}, both certainly above the budget {cfg.max_error_rate:.3%}: "
+                        f"{kb}/{nb}, both certainly above the budget {rule.tolerance:.3%}: "
                         "the canary server or the inputs are failing, not the candidate",
                         looks, samples, tuple(states))
                 return SequentialDecision(
                     "failed", f"{state.name}: regression certain after {looks} looks: "
                     f"{state.detail}; e-value {_exp(state.log_e_regression):.3g} ≥ "
-                    f"{cfg.rules / cfg.alpha:g} (α={cfg.alpha:g} over all looks and rules)",
+                    f"1/α = {1 / rule.alpha:g} (α={rule.alpha:g} over all looks)",
                     looks, samples, tuple(states))
-        if self._tau is not None and all(s.log_e_fine >= fine_level for s in states):
+        if states and all(s.calibrated and s.shown_within for s in states):
+            shown = "; ".join(_shown(by_name[s.name], s) for s in states)
             return SequentialDecision(
-                "passed", f"every rule is clearly within its bound after {looks} looks "
-                f"({ne} candidate requests): no regression of +{cfg.effect_pct:g} points "
-                f"beyond the {cfg.max_increase_pct:g}% latency tolerance, nor errors "
-                f"{cfg.error_effect:.3%} above the budget (β={cfg.beta:g})",
-                looks, samples, tuple(states))
+                "passed", f"every rule shown within its tolerance after {looks} looks "
+                f"({ne} candidate requests): {shown}", looks, samples, tuple(states))
         return SequentialDecision("continue", f"no decision after {looks} looks ({ne} "
                                   "candidate requests)", looks, samples, tuple(states))
+
+
+def _shown(rule: WatchRule, state: RuleState) -> str:
+    """What an early pass showed for one rule, e.g. "p99 within +10% (upper bound +6.2%)"."""
+    conf = f"{rule.power:.0%} confidence sequence"
+    if rule.kind == "errors":
+        return (f"{rule.name} within {rule.tolerance:.3%} (upper bound {state.bound:.3%}, "
+                f"{conf})")
+    return (f"p{rule.quantile * 100:g} within +{rule.tolerance:g}% (upper bound "
+            f"{(state.bound - 1.0) * 100:+.1f}%, {conf})")
+
+
+def _rate_bound(k: float, n: float, level: float, a: float, b: float) -> float:
+    """The smallest rate ``p`` with ``log_e_below(k, n, p) ≥ level`` (bisection): an upper
+    confidence bound of the error rate; NaN when none below 0.5 is shown."""
+    if n <= 0 or log_e_below(k, n, 0.5, a, b) < level:
+        return math.nan
+    lo, hi = 0.0, 0.5
+    for _ in range(30):
+        mid = (lo + hi) / 2.0
+        if log_e_below(k, n, mid, a, b) >= level:
+            hi = mid
+        else:
+            lo = mid
+    return hi
