@@ -83,7 +83,7 @@ def read_within(calls: dict[str, Callable[[], Any]], *, deadline_s: float) -> di
     for name, thread in threads.items():
         thread.join(max(0.0, end - time.monotonic()))
         if name not in results:
-            results[name] = Unreachable(f"no answer within {deadline_s:.0f} s",
+            results[name] = Unreachable(f"no answer within {deadline_s:g} s",
                                         hint="check that it is running (`modelship doctor`)")
     return {name: results[name] for name in calls}
 
