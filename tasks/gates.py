@@ -1291,19 +1291,47 @@ def _rate_plan(p0: float, p1: float, alpha: float, power: float) -> int:
 
 
 def markdown_table(report: GateReport) -> str:
-    """The gate report as a Markdown table (for Slack, the release record and the CLI)."""
+    """The gate report as a Markdown table (for Slack, the release record and the CLI).
+
+    The header states the family-wise false-fail rate; the ``dependence`` column shows each
+    rule's time blocks, the lag-1 autocorrelation of its block statistic and the errors'
+    overdispersion, and a line under the table names the rules where they were high.
+    """
+    family = (f"; family-wise false-fail rate ≤ {report.family_alpha:.3g} (Σ α, Bonferroni)"
+              if report.family_alpha is not None else "")
     lines = [f"**Gates: {report.verdict}** (needed {report.required_samples} samples "
-             "per version)", "",
-             "| rule | value | baseline | threshold | p-value | verdict |",
-             "|---|---|---|---|---|---|"]
+             f"per version{family})", "",
+             "| rule | value | baseline | threshold | p-value | dependence | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    high: list[str] = []
     for r in report.results:
         name = f"{r.rule} (dry run)" if r.dry_run else r.rule
         verdict = f"{r.verdict} (dry run, not blocking)" if r.dry_run else str(r.verdict)
         p = "" if r.p_value is None or math.isnan(r.p_value) else f"{r.p_value:.2g}"
+        dep = _dependence_cell(r.details.get("dependence"))
+        if r.details.get("dependence", {}).get("high"):
+            high.append(f"{r.rule} ({', '.join(r.details['dependence']['high'])})")
         cells = [name, _fmt(r.metric, r.value), _fmt(r.metric, r.baseline), r.threshold, p,
-                 verdict]
+                 dep, verdict]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    if high:
+        lines += ["", "High dependence (the block tests accounted for it; the evidence is "
+                  "thinner than the request counts suggest): " + "; ".join(high) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _dependence_cell(dependence: Mapping[str, Any] | None) -> str:
+    """``40 blocks, lag-1 +0.12, φ 8.0 (high)`` from a rule's ``details["dependence"]``."""
+    if not dependence:
+        return ""
+    parts = [f"{dependence.get('blocks', 0)} blocks"]
+    if dependence.get("lag1") is not None:
+        parts.append(f"lag-1 {dependence['lag1']:+.2f}"
+                     + (" (high)" if "lag1" in dependence.get("high", ()) else ""))
+    if dependence.get("overdispersion") is not None:
+        parts.append(f"φ {dependence['overdispersion']:.2g}"
+                     + (" (high)" if "overdispersion" in dependence.get("high", ()) else ""))
+    return ", ".join(parts)
 
 
 # --------------------------------------------------------------------------------------

@@ -493,7 +493,8 @@ def test_evaluate_default_gates_on_a_regression() -> None:
                                                                                      rel=0.03)
     table = markdown_table(report)
     assert table.count("\n|") == 7  # header, rule line, five rules
-    assert "| rule | value | baseline | threshold | p-value | verdict |" in table
+    assert "| rule | value | baseline | threshold | p-value | dependence | verdict |" in table
+    assert "family-wise false-fail rate ≤ 0.05" in table and "40 blocks, lag-1" in table
 
 
 def test_evaluate_without_data_is_inconclusive() -> None:
@@ -636,3 +637,64 @@ def test_server_ratio_message_is_truthful() -> None:
     for part in ("Triton queue + compute per request ×1.", "over 30 intervals", "90% CI ×",
                  "whole run ×1.364", "tolerance ×1.100", "t-test p="):
         assert part in result.message, (part, result.message)
+
+
+# --------------------------------------------------------------------------------------
+# time blocks: dependence and bursts (issue 17)
+
+
+def timed_snapshot(seed: int, n: int, *, phi: float = 0.0, scale: float = 1.0,
+                   c_err: float = 0.0, burst: float = 1.0) -> CanarySnapshot:
+    """A paired canary from the shared generators, with every request's send time."""
+    from bench.traffic_models import arm as simulate
+
+    rng = np.random.default_rng(seed)
+    arms = [simulate(rng, n, phi=phi, error_rate=e, mean_burst=burst,
+                     transform=(lambda x, s=s: s * x)) for e, s in ((c_err, scale), (0.0, 1.0))]
+    measured = [ArmMeasurements(v, a.latency_ms, a.requests, int(a.error_s.size), 100.0,
+                                latency_s=a.ok_s, error_s=a.error_s)
+                for v, a in zip((7, 6), arms, strict=True)]
+    return CanarySnapshot("fraud", measured[0], measured[1], agreement=1.0,
+                          agreement_samples=n, window_s=30.0)
+
+
+def test_a_burst_of_errors_counts_as_an_incident_not_as_independent_failures() -> None:
+    """12 failures in one burst in 5000 requests against a 0.1% budget: the exact binomial
+    test calls it significant (p ≈ 0.005); the block test sees φ ≈ 12, one incident."""
+    errors_at = np.arange(2000, 2012) * (30.0 / 5000)  # 12 consecutive sends
+    ok_s = np.setdiff1d(np.arange(5000) * (30.0 / 5000), errors_at)
+    cand = ArmMeasurements(7, lat(ok_s.size, seed=2), 5000, 12, 100.0, latency_s=ok_s,
+                           error_s=errors_at)
+    base = ArmMeasurements(6, lat(5000, seed=1), 5000, 0, 100.0,
+                           latency_s=np.arange(5000) * (30.0 / 5000), error_s=np.zeros(0))
+    result = judge(CanarySnapshot("fraud", cand, base), rule(**ERR), min_samples=1)
+    assert result.verdict is P, result.message
+    assert result.details["overdispersion_used"] > 5
+    assert "errors come in bursts" in result.message
+    # Without the send times the same counts fail: the exact test on independent requests.
+    untimed = CanarySnapshot("fraud", replace_arm(cand), replace_arm(base))
+    assert judge(untimed, rule(**ERR), min_samples=1).verdict is F
+
+
+def replace_arm(a: ArmMeasurements) -> ArmMeasurements:
+    return ArmMeasurements(a.version, a.latency_ms, a.requests, a.errors, a.throughput_rps)
+
+
+@pytest.mark.parametrize(("kw", "name"), [({"phi": 0.5, "scale": 1.1}, "latency_p50"),
+                                           ({"phi": 0.9}, "latency_p99"),
+                                           ({"c_err": 0.001, "burst": 8.0}, "error_rate")])
+def test_dependent_traffic_at_the_boundary_fails_about_alpha(kw: dict[str, float],
+                                                              name: str) -> None:
+    """Per-arm AR(1) latency at the tolerance, identical tails at φ = 0.9, errors at the
+    budget in bursts of 8: 60 seeded canaries of 3200 per arm fail ≤ α plus 3 s.e."""
+    gate = next(g for g in default_gates() if g.name == name)
+    failed = sum(judge(timed_snapshot(seed, 3200, **kw), gate, min_samples=1).verdict is F
+                 for seed in range(60))
+    assert failed / 60 <= gate.alpha + 3 * math.sqrt(gate.alpha / 60) + 1 / 60, failed
+
+
+def test_the_report_names_high_dependence() -> None:
+    report = evaluate(timed_snapshot(3, 3200, phi=0.99), default_gates()[:2], min_samples=1)
+    table = markdown_table(report)
+    assert "High dependence" in table and "(high)" in table
+    assert report.results[0].details["dependence"]["lag1"] > 0.3

@@ -99,7 +99,7 @@ def test_markdown_of_a_passing_canary_has_verdict_gates_latency_and_plot_link() 
     assert result.verdict == "passed"
     text = render_markdown(result)
     assert text.startswith("# Canary: fraud v8 against v7: **PASSED**")
-    assert "| rule | value | baseline | threshold | p-value | verdict |" in text
+    assert "| rule | value | baseline | threshold | p-value | dependence | verdict |" in text
     for rule in ("latency_p99", "error_rate", "agreement"):
         assert f"| {rule} |" in text
     assert "| baseline | v7 | 3200 |" in text and "| candidate | v8 | 3200 |" in text
