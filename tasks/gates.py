@@ -14,9 +14,10 @@ The candidate C is judged against the production version P measured at the same 
 the same inputs (the snapshot's ``baseline``), never alone, except by ``threshold`` rules
 and ``exact_rate``. **A rule tests the statistic it names:**
 
-- ``mann_whitney`` (typical latency: ``latency_p50_ms``, ``latency_mean_ms``): one-sided
-  Mann-Whitney U of C against P *scaled by the tolerance*, with the Hodges-Lehmann ratio
-  and its interval (Kayenta's design). See :func:`_judge_latency`.
+- ``mann_whitney`` (typical latency: ``latency_p50_ms``, ``latency_mean_ms``): a test of
+  **stochastic order**, not of the median: one-sided Mann-Whitney U of C against P *scaled
+  by the tolerance*, per time block, with the Hodges-Lehmann ratio (Kayenta's design). See
+  :func:`_judge_latency`.
 - ``quantile`` (tail latency: ``latency_p90_ms``, ``latency_p95_ms``, ``latency_p99_ms``):
   the generalised median test at the named quantile (Mood, *Introduction to the Theory of
   Statistics*, 1950, §16.4; Conover, *Practical Nonparametric Statistics*, 3rd ed., 1999,
@@ -33,6 +34,24 @@ and ``exact_rate``. **A rule tests the statistic it names:**
   against the tolerance: client overhead cannot dilute a server-side regression. See
   :func:`_judge_server_ratio`.
 - ``threshold``: the point value must lie within ``[min, max]``, bounds inclusive.
+
+**The time block is the unit of evidence.** Requests within an arm are serially correlated
+(each version has its own queue, batcher and instances) and errors come in bursts, so the
+comparative rules split the run into 30-50 equal-time blocks (:func:`snapshot_blocks`) and
+judge block statistics: batch means with a HAC standard error (Schmeiser 1982; Newey &
+West 1987) for latency, the quasi-binomial test with the overdispersion measured from the
+blocks (McCullagh & Nelder 1989, §4.5) for errors (:mod:`tasks.blocks`). The p-value of a
+latency rule is the larger of the block test's and the exact whole-run test's, so a rule is
+never more liberal than before on independent requests. Each result carries
+``details["dependence"]`` (blocks, lag-1 autocorrelation, overdispersion, what was high),
+and :func:`markdown_table` shows it.
+
+**One α for the whole judgement.** A rule's ``alpha`` is its false-fail rate at its
+boundary; the blocking statistical rules' α add up to the rule set's family-wise rate
+(Bonferroni, :func:`family_alpha`), 5% for the default set
+(:data:`modelship.policy.FAMILY_ALPHA`), stated in every report. The sequential watch
+spends half of each watched rule's α and the fixed tests the other half
+(``tasks.canary.spend_alpha``).
 
 Every message states the statistic, both values, the tolerance, the interval and the
 p-value. The canary sizes its load with :func:`plan_samples` (per rule: effect, α, power)

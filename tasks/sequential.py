@@ -10,40 +10,59 @@ Regression Detection in Software Deployments through Sequential Testing" (KDD 20
 arXiv:2205.14762): their tests of stochastic order and of counts are mixture likelihood
 ratios against a conjugate prior, and so are these.
 
-One primitive does all the work, :func:`log_e_above`: the one-sided Bernoulli mixture
+One primitive does the counting, :func:`log_e_above`: the one-sided Bernoulli mixture
 
     E_t = ∫_{θ0}^{1} Π_i θ^{x_i} (1 - θ)^{1 - x_i} dπ(θ) / Π_i θ0^{x_i} (1 - θ0)^{1 - x_i}
 
-with π a Beta prior truncated to ``(θ0, 1)``. Each θ > θ0 gives a likelihood ratio whose
-expectation under any θ ≤ θ0 is ≤ 1 (monotone likelihood ratio), so the mixture is a test
-supermartingale for the composite H0 ``θ ≤ θ0``. It has a closed form in log space
-(``betaln`` and the Beta log-survival function): no overflow at any count.
+with π a Beta prior truncated to ``(θ0, 1)``, in closed form in log space (``betaln`` and
+the Beta log-survival function).
 
-The rules it judges, each at ``α / (number of rules)`` (a union bound over rules; the
-bound over looks is Ville's):
+**Dependence.** The mixture is a supermartingale when the trials are independent; a
+version's requests are not (its own queue and batcher), and errors come in bursts. Each
+look (one round of paired load, about a second) is a **time block**, and every rule's
+counts are divided by a variance-inflation factor measured from the blocks before the
+mixture sees them (the variance-inflation route of issue 17; betting on bounded block
+means, Waudby-Smith & Ramdas, JRSS-B 2024, is in :mod:`tasks.blocks`, but has little power
+for a 1% tail): the larger of
+
+- the leave-one-out Pearson dispersion of the per-look counts, at its upper 80% confidence
+  bound (:func:`inflation`: infinite after one look, loose after a few, tight after many),
+  and
+- the run-length inflation of the events (requests above the quantile, failed requests)
+  merged into incidents (Ferro & Segers, JRSS-B 2003; :func:`tasks.blocks.cluster_inflation`),
+  measurable within a look.
+
+Calibrated by seeded simulation (``tests/unit/test_sequential.py``, ``bench/judge.py``):
+identical arms with per-arm AR(1) φ = 0.9 and errors at the budget in bursts of 8 no longer
+fail the watch (17% and 37% before).
+
+**The rules**, one :class:`WatchRule` each (``tasks.canary.sequential_config`` builds them
+from the gates, with each gate's tolerance, ``effect``, ``power`` and half its α):
 
 - **errors**: ``x_i`` = the candidate's request failed, H0 ``p_C ≤ max_rate`` (the same
-  hypothesis as the fixed-horizon ``exact_rate`` rule). When the baseline is itself
-  certainly above the budget, the errors are shared and the verdict is ``inconclusive``.
+  hypothesis as the fixed ``exact_rate`` rule). When the baseline is itself certainly
+  above the budget, the errors are shared and the verdict is ``inconclusive``.
 - **latency at quantile q** (p50 for typical latency, p99 for the tail): a threshold ``τ``
-  is fixed from a reference sample of the baseline (the warm-up, or the first batch, which
-  is then used for nothing else). Each (baseline, candidate) pair gives ``b > τ`` and
-  ``c / r > τ`` with ``r`` the tolerance ratio; among discordant pairs, the candidate is
-  the one above with probability ``θ = p_C(1-p_B) / (p_C(1-p_B) + p_B(1-p_C))``, and
-  ``θ ≤ ½`` exactly when ``P(C / r > τ) ≤ P(B > τ)`` (McNemar's observation: it holds
-  whatever the dependence within a pair). H0 is ``θ ≤ ½``: the candidate, slowed by the
-  tolerance, is not above the baseline's q-quantile more often than the baseline.
+  is fixed from a reference sample of the baseline (the warm-up, then the baseline of the
+  first looks until the reference puts :data:`MIN_TAIL_REFERENCE` requests above the
+  quantile; those looks are not judged for it). Each (baseline, candidate) pair gives
+  ``b > τ`` and ``c / r > τ`` with ``r`` the tolerance ratio; among discordant pairs the
+  candidate is the one above with probability ``θ``, and ``θ ≤ ½`` exactly when
+  ``P(C / r > τ) ≤ P(B > τ)`` (McNemar). H0 is ``θ ≤ ½``.
 
-"Clearly fine" is the mirror image: an e-process for H0' "the candidate is at least as
-bad as the regression the rule must catch" (``θ ≥ θ1``), with the prior on ``(0, θ1)``;
-when every rule rejects its H0' at ``β``, the canary passes early. Stopping early for a
-pass never raises the false detection rate (it only removes chances to fail).
+**Early pass only when shown within tolerance.** The mirror e-process for H0' "the
+candidate is at or beyond the tolerance" (``θ ≥ ½`` at ``r``, rate ≥ budget) is a
+confidence sequence: when it rejects at ``1 - power`` for *every* rule, the watch passes
+and says what it showed, e.g. "p99 within +10% (upper bound +6.2%)"; the upper bound is
+the smallest ratio (or rate) the sequence still excludes beyond. A candidate exactly at a
+tolerance passes early at most ``1 - power`` of the time, and one beyond it (2× the error
+budget) essentially never, so the watch never lowers the canary's detection.
 
-The API is pure and small, for the canary and for any watch (bake, approval wait)::
+The API is pure and small, for the canary and for any watch (approval wait)::
 
-    watch = SequentialCanary(SequentialConfig(), reference_ms=warmup_baseline_ms)
+    watch = SequentialCanary(sequential_config(gates), reference_ms=warmup_baseline_ms)
     decision = watch.update(baseline_ms, candidate_ms, baseline_errors=0,
-                            candidate_errors=3)   # a batch; call again with the next one
+                            candidate_errors=3, candidate_failed=failed_in_send_order)
     decision.status   # "continue" | "failed" | "passed" | "inconclusive"
     decision.reason   # one sentence naming the rule, the evidence and the bound
 """
