@@ -1,0 +1,498 @@
+"""Fault injection for the e2e fault matrix, and one way to tell a converged release.
+
+Two halves, both small:
+
+- **Injecting a fault at a stage** of a real ``modelship`` CLI process. ``python -m
+  tests.faults ARGS...`` runs ``modelship ARGS...`` with one function of the product wrapped
+  at the stage's point (``FAULT_STAGE``); when the release gets there, the wrapper does the
+  fault (``FAULT``): it sends SIGKILL, SIGTERM or SIGINT to its own process (so the
+  product's own handlers run, exactly there), or SIGKILLs a stack component's whole process
+  group (MLflow, SeaweedFS or Prefect, by the PID and start time in ``stack.json``) and lets
+  the release go on without it. Before acting it writes ``FAULT_MARK`` (a JSON line), so
+  a test can tell that the fault really happened where it meant. Nothing in the product
+  knows a test: :func:`run_faulted` starts that process, :func:`restart_stack` brings the
+  killed component back through ``modelship stack up`` (which restarts only the dead and
+  reconciles).
+- **Telling a converged release** from what is observed directly, not from what
+  ``modelship status`` concludes: :func:`observe` reads every replica (the versions it
+  reports READY and whether its live config batches), the signed production pin, the
+  MLflow aliases and the release tag, the ledger, the lock rows of ``modelship locks`` and
+  what is left on the canary. :func:`disagreements` and :func:`story_breaks` are pure
+  functions of that observation (table-tested in ``tests/unit/test_faults_oracle.py``):
+  the first lists what makes the state untrue now (the test compares it with the exit
+  code of ``modelship status``), the second checks that the ledger tells one continuous
+  story that ends in what serves; :func:`loose_ends` adds the release tag and the canary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: The stage points a fault can be injected at, in release order (see :func:`_install`).
+STAGES = ("check", "canary", "approval", "swap", "bake", "record")
+#: Faults delivered to the CLI process itself.
+CLI_SIGNALS: dict[str, signal.Signals] = {
+    "sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
+#: Faults of a stack dependency: the component name in ``stack.json``.
+DEPENDENCIES = {"mlflow": "mlflow", "s3": "seaweedfs", "prefect": "prefect"}
+#: Statuses of a fleet-changing record after which its ``to_version`` serves.
+SERVES_TO = frozenset({"released", "noop"})
+#: Statuses of a record that has not ended (a live run, a dead one, or one to finish).
+UNFINISHED = frozenset({"running", "incomplete"})
+FLEET_KINDS = frozenset({"promote", "swap", "rollback"})
+RELEASE_ID_TAG = "modelship.release_id"
+
+
+# --------------------------------------------------------------------------------------
+# injecting: the CLI side (runs inside the faulted `modelship` process)
+
+
+def kill_component(home: Path, name: str, *, deadline_s: float = 10.0) -> dict[str, Any]:
+    """SIGKILL a stack component's process group (as a crashed container) and wait until
+    it is gone and its ports are closed. Only the process ``stack up`` recorded (PID and
+    start time) is signalled."""
+    from modelship.stack.process import is_alive, port_open
+    from modelship.stack.state import process_records, read_state
+
+    state = read_state(home / "stack.json")
+    assert state is not None, f"no stack.json in {home}"
+    record = next(r for r in process_records(state) if r.name == name)
+    assert is_alive(record), f"{name} (pid {record.pid}) is not running"
+    os.killpg(record.pid, signal.SIGKILL)
+    end = time.monotonic() + deadline_s
+    while (is_alive(record) or any(port_open(p, timeout_s=0.2) for p in record.ports)) \
+            and time.monotonic() < end:
+        time.sleep(0.05)
+    return {"component": name, "pid": record.pid, "ports": list(record.ports)}
+
+
+def _act(fault: str, stage: str, mark: Path) -> None:
+    """Do the fault now, after saying so in ``mark``."""
+    entry: dict[str, Any] = {"fault": fault, "stage": stage, "at": time.time(),
+                             "thread": threading.current_thread().name}
+    if fault in DEPENDENCIES:
+        entry["killed"] = kill_component(Path(os.environ["MODELSHIP_HOME"]),
+                                         DEPENDENCIES[fault])
+        with mark.open("a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+        return
+    with mark.open("a") as handle:
+        handle.write(json.dumps(entry) + "\n")
+    os.kill(os.getpid(), CLI_SIGNALS[fault])
+    # SIGTERM/SIGINT: the handler raises in the main thread at its next bytecode (right
+    # here, when this is the main thread); SIGKILL never returns.
+
+
+def _after(module: Any, name: str, act: Callable[[], None], *, before: bool = False) -> None:
+    """Wrap ``module.name`` so that ``act`` runs once, after (or before) its first call."""
+    original = getattr(module, name)
+    done = threading.Event()
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if before and not done.is_set():
+            done.set()
+            act()
+        result = original(*args, **kwargs)
+        if not before and not done.is_set():
+            done.set()
+            act()
+        return result
+
+    setattr(module, name, wrapped)
+
+
+def _install(stage: str, act: Callable[[], None]) -> None:
+    """Put the fault at the stage's point:
+
+    - ``check``: the trial model is loaded on the canary Triton and has answered;
+    - ``canary``: the candidate and the baseline are loaded on the canary;
+    - ``approval``: the request is recorded and posted, and the run waits (1 s into it);
+    - ``swap``: batching paused on both replicas, one switched, the other's switch in
+      flight (held until the fault is done);
+    - ``bake``: the fleet serves the candidate and the bake begins;
+    - ``record``: the bake passed; the record (tags, aliases, ledger) begins.
+    """
+    if stage == "check":
+        import tasks.trial_load as trial_load
+
+        _after(trial_load, "compare_outputs", act, before=True)
+    elif stage == "canary":
+        import tasks.canary as canary
+
+        _after(canary, "_wait_ready", act)
+    elif stage == "approval":
+        import tasks.approve as approve
+
+        _after(approve, "_post_request", lambda: threading.Timer(1.0, act).start())
+    elif stage == "swap":
+        from modelship.triton.client import TritonServer
+
+        load, calls, lock, acted = TritonServer.load_model, [], threading.Lock(), \
+            threading.Event()
+
+        def load_at_the_switch(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not str(self.name).startswith("triton-") or acted.is_set():
+                return load(self, *args, **kwargs)
+            with lock:
+                calls.append(self.name)
+                n = len(calls)
+            if n >= 4:  # the second replica's switch waits until the fault is done
+                acted.wait()
+                time.sleep(0.5)
+            result = load(self, *args, **kwargs)
+            if n == 3:
+                try:
+                    act()
+                finally:
+                    acted.set()
+            return result
+
+        TritonServer.load_model = load_at_the_switch  # type: ignore[method-assign]
+    elif stage == "bake":
+        import tasks.bake as bake
+
+        _after(bake, "watch", act, before=True)
+    elif stage == "record":
+        import flows.fleet as fleet
+
+        _after(fleet, "record_release", act, before=True)
+    else:
+        raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
+
+
+def main() -> None:
+    """``python -m tests.faults ARGS...``: ``modelship ARGS...`` with the fault installed."""
+    fault, stage = os.environ["FAULT"], os.environ["FAULT_STAGE"]
+    if fault not in CLI_SIGNALS and fault not in DEPENDENCIES:
+        raise SystemExit(f"unknown FAULT {fault!r}")
+    mark = Path(os.environ["FAULT_MARK"])
+    _install(stage, lambda: _act(fault, stage, mark))
+    from modelship.cli import main as cli_main
+
+    sys.argv = ["modelship", *sys.argv[1:]]
+    cli_main()
+
+
+# --------------------------------------------------------------------------------------
+# injecting: the test side
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault at one stage: ``sigkill``/``sigterm``/``sigint`` of the CLI, or the
+    SIGKILL of a dependency (``mlflow``, ``s3``, ``prefect``)."""
+
+    kind: str
+    stage: str
+
+    def __post_init__(self) -> None:
+        assert self.kind in CLI_SIGNALS or self.kind in DEPENDENCIES, self.kind
+        assert self.stage in STAGES, self.stage
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}-{self.stage}"
+
+    @property
+    def component(self) -> str | None:
+        """The stack component this fault kills (None: a signal to the CLI)."""
+        return DEPENDENCIES.get(self.kind)
+
+    @property
+    def signal(self) -> signal.Signals | None:
+        return CLI_SIGNALS.get(self.kind)
+
+
+@dataclass
+class FaultedRun:
+    """A finished faulted CLI run: its result, how long it took, and where the fault hit
+    (``injected`` is empty when the release never got to the stage)."""
+
+    fault: Fault
+    result: subprocess.CompletedProcess[str]
+    elapsed_s: float
+    injected: list[dict[str, Any]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return (f"{self.fault.id}: exit {self.result.returncode} after {self.elapsed_s:.1f} s; "
+                f"injected {self.injected}\nstdout: {self.result.stdout[-2000:]}\n"
+                f"stderr: {self.result.stderr[-3000:]}")
+
+
+def run_faulted(fault: Fault, *args: str, env: Mapping[str, str], cwd: Path,
+                workdir: Path, timeout_s: float) -> FaultedRun:
+    """Run ``modelship ARGS...`` with ``fault`` at its stage (``env``: the CLI's
+    environment, as :func:`tests.conftest.cli_env` builds it)."""
+    mark = workdir / f"fault-{fault.id}-{time.monotonic_ns()}.jsonl"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.faults", *args], capture_output=True, text=True,
+        env={**env, "FAULT": fault.kind, "FAULT_STAGE": fault.stage, "FAULT_MARK": str(mark)},
+        cwd=cwd, timeout=timeout_s)
+    injected = [json.loads(line) for line in mark.read_text().splitlines()] \
+        if mark.exists() else []
+    return FaultedRun(fault, result, time.monotonic() - started, injected)
+
+
+def json_document(text: str) -> dict[str, Any] | None:
+    """The one JSON document a ``--json`` command printed, or None when stdout is not one."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+@contextmanager
+def own_stack(home: Path, runtime: Path, *, replicas: int = 2) -> Iterator[Any]:
+    """A stack of its own (not the session's: faults kill parts of it), always stopped."""
+    from modelship.settings import Settings, load_settings
+    from modelship.stack import manager
+
+    base = Settings(home=home, triton_runtime=runtime)
+    try:
+        manager.up(base, replicas=replicas)
+        yield load_settings(home=home, triton_runtime=runtime)
+    finally:
+        manager.down(base)
+
+
+# --------------------------------------------------------------------------------------
+# observing
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One production replica: the versions it reports READY and whether its live config
+    batches (None: it serves nothing); ``error`` when it did not answer."""
+
+    name: str
+    versions: tuple[int, ...] = ()
+    batching: bool | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RecordState:
+    """What the matrix needs of one ledger record."""
+
+    id: str
+    kind: str
+    status: str
+    from_version: int | None
+    to_version: int | None
+    exit_code: int | None
+    dry_run: bool = False
+    pid_alive: bool | None = None
+    pending_approvals: int = 0
+    reason: str | None = None
+
+    @classmethod
+    def of(cls, record: Any, *, pid_alive: bool | None = None) -> RecordState:
+        return cls(record.id, record.kind, record.status, record.from_version,
+                   record.to_version, record.exit_code, record.dry_run, pid_alive,
+                   sum(1 for a in record.approvals if a.get("kind") == "request"
+                       and a.get("status") == "pending"), record.reason)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the matrix compares, read directly from each source."""
+
+    model: str
+    replicas: tuple[ReplicaState, ...]
+    pin_version: int | None
+    pin_batching: bool | None
+    aliases: Mapping[str, int]
+    tag_release_id: str | None
+    records: tuple[RecordState, ...]  # oldest first
+    locks: tuple[Mapping[str, Any], ...]
+    canary_leftovers: tuple[str, ...]
+
+    @property
+    def serving(self) -> int | None:
+        """The one version every replica serves, else None."""
+        served = {r.versions for r in self.replicas}
+        if len(served) == 1 and not any(r.error for r in self.replicas):
+            (versions,) = served
+            return versions[0] if len(versions) == 1 else None
+        return None
+
+    def record(self, release_id: str) -> RecordState:
+        return next(r for r in self.records if r.id == release_id)
+
+    def summary(self) -> str:
+        return json.dumps({
+            "replicas": [(r.name, r.versions, r.batching, r.error) for r in self.replicas],
+            "pin": [self.pin_version, self.pin_batching], "aliases": dict(self.aliases),
+            "tag": self.tag_release_id, "locks": list(self.locks),
+            "canary_leftovers": list(self.canary_leftovers),
+            "records": [(r.id, r.kind, r.status, r.from_version, r.to_version, r.exit_code)
+                        for r in self.records[-6:]]}, default=str)
+
+
+def _pid_alive(holder: Mapping[str, Any]) -> bool | None:
+    import socket
+
+    from modelship.procinfo import process_start_ticks
+
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return None
+    return process_start_ticks(pid) is not None
+
+
+def observe(settings: Any, model: str, *, locks: Callable[[], Sequence[Mapping[str, Any]]]
+            ) -> Observation:
+    """Read every source now (``locks``: the rows of ``modelship locks MODEL --json``)."""
+    from model_registry.ledger import Ledger
+    from modelship.clients import build_clients
+    from modelship.signing import key_bytes
+    from tasks.reconcile import read_pin
+
+    clients = build_clients(settings)
+    try:
+        assert clients.storage is not None and clients.registry is not None
+        replicas = tuple(_replica(server, model) for server in clients.replicas)
+        pin = read_pin(clients.storage, repository_prefix=settings.repository_prefix,
+                       model=model, signing_key=key_bytes(settings.manifest_signing_key))
+        aliases = clients.registry.aliases(model)
+        production = aliases.get("production")
+        tag = _release_tag(str(settings.mlflow_tracking_uri), model, production)
+        records = tuple(RecordState.of(r, pid_alive=_pid_alive(r.holder))
+                        for r in reversed(Ledger(clients.storage).records(model)))
+        leftovers: tuple[str, ...] = ()
+        if clients.canary is not None:
+            from flows.promote import loaded_models
+
+            leftovers = tuple(n for n in loaded_models(clients.canary)
+                              if n == model or n.startswith(f"_trial_{model}"))
+        return Observation(
+            model, replicas, pin.version if pin else None,
+            pin.config.HasField("dynamic_batching") if pin else None, dict(aliases), tag,
+            records, tuple(locks()), leftovers)
+    finally:
+        clients.close()
+
+
+def _release_tag(tracking_uri: str, model: str, version: int | None) -> str | None:
+    from mlflow import MlflowClient
+
+    if version is None:
+        return None
+    tags = MlflowClient(tracking_uri).get_model_version(model, str(version)).tags
+    return tags.get(RELEASE_ID_TAG)
+
+
+def _replica(server: Any, model: str) -> ReplicaState:
+    from modelship.errors import ModelshipError
+
+    try:
+        metadata = server.model_metadata(model)
+        listed = sorted(int(v) for v in (metadata or {}).get("versions", []) if str(v).isdigit())
+        versions = tuple(v for v in listed if server.is_model_ready(model, str(v)))
+        batching = "dynamic_batching" in server.model_config(model) if versions else None
+    except ModelshipError as exc:
+        return ReplicaState(server.name, error=exc.message)
+    return ReplicaState(server.name, versions, batching)
+
+
+# --------------------------------------------------------------------------------------
+# judging (pure)
+
+
+def served_after(record: RecordState) -> int | None:
+    """What a finished fleet-changing record left serving, by its own word."""
+    return record.to_version if record.status in SERVES_TO else record.from_version
+
+
+def _fleet_records(records: Iterable[RecordState]) -> list[RecordState]:
+    return [r for r in records if r.kind in FLEET_KINDS and not r.dry_run
+            and r.to_version is not None and r.status != "planned"]
+
+
+def disagreements(obs: Observation) -> list[str]:
+    """Why the state is not one true release now (empty: converged). What ``modelship
+    status`` must exit non-zero for: the replicas, their batching, the pin, the
+    ``production`` alias and the newest finished record disagree, a record is unfinished
+    (a live, dead or incomplete run), or a release lock is held."""
+    found = []
+    v = obs.serving
+    if v is None:
+        found.append("the replicas do not serve one version: "
+                     + "; ".join(f"{r.name} {list(r.versions)}{' ' + r.error if r.error else ''}"
+                                 for r in obs.replicas))
+    if obs.pin_version != v:
+        found.append(f"the production pin says v{obs.pin_version}, the replicas v{v}")
+    if obs.aliases.get("production") != v:
+        found.append(f"the production alias says v{obs.aliases.get('production')}, "
+                     f"the replicas v{v}")
+    off = [r.name for r in obs.replicas if r.versions and r.batching != obs.pin_batching]
+    if off:
+        found.append(f"dynamic batching on {', '.join(off)} differs from the pin's "
+                     f"({'on' if obs.pin_batching else 'off'})")
+    for r in obs.records:
+        if r.status in UNFINISHED:
+            alive = {True: "alive", False: "its process is gone", None: "?"}[r.pid_alive]
+            found.append(f"{r.kind} {r.id} is {r.status} ({alive})")
+    finished = [r for r in _fleet_records(obs.records) if r.status not in UNFINISHED]
+    if finished and served_after(finished[-1]) != v:
+        last = finished[-1]
+        found.append(f"the newest finished record {last.id} ({last.status}, "
+                     f"v{last.from_version} -> v{last.to_version}) says "
+                     f"v{served_after(last)} serves, the replicas v{v}")
+    held = [row for row in obs.locks if row.get("held")]
+    if held:
+        found.append(f"a release lock is held: {held}")
+    return found
+
+
+def story_breaks(records: Sequence[RecordState], serving: int | None, *,
+                 start: int | None) -> list[str]:
+    """Where fleet records (oldest first) do not tell one continuous story: the first
+    starts from ``start`` (what served before them), each next one from what the one
+    before left serving, none is unfinished, and the last leaves what serves now."""
+    breaks = []
+    left = start
+    for r in _fleet_records(records):
+        if r.status in UNFINISHED:
+            breaks.append(f"{r.kind} {r.id} is still {r.status}")
+            continue
+        if r.from_version != left:
+            breaks.append(f"{r.kind} {r.id} ({r.status}) started from v{r.from_version}, "
+                          f"but v{left} served before it")
+        left = served_after(r)
+    if left != serving:
+        breaks.append(f"the ledger's last word is v{left} serving; the replicas serve "
+                      f"v{serving}")
+    return breaks
+
+
+def loose_ends(obs: Observation) -> list[str]:
+    """What a converged release leaves tidy besides the disagreements: the production
+    version tagged by a release of it, and nothing of the model on the canary."""
+    found = []
+    v = obs.serving
+    tagged = next((r for r in obs.records if r.id == obs.tag_release_id), None)
+    if v is not None and (tagged is None or tagged.to_version != v
+                          or tagged.status not in SERVES_TO):
+        found.append(f"v{v}'s {RELEASE_ID_TAG} tag is {obs.tag_release_id!r}, not a "
+                     f"release of v{v} ({tagged})")
+    if obs.canary_leftovers:
+        found.append(f"left on the canary: {list(obs.canary_leftovers)}")
+    return found
+
+
+if __name__ == "__main__":
+    main()
