@@ -57,7 +57,8 @@ The stated bounds (checked in the table; constants from :mod:`tasks.swap`):
   deadline and the hung replicas' reverts give up at the abort phase's.
 
 Figures go to ``bench/results/fleet_scale.json``; a short table goes to stdout. The fake
-fleet and SeaweedFS are always stopped.
+fleet and SeaweedFS are always stopped. Runtime: about 5 minutes with the defaults on 2 CPUs
+(the 100-replica fake fleet starts in 0.4 s).
 """
 
 from __future__ import annotations
