@@ -117,15 +117,21 @@ def save_ports(home: Path, ports: Mapping[str, Any]) -> None:
     _write_private(home / "data" / PORTS_FILE, json.dumps(dict(ports), indent=2))
 
 
-def reusable_ports(saved: Mapping[str, Any], *, count: int,
-                   is_busy: Callable[[int], bool]) -> list[int] | None:
-    """The saved port list when it has ``count`` ports and none is busy now, else None."""
-    ports = saved.get("ports")
+def reusable_ports(saved: Mapping[str, Any], *, count: int, is_busy: Callable[[int], bool],
+                   derived: Callable[[list[int]], list[int]] = lambda _: []
+                   ) -> tuple[list[int], int, int] | None:
+    """The saved ports (the stack's ``count``, then the approvals and webhooks ports) when
+    they are all there and none is busy now, nor any port the stack derives from them
+    (SeaweedFS dials its admin port + 10000); else None, and ``up`` picks new ones."""
+    ports, extra = saved.get("ports"), [saved.get("approvals"), saved.get("webhooks")]
     if not isinstance(ports, list) or len(ports) != count:
         return None
-    if not all(isinstance(p, int) for p in ports) or any(is_busy(p) for p in ports):
+    every = [*ports, *extra]
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in every):
         return None
-    return [int(p) for p in ports]
+    if any(is_busy(p) for p in [*every, *derived(ports)]):
+        return None
+    return [int(p) for p in ports], int(extra[0]), int(extra[1])  # type: ignore[arg-type]
 
 
 def drop_undecryptable_webhooks(db_path: Path, key: str) -> list[str]:

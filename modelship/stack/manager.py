@@ -230,15 +230,20 @@ def up(
     n_triton = replicas + 1
     count = len(c.SEAWEED_PORT_NAMES) + 3 + 3 * n_triton
     previous = saved_ports(home)
-    ports = (reusable_ports(previous, count=count, is_busy=port_open)
-             if base_port is None else None)
-    reuse = ports is not None and not any(
-        port_open(previous.get(k, 0)) for k in ("approvals", "webhooks"))
-    if previous.get("ports") and base_port is None and not reuse:
-        progress("the ports of this home's last stack are taken or differ in number: using "
-                 "new ones (links recorded before point at the old ports)")
-    if ports is None or not reuse:
+    admin = c.SEAWEED_PORT_NAMES.index("admin")
+    kept = reusable_ports(previous, count=count, is_busy=port_open,
+                          derived=lambda p: [p[admin] + 10000]) if base_port is None else None
+    if kept is not None:
+        ports, approvals_port, webhooks_port = kept
+    else:
+        if previous.get("ports") and base_port is None:
+            progress("the ports of this home's last stack are taken or differ in number: "
+                     "using new ones (links recorded before point at the old ports)")
         ports = _allocate_ports(count, base_port)
+        approvals_port = (free_ports(1, avoid=set(ports))[0] if base_port is None
+                          else _allocate_ports(1, base_port + len(ports))[0])
+        webhooks_port = (free_ports(1, avoid={*ports, approvals_port})[0] if base_port is None
+                         else _allocate_ports(1, base_port + len(ports) + 1)[0])
     seaweed_ports = dict(zip(c.SEAWEED_PORT_NAMES, ports, strict=False))
     # SeaweedFS's built-in worker always dials the admin port + 10000, whatever the flag says.
     seaweed_ports["admin_grpc"] = seaweed_ports["admin"] + 10000
@@ -250,13 +255,6 @@ def up(
     rest = ports[len(c.SEAWEED_PORT_NAMES):]
     mlflow_port, prefect_port, slack_port = rest[0], rest[1], rest[2]
     triton_ports = [tuple(rest[3 + 3 * i: 6 + 3 * i]) for i in range(n_triton)]
-    if reuse:
-        approvals_port, webhooks_port = int(previous["approvals"]), int(previous["webhooks"])
-    else:
-        approvals_port = (free_ports(1, avoid=set(ports))[0] if base_port is None
-                          else _allocate_ports(1, base_port + len(ports))[0])
-        webhooks_port = (free_ports(1, avoid={*ports, approvals_port})[0] if base_port is None
-                         else _allocate_ports(1, base_port + len(ports) + 1)[0])
     save_ports(home, {"ports": ports, "approvals": approvals_port, "webhooks": webhooks_port})
 
     access_key, secret_key = keys["access_key"], keys["secret_key"]

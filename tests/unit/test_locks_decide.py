@@ -82,16 +82,23 @@ def test_stack_keys_are_made_once_per_home_and_private(tmp_path: Path) -> None:
     Fernet(first["mlflow_webhook_key"].encode())  # a valid Fernet key
 
 
+SAVED = {"ports": [1, 2, 3], "approvals": 4, "webhooks": 5}
+
+
 @pytest.mark.parametrize(("saved", "busy", "expected"), [
-    ({"ports": [1, 2, 3]}, set(), [1, 2, 3]),
-    ({"ports": [1, 2, 3]}, {2}, None),         # one is taken now
-    ({"ports": [1, 2]}, set(), None),          # another replica count
-    ({}, set(), None),                         # a new home
-    ({"ports": [1, "x", 3]}, set(), None),     # not ports
+    (SAVED, set(), ([1, 2, 3], 4, 5)),
+    (SAVED, {2}, None),                                  # one is taken now
+    (SAVED, {5}, None),                                  # the webhooks port is taken
+    (SAVED, {10001}, None),                              # a port derived from one of them
+    ({**SAVED, "ports": [1, 2]}, set(), None),           # another replica count
+    ({**SAVED, "approvals": None}, set(), None),         # written by an older modelship
+    ({}, set(), None),                                   # a new home
+    ({**SAVED, "ports": [1, "x", 3]}, set(), None),      # not ports
 ])
 def test_reusable_ports(saved: dict[str, Any], busy: set[int],
-                        expected: list[int] | None) -> None:
-    assert reusable_ports(saved, count=3, is_busy=lambda p: p in busy) == expected
+                        expected: tuple[list[int], int, int] | None) -> None:
+    assert reusable_ports(saved, count=3, is_busy=lambda p: p in busy,
+                          derived=lambda ports: [ports[0] + 10000]) == expected
 
 
 def test_prefect_runs_with_its_ui_pointed_at_its_own_api_and_durable_leases() -> None:
