@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["bench.stack_startup", "bench.staging", "bench.judge", "bench.loadgen", "bench.swap",
-              "bench.fleet_scale", "bench.e2e"]
+BENCHMARKS = ["bench.stack_startup", "bench.stack_restart", "bench.staging", "bench.judge",
+              "bench.loadgen", "bench.swap", "bench.fleet_scale", "bench.e2e"]
 
 
 def main() -> None:
