@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import subprocess
 import time
 from typing import Any
 
 import pytest
 
+from model_registry.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.clients import build_clients
 from modelship.locks import release_lock
 from modelship.settings import Settings
@@ -269,12 +271,28 @@ def test_status_compares_the_fleet_with_the_pin_the_alias_and_the_ledger(
     assert _status(stack_settings, 0)["consistent"]
 
     clients = build_clients(stack_settings)
-    assert clients.registry is not None
+    assert clients.registry is not None and clients.storage is not None
     try:
         clients.registry.set_alias(MODEL, "production", versions[1])
         moved = _status(stack_settings, 1)
         assert [d["kind"] for d in moved["disagreements"]] == ["alias"]
         assert moved["next"].startswith(f"`modelship swap {MODEL} --to {v1}`")
+        assert _json("swap", MODEL, "--to", str(v1), settings=stack_settings)["repaired"]
+        assert _status(stack_settings, 0)["aliases"]["production"] == v1
+
+        # A release whose process is gone, still `running` in the ledger.
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        dead = ReleaseRecord.start("promote", MODEL, from_version=v1, to_version=versions[1])
+        dead.holder["pid"] = gone.pid
+        dead.stages.append(StageEntry("check", now_iso()))
+        Ledger(clients.storage).write(dead)
+        found = _status(stack_settings, 1)
+        assert [d["kind"] for d in found["disagreements"]] == ["dead_release"]
+        assert found["record"]["id"] == dead.id and found["record"]["process"] == "dead"
+        assert found["next"].startswith(f"`modelship reconcile {MODEL}`")
+        _json("reconcile", MODEL, settings=stack_settings)
+        assert _status(stack_settings, 0)["record"]["status"] == "interrupted"
     finally:
         clients.registry.set_alias(MODEL, "production", v1)
         clients.close()
