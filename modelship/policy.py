@@ -539,8 +539,8 @@ class CanaryPolicy(_Section):
         "looks, each look a time block) in rounds of `sequential_round_s`: stop as soon as a "
         "latency or error regression is certain (verdict `failed`), or, once `min_samples` "
         "are in, as soon as a confidence sequence shows every latency and error rule within "
-        "its tolerance (at each rule's `power`). The watch spends half of each of those "
-        "rules' α and the fixed tests the other half, so the family-wise α is spent once. "
+        "its tolerance (at each rule's `power`). The watch spends a fifth of each of those "
+        "rules' α and the fixed tests the rest, so the family-wise α is spent once. "
         "`true` or `false`. Default `false` (one fixed-horizon judgement).",
     )
     sequential_round_s: float = Field(

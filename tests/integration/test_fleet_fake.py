@@ -10,13 +10,16 @@ never from the swap's own report. Timing belongs to ``bench/fleet_scale.py``, no
 from __future__ import annotations
 
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from bench.fake_triton import FakeFleet
+from bench.fake_triton import FakeFleet, fake_model_config
 from bench.fleet_scale import (
     MODEL,
     Bench,
@@ -25,10 +28,15 @@ from bench.fleet_scale import (
     swap_once,
 )
 from bench.staging import seaweed
+from flows.fleet import swap_unlocked
 from modelship.clients import build_clients
-from modelship.errors import PreflightError
+from modelship.errors import InfrastructureError, PreflightError
 from modelship.policy import Policy, StagingPolicy, SwapPolicy
+from modelship.settings import TritonEndpoint
 from modelship.signing import generate_key, key_bytes
+from modelship.triton.client import TritonServer
+from modelship.triton.infer import TritonInference
+from modelship.triton.model_config import to_json
 
 pytestmark = pytest.mark.integration
 
@@ -115,8 +123,6 @@ def test_one_faulty_replica_aborts_and_every_other_replica_ends_on_p(bench: Benc
 
 def test_a_dead_replica_before_the_swap_refuses_it_without_a_control_call(bench: Bench
                                                                             ) -> None:
-    from flows.fleet import swap_unlocked
-
     bench.fleet.reset(MODEL, P)
     dead = bench.fleet.names[0]
     bench.fleet.kill([dead])
@@ -130,3 +136,33 @@ def test_a_dead_replica_before_the_swap_refuses_it_without_a_control_call(bench:
     assert not [c for c in bench.fleet.calls() if c["call"] in ("load", "unload")]
     served = bench.fleet.served(MODEL)
     assert served[dead] == [] and all(served[n] == [P] for n in bench.fleet.names if n != dead)
+
+
+def test_the_fake_serves_the_old_version_while_a_reload_builds_the_new(bench: Bench) -> None:
+    """The semantics the bench's figures rest on (DESIGN §4, measured on Triton 2.51)."""
+    bench.fleet.reset(MODEL, P, load_s=1.0)
+    endpoint = TritonEndpoint(**bench.fleet.endpoints[0])
+    server = TritonServer(endpoint, timeout_s=5.0, control_timeout_s=10.0)
+    inference = TritonInference(endpoint.http, timeout_s=5.0)
+    feed = {"input": np.zeros((1, 4), dtype=np.float32)}
+    loader = threading.Thread(target=server.load_model, args=(MODEL,),
+                              kwargs={"config_json": to_json(fake_model_config(
+                                  MODEL, versions=[C]))})
+    try:
+        loader.start()
+        give_up = time.monotonic() + 5.0
+        while not [c for c in bench.fleet.calls() if c["call"] == "load"]:
+            assert time.monotonic() < give_up, "the load never reached the replica"
+            time.sleep(0.02)
+        during = inference.infer(MODEL, feed, outputs=["label"]).model_version
+        loader.join(timeout=10)
+        after = inference.infer(MODEL, feed, outputs=["label"]).model_version
+        bench.fleet.set_faults([endpoint.name or ""], fail_load=[P], load_s=0.0)
+        with pytest.raises(InfrastructureError, match="UNAVAILABLE state"):
+            server.load_model(MODEL, config_json=to_json(fake_model_config(MODEL,
+                                                                           versions=[P])))
+        after_failure = inference.infer(MODEL, feed, outputs=["label"]).model_version
+    finally:
+        inference.close()
+        server.close()
+    assert (during, after, after_failure) == (str(P), str(C), str(C))
