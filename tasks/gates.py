@@ -50,7 +50,7 @@ and :func:`markdown_table` shows it.
 boundary; the blocking statistical rules' α add up to the rule set's family-wise rate
 (Bonferroni, :func:`family_alpha`), 5% for the default set
 (:data:`modelship.policy.FAMILY_ALPHA`), stated in every report. The sequential watch
-spends half of each watched rule's α and the fixed tests the other half
+spends a fifth of each watched rule's α and the fixed tests the rest
 (``tasks.canary.spend_alpha``).
 
 Every message states the statistic, both values, the tolerance, the interval and the

@@ -37,7 +37,7 @@ identical arms with per-arm AR(1) φ = 0.9 and errors at the budget in bursts of
 fail the watch (17% and 37% before).
 
 **The rules**, one :class:`WatchRule` each (``tasks.canary.sequential_config`` builds them
-from the gates, with each gate's tolerance, ``effect``, ``power`` and half its α):
+from the gates, with each gate's tolerance, ``effect``, ``power`` and a fifth of its α):
 
 - **errors**: ``x_i`` = the candidate's request failed, H0 ``p_C ≤ max_rate`` (the same
   hypothesis as the fixed ``exact_rate`` rule). When the baseline is itself certainly

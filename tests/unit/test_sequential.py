@@ -135,7 +135,7 @@ def test_the_watch_takes_each_rules_effect_power_and_alpha_share() -> None:
     by_name = {r.name: r for r in config.watch_rules()}
     assert set(by_name) == {"latency_p50", "latency_p99", "error_rate"}
     assert by_name["latency_p99"].quantile == 0.99 and by_name["latency_p99"].effect == 40.0
-    assert by_name["error_rate"].alpha == pytest.approx(0.01)  # half of the rule's 0.02
+    assert by_name["error_rate"].alpha == pytest.approx(0.004)  # a fifth of its 0.02
     assert by_name["latency_p50"].power == 0.95
     fixed = spend_alpha(gates)
     # The family-wise α is spent once: the watch's shares plus the fixed tests' α.
