@@ -1,0 +1,151 @@
+"""The bake on the real stack, with load as evidence (issue 17): a traffic surge during the
+bake of an identical version does not roll it back; a version that is really slower at the
+same load does. Both through ``modelship promote`` on the session's stack, with short bakes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelship.clients import build_clients
+from modelship.settings import Settings
+from tests import models
+from tests.conftest import run_cli, start_cli
+from tests.integration.test_canary import slow_onnx_graph
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "bake-traffic"
+PROBE_RPS = 40.0
+POLICY: dict[str, Any] = {
+    # No latency gate at the canary, and agreement reported only (the slower graph has its
+    # own weights): the slower version must reach the bake.
+    "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 30.0, "min_samples": 300},
+    "gates": [
+        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
+        {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98,
+         "dry_run": True},
+    ],
+    "bake": {"duration_s": 16.0, "window_s": 2.0, "baseline_s": 8.0, "probe_rps": PROBE_RPS,
+             "max_latency_increase_pct": 25.0, "load_tolerance_pct": 50.0},
+}
+ORGANIC_RPS = 20.0
+"""Organic traffic before the swap (open-loop, through the fleet like a client's)."""
+
+
+def _promote(settings: Settings, policy: Path, version: int) -> subprocess.Popen[str]:
+    return start_cli("promote", MODEL, "--version", str(version), "--policy", str(policy),
+                     "--json", home=settings.home)
+
+
+def _organic(settings: Settings, rate: float, seconds: float) -> subprocess.Popen[str]:
+    """Organic clients: ``modelship load`` at ``rate`` req/s across the fleet."""
+    return start_cli("load", MODEL, "--rate", f"{rate:g}", "--duration", f"{seconds:g}",
+                     "--json", home=settings.home)
+
+
+def _finished(process: subprocess.Popen[str], timeout: float = 600) -> tuple[int, Any]:
+    out, err = process.communicate(timeout=timeout)
+    doc = json.loads(out) if out.strip() else {"stderr": err[-4000:]}
+    return process.returncode, doc.get("details", {}).get("record", doc)
+
+
+def _when_serving(settings: Settings, process: subprocess.Popen[str], version: int) -> None:
+    """Wait until every replica serves ``version`` (the swap is done, the bake begins)."""
+    clients = build_clients(settings)
+    try:
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline and not all(
+                r.is_model_ready(MODEL, str(version)) for r in clients.replicas):
+            time.sleep(0.05)
+    finally:
+        clients.close()
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.communicate(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.write_policy(tmp_path_factory.mktemp("bake-traffic") / "policy.yaml", POLICY)
+
+
+@pytest.fixture(scope="module")
+def first(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> int:
+    """v1 in production (a first release: no bake reference, so no bake)."""
+    uri = str(stack_settings.mlflow_tracking_uri)
+    version = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+    quick = models.write_policy(tmp_path_factory.mktemp("bake-first") / "quick.yaml",
+                                {**POLICY, "bake": {"duration_s": 0.0}})
+    code, record = _finished(_promote(stack_settings, quick, version))
+    assert code == 0, record
+    return version
+
+
+def test_a_surge_during_the_bake_of_an_identical_version_does_not_roll_it_back(
+        stack_settings: Settings, policy: Path, first: int) -> None:
+    """Organic traffic ×10 right after the swap (20 → 200 req/s, the probe's 40 on top):
+    the latency rules hold, the errors are judged, the release completes and v2 serves."""
+    uri = str(stack_settings.mlflow_tracking_uri)
+    same = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
+    background = _organic(stack_settings, ORGANIC_RPS, 200)
+    surge = None
+    try:
+        time.sleep(3)  # the organic clients are up before the reference is measured
+        release = _promote(stack_settings, policy, same)
+        _when_serving(stack_settings, release, same)
+        surge = _organic(stack_settings, 10 * ORGANIC_RPS, 40)
+        code, record = _finished(release)
+    finally:
+        for process in (surge, background):
+            if process is not None:
+                _stop(process)
+    assert code == 0, record.get("bake", record)
+    bake = record["bake"]
+    print(json.dumps({"outcome": bake["outcome"], "reason": bake["reason"],
+                      "rates": [w["load"]["rate_rps"] for w in bake["windows"]],
+                      "reference_rate": bake["baseline"]["rate_rps"]}))
+    assert record["status"] == "released" and bake["outcome"] in ("held", "passed"), bake
+    assert "rolled_back" not in bake
+    reference_rate = bake["baseline"]["rate_rps"]
+    rates = [w["load"]["rate_rps"] for w in bake["windows"]]
+    assert max(rates) > 3 * reference_rate, (reference_rate, rates)
+    held = bake["latency"]["held"]
+    assert len(held) >= len(bake["windows"]) // 2, bake["latency"]
+    assert all("outside ±50%" in why for why in held.values())
+    if bake["outcome"] == "held":
+        assert any("latency not judged" in note for note in record["notes"])
+    assert bake["errors"]["e_value"] < 100  # errors judged in every window, none of note
+    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    assert status["consistent"] and status["production_version"] == same
+    assert status["aliases"]["production"] == same
+
+
+def test_a_really_slower_version_at_the_same_load_rolls_back(
+        stack_settings: Settings, policy: Path, first: int) -> None:
+    """The same outputs through a MatMul chain (several times slower on this CPU), the
+    same probe load: the latency rule breaches at matched load and the bake rolls back."""
+    uri = str(stack_settings.mlflow_tracking_uri)
+    serving = json.loads(run_cli("status", MODEL, "--json",
+                                 home=stack_settings.home).stdout)["production_version"]
+    slower = models.register_onnx(uri, MODEL, slow_onnx_graph(width=512, layers=64))
+    code, record = _finished(_promote(stack_settings, policy, slower))
+    assert code == 4, record.get("bake", record)
+    bake = record["bake"]
+    print(json.dumps({"outcome": bake.get("outcome"), "reason": bake.get("reason")}))
+    assert record["status"] == "rolled_back" and bake["outcome"] == "breach", bake
+    assert "latency_p" in bake["reason"] and "matched load" in bake["reason"]
+    assert not bake["latency"]["held"]  # the load did not move: every window was judged
+    rule = bake["latency"]["rules"][0]
+    assert rule["ratio"] > 1.25, rule
+    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    assert status["consistent"] and status["production_version"] == serving
