@@ -52,8 +52,9 @@ def _organic(settings: Settings, rate: float, seconds: float) -> subprocess.Pope
 
 def _finished(process: subprocess.Popen[str], timeout: float = 600) -> tuple[int, Any]:
     out, err = process.communicate(timeout=timeout)
-    doc = json.loads(out) if out.strip() else {"stderr": err[-4000:]}
-    return process.returncode, doc.get("details", {}).get("record", doc)
+    doc: dict[str, Any] = json.loads(out) if out.strip() else {"stderr": err[-4000:]}
+    details: dict[str, Any] = doc.get("details") or {}
+    return process.returncode, details.get("record", doc)
 
 
 def _when_serving(settings: Settings, process: subprocess.Popen[str], version: int) -> None:
