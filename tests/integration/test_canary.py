@@ -177,7 +177,7 @@ def test_identical_candidate_passes(stack_settings: Settings, clients: Clients,
     markdown = Path(result.report_paths["markdown"]).read_text(encoding="utf-8")
     assert f"# Canary: {MODEL} v{versions.same} against v{versions.baseline}: **PASSED**" \
         in markdown
-    assert "| rule | value | baseline | threshold | p-value | verdict |" in markdown
+    assert "| rule | value | baseline | threshold | p-value | dependence | verdict |" in markdown
     assert "](canary.png)" in markdown
     assert Path(result.report_paths["png"]).read_bytes().startswith(PNG_MAGIC)
     assert Path(result.report_paths["json"]).is_file()
