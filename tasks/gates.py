@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -391,6 +391,37 @@ def _dependence_text(diag: BlockDiagnostics, p_block: float, p_iid: float, iid: 
 # judging one rule
 
 
+MIN_EVIDENCE = 100
+"""Answered requests per version below which not even a failure is judged."""
+
+
+def _dispatch(snapshot: CanarySnapshot, rule: GateRule, test: str, min_samples: int, *,
+              tail_reference: int = MIN_TAIL_REFERENCE) -> RuleResult:
+    if test == "mann_whitney":
+        return _judge_latency(snapshot, rule, min_samples)
+    if test == "quantile":
+        return _judge_quantile(snapshot, rule, min_samples, tail_reference=tail_reference)
+    if test == "server_ratio":
+        return _judge_server_ratio(snapshot, rule, min_samples)
+    if test == "exact_rate":
+        return _judge_rate(snapshot, rule, min_samples)
+    return _judge_threshold(snapshot, rule, min_samples)
+
+
+def _fail_short(planned: RuleResult, short: RuleResult) -> RuleResult:
+    """A sample below the plan (or a thin tail reference) may still show a failure.
+
+    The plan sizes a rule for *power*; each test's size is valid at any n (exact or
+    conservative, see the judges), so a candidate already shown beyond its tolerance on
+    fewer requests fails. It never passes on them: otherwise the planned verdict stands.
+    """
+    if short.verdict is not Verdict.FAILED:
+        return planned
+    return replace(short, message=f"{short.message} (shown on fewer requests than planned: "
+                   f"{planned.message})",
+                   details={**short.details, "below_plan": True})
+
+
 def judge(snapshot: CanarySnapshot, rule: GateRule, *, min_samples: int) -> RuleResult:
     """The verdict of one rule on one snapshot; never raises.
 
@@ -410,15 +441,15 @@ def judge(snapshot: CanarySnapshot, rule: GateRule, *, min_samples: int) -> Rule
                 if broken:
                     return _result(rule, test, Verdict.ERROR, None, None, "", None, None,
                                    (0, None), f"{rule.name}: {broken}")
-            if test == "mann_whitney":
-                return _judge_latency(snapshot, rule, min_samples)
-            if test == "quantile":
-                return _judge_quantile(snapshot, rule, min_samples)
-            if test == "server_ratio":
-                return _judge_server_ratio(snapshot, rule, min_samples)
-            if test == "exact_rate":
-                return _judge_rate(snapshot, rule, min_samples)
-            return _judge_threshold(snapshot, rule, min_samples)
+            result = _dispatch(snapshot, rule, test, min_samples)
+            if result.verdict is Verdict.INCONCLUSIVE and test in _STATISTICAL \
+                    and min_samples > MIN_EVIDENCE:
+                try:
+                    short = _dispatch(snapshot, rule, test, MIN_EVIDENCE, tail_reference=0)
+                except Exception:  # noqa: BLE001 - too little for the test: the plan's verdict
+                    return result
+                return _fail_short(result, short)
+            return result
     except Exception as exc:  # noqa: BLE001 - a broken test is an `error` verdict, not a crash
         return _result(rule, test, Verdict.ERROR, None, None, "", None, None, (0, None),
                        f"{rule.name}: the {test} test failed on {_arm_name(snapshot)}: "
@@ -690,7 +721,8 @@ def quantile_interval(sample: np.ndarray, q: float, confidence: float) -> tuple[
     return low, high
 
 
-def _judge_quantile(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:
+def _judge_quantile(snapshot: CanarySnapshot, rule: GateRule, min_samples: int, *,
+                    tail_reference: int = MIN_TAIL_REFERENCE) -> RuleResult:
     """A tail percentile (p90/p95/p99): the candidate's pXX against the baseline's, scaled.
 
     H0: ``Q_C(q) ≤ r · Q_P(q)`` with ``r = 1 + tol / Q̂_P(q)`` and ``tol = max(max_increase_pct
@@ -743,7 +775,7 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) 
     threshold = (f"{metric} ≤ {bound_ms:.3g} ms: baseline {base_value:.3g} ms + "
                  f"{_tol_text(rule)} = {tol_ms:.3g} ms (×{ratio:.3f})")
     above = int(np.count_nonzero(b >= base_value))
-    if above < MIN_TAIL_REFERENCE:
+    if above < tail_reference:
         need = tail_reference_floor(rule)
         return _result(rule, "quantile", Verdict.INCONCLUSIVE, value, base_value, threshold,
                        bound_ms, None, (n, m),

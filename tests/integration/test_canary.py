@@ -186,10 +186,13 @@ def test_identical_candidate_passes(stack_settings: Settings, clients: Clients,
 def test_much_slower_candidate_fails_the_latency_rule(stack_settings: Settings,
                                                       clients: Clients, versions: Versions,
                                                       tmp_path: Path) -> None:
+    # The p99 rule plans 3100 requests per version (30 baseline ones above its p99); a slow
+    # candidate's paired load reaches ~100/s here, so the canary needs ~30 s for it.
+    policy = {**CANARY_POLICY, "canary": {**CANARY_POLICY["canary"], "max_duration_s": 45.0}}
     result = _canary(stack_settings, clients, tmp_path, candidate=versions.slow,
-                     baseline=versions.baseline)
+                     baseline=versions.baseline, policy=policy)
     latency = _rule(result, "latency_p99")
-    assert result.verdict == "failed"
+    assert result.verdict == "failed", [r.message for r in result.gate_report.results]
     assert str(latency.verdict) == "failed", latency.message
     assert latency.p_value is not None and latency.p_value < 0.05
     cand, base = result.snapshot.candidate, result.snapshot.baseline
@@ -248,8 +251,12 @@ def test_canary_is_unloaded_when_the_run_fails(stack_settings: Settings, clients
 def test_sequential_canary_stops_a_slow_candidate_early(stack_settings: Settings,
                                                         clients: Clients, versions: Versions,
                                                         tmp_path: Path) -> None:
+    # A p99 watch waits for a reference of 3000 baseline requests (30 above its p99) before
+    # it judges; the p95 one needs 600, so "early" is measurable within this test's budget.
+    p95 = {**CANARY_POLICY["gates"][0], "name": "latency_p95", "metric": "latency_p95_ms"}
     policy = {**CANARY_POLICY, "canary": {**CANARY_POLICY["canary"], "sequential": True,
-                                          "max_duration_s": 30.0}}
+                                          "max_duration_s": 30.0},
+              "gates": [p95, *CANARY_POLICY["gates"][1:]]}
     result = _canary(stack_settings, clients, tmp_path, candidate=versions.slow,
                      baseline=versions.baseline, policy=policy)
     assert result.verdict == "failed"
