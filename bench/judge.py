@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.results import print_table, wilson, write_results
+from bench.results import print_table, rate_cell, wilson, write_results
 from bench.traffic_models import Arm, arm, standard_latency, tail_stretch
 from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.policy import FAMILY_ALPHA, GateRule, default_gates
@@ -355,11 +355,6 @@ def run(reps: int = 200, seq_reps: int = 100, workers: int = 2) -> list[dict[str
     return rows
 
 
-def _cell(k: int, n: int) -> str:
-    lo, hi = wilson(k, n)
-    return f"{k / n:.1%} [{lo:.1%}, {hi:.1%}]"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=200)
@@ -389,7 +384,7 @@ def main() -> None:
     print_table(f"Canary and gate rules, before ({BEFORE}) → after ({elapsed:.0f} s; default "
                 f"plan n/arm {plan['before']} → {plan['after']})",
                 ["case", "rule", "before [95% CI]", "after [95% CI]", "goal"],
-                [[r["case"], r["rule"], _cell(*r["before"]), _cell(*r["after"]), r["goal"]]
+                [[r["case"], r["rule"], rate_cell(*r["before"]), rate_cell(*r["after"]), r["goal"]]
                  for r in rows + bake])
     print(f"\nwrote {path}")
 

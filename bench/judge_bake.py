@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.results import print_table, wilson, write_results
+from bench.results import print_table, rate_cell, wilson, write_results
 from bench.traffic_models import BakeTraffic, bake_traffic
 from modelship.policy import BakePolicy
 from tasks.bake import (
@@ -209,11 +209,6 @@ def run(reps: int = 200, workers: int = 2, long_reps: int | None = None
     return rows
 
 
-def _cell(k: int, n: int) -> str:
-    lo, hi = wilson(k, n)
-    return f"{k / n:.1%} [{lo:.1%}, {hi:.1%}]"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=200)
@@ -233,7 +228,7 @@ def main() -> None:
     path = write_results("judge_bake", figures)
     print_table(f"Bake rules, before → after ({elapsed:.0f} s)",
                 ["case", "rule", "rolled back before [95% CI]", "after [95% CI]", "goal"],
-                [[r["case"], r["rule"], _cell(*r["before"]), _cell(*r["after"]), r["goal"]]
+                [[r["case"], r["rule"], rate_cell(*r["before"]), rate_cell(*r["after"]), r["goal"]]
                  for r in rows])
     print(f"\nwrote {path}")
 

@@ -43,3 +43,11 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     mid = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
     return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def rate_cell(k: int, n: int) -> str:
+    """``k / n`` with its 95% Wilson interval, for a table cell: ``12.0% [7.0%, 19.8%]``."""
+    lo, hi = wilson(k, n)
+    return f"{k / n:.1%} [{lo:.1%}, {hi:.1%}]"
+
+
