@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -66,6 +66,9 @@ from modelship.triton.metrics import Scrape
 from modelship.triton.target import render_for_servers
 from tasks.canary_slot import in_canary_slot
 from tasks.sequential import SequentialCanary, SequentialConfig, SequentialDecision, WatchRule
+
+if TYPE_CHECKING:  # tasks.gates imports scipy: loaded where the canary judges, not at import
+    from tasks.gates import GateReport
 
 Progress = Callable[[str], None]
 
@@ -766,23 +769,24 @@ def _check_alive(server: TritonServer, where: str) -> None:
         ) from exc
 
 
-def tail_reference_refusal(report: Any) -> str | None:
+def tail_reference_refusal(report: GateReport) -> str | None:
     """Why a blocking quantile rule refused to judge (too few baseline requests above its
     quantile), when that is what keeps the gates from a verdict; None otherwise (pure).
 
     A failed verdict stands: a refusal never hides a rule that failed.
     """
-    if str(getattr(report, "verdict", "")) == "failed":
+    if str(report.verdict) == "failed":
         return None
-    for result in getattr(report, "results", ()):
+    for result in report.results:
         if result.details.get("reference_too_small") and not result.dry_run:
             return str(result.message)
     return None
 
 
-def _shared_errors(report: Any) -> str | None:
-    """The message of a rule that found both arms failing alike (see tasks.gates)."""
-    for result in getattr(report, "results", ()):
+def shared_errors(report: GateReport) -> str | None:
+    """The message of a blocking rule that found both arms failing alike (see tasks.gates),
+    or None (pure)."""
+    for result in report.results:
         if result.details.get("infrastructure") and not result.dry_run:
             return str(result.message)
     return None
@@ -796,7 +800,7 @@ def _note_cleanup(exc: BaseException, cleanup: str) -> None:
             exc.message = f"{exc.message.rstrip('.')}; cleanup: {cleanup}"
 
 
-def with_sequential(report: Any, decision: SequentialDecision) -> Any:
+def with_sequential(report: GateReport, decision: SequentialDecision) -> GateReport:
     """The gate report with the sequential watch's verdict as one more blocking rule (pure).
 
     ``failed`` (a regression certain at every look) fails the canary whatever the
@@ -1053,7 +1057,7 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
             hint="raise canary.min_samples (and canary.max_duration_s so the canary can reach "
                  "it), or judge a lower percentile",
             model=model, candidate=candidate, key="canary.min_samples", cleanup=cleanup)
-    shared = _shared_errors(gate_report)
+    shared = shared_errors(gate_report)
     if shared:
         raise GatesInconclusive(
             f"the canary of {model} v{candidate} cannot tell the candidate from the "

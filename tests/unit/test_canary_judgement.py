@@ -7,7 +7,7 @@ import pytest
 
 from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.policy import GateRule, default_gates
-from tasks.canary import spend_alpha, tail_reference_refusal, watched
+from tasks.canary import shared_errors, spend_alpha, tail_reference_refusal, watched
 from tasks.gates import evaluate, family_alpha
 
 P99 = GateRule(name="latency_p99", metric="latency_p99_ms", max_increase_pct=10.0)
@@ -42,3 +42,19 @@ def test_the_alpha_split_keeps_the_family_wise_rate() -> None:
     watched_alpha = sum(0.2 * g.alpha for g in gates if watched(g))
     assert (family_alpha(fixed) or 0.0) + watched_alpha == pytest.approx(0.05)
     assert [g.alpha for g in fixed if g.name == "server_latency"] == [0.01]  # not watched
+
+
+def test_shared_errors_names_both_arms_failing_alike_and_only_that() -> None:
+    def both(candidate_errors: int, baseline_errors: int, *, dry_run: bool = False) -> str | None:
+        n, rng = 3000, np.random.default_rng(1)
+        snap = CanarySnapshot(
+            "fraud", ArmMeasurements(7, rng.lognormal(0.7, 0.3, n), n, candidate_errors),
+            ArmMeasurements(6, rng.lognormal(0.7, 0.3, n), n, baseline_errors))
+        rule = ERR.model_copy(update={"dry_run": dry_run})
+        return shared_errors(evaluate(snap, [rule], min_samples=1))
+
+    shared = both(150, 150)
+    assert shared is not None and "both arms fail alike" in shared
+    assert both(150, 0) is None  # the candidate alone fails: a failed rule, not shared
+    assert both(0, 0) is None
+    assert both(150, 150, dry_run=True) is None  # a dry-run rule never stops the canary

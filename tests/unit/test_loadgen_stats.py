@@ -254,9 +254,32 @@ def test_invalid_specs_are_usage_errors(spec: LoadSpec) -> None:
         spec.validate()
 
 
-def test_valid_specs() -> None:
-    LoadSpec(concurrency=16).validate()
-    LoadSpec(rate_rps=50.0, arrival="poisson", duration_s=3.0, warmup_s=0.0).validate()
+@pytest.mark.parametrize(
+    ("accepted", "refused", "named"),
+    [  # each valid spec at the edge of what validate accepts, and its neighbour over the edge
+        (LoadSpec(concurrency=1), LoadSpec(concurrency=0), "concurrency"),
+        (LoadSpec(rate_rps=1e-9), LoadSpec(rate_rps=-1e-9), "rate_rps"),
+        (LoadSpec(concurrency=16, warmup_s=0.0), LoadSpec(concurrency=16, warmup_s=-1e-9),
+         "warmup_s"),
+        (LoadSpec(concurrency=16, stability_pct=0.0),
+         LoadSpec(concurrency=16, stability_pct=-1e-9), "stability_pct"),
+        (LoadSpec(rate_rps=50.0, arrival="poisson", duration_s=1e-9),
+         LoadSpec(rate_rps=50.0, arrival="poisson", duration_s=0.0), "duration_s"),
+        (LoadSpec(concurrency=1, protocol="http", batch_size=1),
+         LoadSpec(concurrency=1, protocol="http", batch_size=0), "batch_size"),
+    ],
+)
+def test_valid_specs(accepted: LoadSpec, refused: LoadSpec, named: str) -> None:
+    def refusal(spec: LoadSpec) -> str | None:
+        try:
+            spec.validate()
+        except UsageError as exc:
+            return exc.message
+        return None
+
+    assert refusal(accepted) is None
+    message = refusal(refused)
+    assert message is not None and named in message
 
 
 def test_arrival_gaps() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -247,9 +248,18 @@ def test_from_live_json_rejects_garbage() -> None:
 # ---------------------------------------------------------------------------- digests
 
 
-def test_digest_is_stable() -> None:
-    assert config_digest(render()) == config_digest(render())
-    assert len(config_digest(render())) == 64
+def test_digest_is_of_the_content_not_of_the_object() -> None:
+    base = render()
+    # the same content reached another way: serialised to pbtxt and parsed back
+    reparsed = from_pbtxt(to_pbtxt(base))
+    assert reparsed is not base
+    assert config_digest(reparsed) == config_digest(base)
+    assert serving_digest(reparsed) == serving_digest(base)
+    assert re.fullmatch(r"[0-9a-f]{64}", config_digest(base))
+    # other content: another version policy changes the config digest but not how it serves
+    other = with_versions(base, [4])
+    assert config_digest(other) != config_digest(base)
+    assert serving_digest(other) == serving_digest(base)
 
 
 @pytest.mark.parametrize(
