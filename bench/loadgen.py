@@ -411,15 +411,17 @@ def cpu_ab(protocol: str, url: str, x: np.ndarray, reps: int) -> dict[str, Any]:
     :data:`AB_ARMS`), interleaved ABAB on the same server; medians over ``reps``."""
     import statistics
 
-    import modelship.loadgen as loadgen
+    from modelship.loadgen import engine as loadgen
+    from modelship.loadgen.transports.grpc_aio import GrpcTransport
+    from modelship.loadgen.transports.http_aiohttp import AiohttpTransport
 
-    current = loadgen._transport
+    current = loadgen.choose_transport
 
     def before(targets: Any, payload: Any, spec: LoadSpec) -> Any:
         if protocol == "grpc":
-            return loadgen._GrpcTransport(targets, payload, spec)
-        return loadgen._HttpTransport(targets, payload, spec,
-                                      connections=max(spec.concurrency or 1, 1))
+            return GrpcTransport(targets, payload, spec)
+        return AiohttpTransport(targets, payload, spec,
+                                connections=max(spec.concurrency or 1, 1))
 
     figures: dict[str, Any] = {}
     try:
@@ -429,7 +431,7 @@ def cpu_ab(protocol: str, url: str, x: np.ndarray, reps: int) -> dict[str, Any]:
             for rep in range(reps):
                 order = list(seen) if rep % 2 == 0 else list(seen)[::-1]
                 for name in order:
-                    loadgen._transport = before if name.endswith("(before)") else current
+                    loadgen.choose_transport = before if name.endswith("(before)") else current
                     spec = LoadSpec(protocol="grpc" if protocol == "grpc" else "http",
                                     concurrency=concurrency, warmup_s=0.5,
                                     window_s=1.0, duration_s=3.0, timeout_s=10.0)
@@ -444,7 +446,7 @@ def cpu_ab(protocol: str, url: str, x: np.ndarray, reps: int) -> dict[str, Any]:
                        "requests_per_s_median": round(statistics.median(rps[name]), 1)}
                 for name, v in seen.items()}
     finally:
-        loadgen._transport = current
+        loadgen.choose_transport = current
     return figures
 
 

@@ -20,12 +20,12 @@ from modelship.loadgen import (
     LoadSpec,
     RequestFailed,
     Target,
-    _GrpcTransport,
-    _RawGrpcTransport,
-    _transport,
     run_load,
     run_paired,
 )
+from modelship.loadgen.transports import choose_transport
+from modelship.loadgen.transports.grpc_aio import GrpcTransport
+from modelship.loadgen.transports.grpc_raw import RawGrpcTransport
 from modelship.stack.local_triton import LocalTriton, local_tritonserver, mlp_classifier_onnx
 from modelship.stack.triton_runtime import find_triton_runtime
 
@@ -259,7 +259,7 @@ def test_raw_grpc_answers_match_tritonclient(
 
     targets = [Target(server.grpc_url, MODEL, "1")]
     spec = _fixed(concurrency=4, duration_s=0.8, warmup_s=0.0, keep_outputs=True)
-    assert isinstance(_transport(targets, payload, spec), _RawGrpcTransport)
+    assert isinstance(choose_transport(targets, payload, spec), RawGrpcTransport)
     report = asyncio.run(run_load([server.grpc_url], MODEL, payload, spec, version="1"))
     assert report.errors == 0 and len(report.records) > 20, report.error_texts
 
@@ -303,7 +303,7 @@ def test_raw_grpc_errors_read_as_grpc_aio_errors(server: LocalTriton, case: str)
             await transport.close()
         raise AssertionError("the request did not fail")
 
-    raw = asyncio.run(first_error(_RawGrpcTransport))
-    aio = asyncio.run(first_error(_GrpcTransport))
+    raw = asyncio.run(first_error(RawGrpcTransport))
+    aio = asyncio.run(first_error(GrpcTransport))
     assert raw == aio
     assert raw.startswith("NOT_FOUND" if case == "unknown model" else "INVALID_ARGUMENT"), raw

@@ -30,12 +30,12 @@ from modelship.loadgen import (
     LoadSpec,
     RequestFailed,
     Target,
-    _RawGrpcTransport,
     build_infer_request,
     grpc_timeout,
     hpack_literal_block,
     raw_grpc_fits,
 )
+from modelship.loadgen.transports.grpc_raw import RawGrpcTransport
 
 MODEL = "m"
 PAYLOAD = {"input": np.arange(12, dtype=np.float32).reshape(6, 2)}
@@ -148,8 +148,8 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _transport(url: str, **spec: Any) -> _RawGrpcTransport:
-    return _RawGrpcTransport([Target(url, MODEL, "3")], PAYLOAD,
+def _transport(url: str, **spec: Any) -> RawGrpcTransport:
+    return RawGrpcTransport([Target(url, MODEL, "3")], PAYLOAD,
                              LoadSpec(concurrency=1, **spec))
 
 

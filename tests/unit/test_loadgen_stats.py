@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
@@ -23,6 +24,8 @@ from modelship.loadgen import (
     summarize,
     window_stats,
 )
+from modelship.loadgen.transports.http1 import HttpConnection, header_value
+from modelship.loadgen.transports.kserve_http import http_address, model_version
 
 NONE_PERCENTILES = {"p50": None, "p90": None, "p95": None, "p99": None}
 
@@ -301,12 +304,8 @@ def test_short_error_is_one_bounded_line() -> None:
 
 
 def test_http_connection_cuts_answers_at_content_length_and_decodes_chunks() -> None:
-    import asyncio
-
-    from modelship.loadgen import _HttpConnection
-
     async def scenario() -> list[tuple[int, bytes]]:
-        conn = _HttpConnection()
+        conn = HttpConnection()
         got = []
         loop = asyncio.get_running_loop()
         for wire in (
@@ -329,13 +328,11 @@ def test_http_connection_cuts_answers_at_content_length_and_decodes_chunks() -> 
 
 
 def test_http_helpers() -> None:
-    from modelship.loadgen import _header, _http_address, _model_version
-
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nConnection: close"
-    assert _header(head, b"content-length") == b"12"
-    assert _header(head, b"connection") == b"close"
-    assert _header(head, b"missing") is None
-    assert _model_version(b'{"model_name":"m","model_version":"7","outputs":[]}') == "7"
-    assert _model_version(b'{"model_name":"m"}') == ""
-    assert _http_address("127.0.0.1:8000") == ("127.0.0.1", 8000)
-    assert _http_address("http://localhost:9/") == ("localhost", 9)
+    assert header_value(head, b"content-length") == b"12"
+    assert header_value(head, b"connection") == b"close"
+    assert header_value(head, b"missing") is None
+    assert model_version(b'{"model_name":"m","model_version":"7","outputs":[]}') == "7"
+    assert model_version(b'{"model_name":"m"}') == ""
+    assert http_address("127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert http_address("http://localhost:9/") == ("localhost", 9)
