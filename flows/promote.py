@@ -25,7 +25,6 @@ from pydantic import BaseModel, Field
 
 from flows import fleet
 from flows.check import CheckReport, run_check, stage_checked
-from model_registry.ledger import Ledger, ReleaseRecord, now_iso, release_intent
 from modelship.clients import Clients, build_clients, notifier_for
 from modelship.errors import (
     BakeBreached,
@@ -37,6 +36,7 @@ from modelship.errors import (
     ReleaseCancelled,
     UsageError,
 )
+from modelship.ledger import Ledger, ReleaseRecord, now_iso, release_intent
 from modelship.policy import Policy, policy_for
 from modelship.prefect_api import keeps_outcome
 from modelship.settings import Settings, load_settings

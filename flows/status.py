@@ -24,10 +24,10 @@ from functools import partial
 from typing import Any
 
 from model_registry.client import PRODUCTION_ALIAS
-from model_registry.ledger import Ledger, ReleaseRecord, sort_newest_first
 from modelship.clients import Clients
 from modelship.errors import InfrastructureError, ModelNotFound, ModelshipError, Unreachable
 from modelship.faults import translate
+from modelship.ledger import Ledger, ReleaseRecord, sort_newest_first
 from modelship.locks import list_locks
 from modelship.procinfo import process_start_ticks
 from modelship.settings import Settings

@@ -55,7 +55,6 @@ from typing import Any, Literal, NoReturn
 
 import numpy as np
 
-from model_registry.ledger import now_iso
 from modelship.approvals.rules import (
     ApprovalInput,
     GroupResolver,
@@ -70,6 +69,7 @@ from modelship.errors import (
     ModelshipError,
     ReleaseLocked,
 )
+from modelship.ledger import now_iso
 from modelship.loadgen import LoadReport, LoadSpec, Target, run_load, run_paired
 from modelship.locks import canary_slot
 from modelship.policy import ApprovalPolicy, Policy

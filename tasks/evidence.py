@@ -12,14 +12,14 @@ import hashlib
 import json
 from typing import Any
 
-from model_registry.ledger import (
+from modelship.errors import EvidenceMissing, ModelNotFound
+from modelship.ledger import (
     Ledger,
     ReleaseRecord,
     candidate_digest,
     passing_canary,
     served_before,
 )
-from modelship.errors import EvidenceMissing, ModelNotFound
 from modelship.storage import S3Storage
 from tasks.stage import manifest_key
 

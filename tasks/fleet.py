@@ -23,17 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 from model_registry.client import PREVIOUS_ALIAS, PRODUCTION_ALIAS
-from model_registry.ledger import (
-    RELEASE_ID_TAG,
-    Ledger,
-    ReleaseRecord,
-    StageEntry,
-    last_release,
-    now_iso,
-    release_intent,
-    rollback_target,
-    served_before,
-)
 from modelship.clients import Clients
 from modelship.errors import (
     InfrastructureError,
@@ -44,6 +33,17 @@ from modelship.errors import (
     ReleaseIncomplete,
     ReleaseLocked,
     UsageError,
+)
+from modelship.ledger import (
+    RELEASE_ID_TAG,
+    Ledger,
+    ReleaseRecord,
+    StageEntry,
+    last_release,
+    now_iso,
+    release_intent,
+    rollback_target,
+    served_before,
 )
 from modelship.locks import release_lock
 from modelship.policy import Policy

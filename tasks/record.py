@@ -1,7 +1,7 @@
 """Stage 10, record/notify: every state change of a release goes through one journal.
 
 :class:`ReleaseJournal` is the ``emit(event)`` of STYLE §11. Each stage that begins or ends
-updates the :class:`~model_registry.ledger.ReleaseRecord`, rewrites it in the ledger (so a
+updates the :class:`~modelship.ledger.ReleaseRecord`, rewrites it in the ledger (so a
 crash leaves a record that says where it stopped), prints one progress line, and reaches
 the release's Slack thread: the parent message is updated in place and the stage gets one
 reply.
@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from model_registry.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.errors import ModelshipError
+from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.slack import blocks
 from modelship.slack.notifier import Notifier, NullNotifier
 

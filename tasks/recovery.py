@@ -1,7 +1,7 @@
 """Every way out is a way home: finish or undo what a release left, decided in pure code.
 
 A release that changes the fleet writes its **intent** first
-(:func:`model_registry.ledger.release_intent`: from, to, the pin, the aliases, the tag).
+(:func:`modelship.ledger.release_intent`: from, to, the pin, the aliases, the tag).
 From then on it can only end in one of two states:
 
 - **released**: the fleet and the pin serve ``to``; ``to`` carries the release's
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from model_registry.client import PREVIOUS_ALIAS, PRODUCTION_ALIAS
-from model_registry.ledger import RELEASE_ID_TAG, ReleaseRecord, now_iso, sort_newest_first
 from modelship.errors import InfrastructureError, ModelshipError, ReleaseIncomplete
+from modelship.ledger import RELEASE_ID_TAG, ReleaseRecord, now_iso, sort_newest_first
 from modelship.procinfo import process_start_ticks
 from modelship.signals import deferred, exit_code_for, stop_signal
 

@@ -44,7 +44,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from model_registry.ledger import ReleaseRecord, same_candidate, sort_newest_first
 from modelship.errors import (
     ModelshipError,
     PreflightError,
@@ -52,6 +51,7 @@ from modelship.errors import (
     SwapAborted,
     Unreachable,
 )
+from modelship.ledger import ReleaseRecord, same_candidate, sort_newest_first
 from modelship.policy import GpuPolicy, SwapPolicy
 from modelship.signals import deferred
 from modelship.storage import S3Storage
@@ -653,7 +653,7 @@ def recorded_footprint(records: Iterable[ReleaseRecord], *,
     Takes the newest record of C (same model and version) whose canary measured a GPU
     footprint (``gates.gpu.candidate_bytes`` > 0; a CPU canary measures none), whatever
     its verdict: a measurement is a fact about C's bytes. It is used only when that
-    record's candidate digest is the staged one (:func:`model_registry.ledger.same_candidate`,
+    record's candidate digest is the staged one (:func:`modelship.ledger.same_candidate`,
     manifest sha256 included): a re-staged version is other bytes, so the swap estimates.
 
     Args:

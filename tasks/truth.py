@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from model_registry.ledger import ReleaseRecord
+from modelship.ledger import ReleaseRecord
 
 __all__ = ["Disagreement", "Expected", "LockSeen", "Observation", "PinSeen", "RecordSeen",
            "ReplicaSeen", "Truth", "expected_version", "liveness", "record_seen", "truth"]

@@ -356,8 +356,8 @@ def _pid_alive(holder: Mapping[str, Any]) -> bool | None:
 def observe(settings: Any, model: str, *, locks: Callable[[], Sequence[Mapping[str, Any]]]
             ) -> Observation:
     """Read every source now (``locks``: the rows of ``modelship locks MODEL --json``)."""
-    from model_registry.ledger import Ledger
     from modelship.clients import build_clients
+    from modelship.ledger import Ledger
     from modelship.signing import key_bytes
     from tasks.reconcile import read_pin
 

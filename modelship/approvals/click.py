@@ -13,7 +13,6 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
-from model_registry.ledger import LEDGER_PREFIX, Ledger, ReleaseRecord
 from modelship.approvals.rules import pending_entry
 from modelship.approvals.wire import (
     APPROVE,
@@ -23,6 +22,7 @@ from modelship.approvals.wire import (
     signed_request,
 )
 from modelship.errors import InfrastructureError, Unreachable, UsageError
+from modelship.ledger import LEDGER_PREFIX, Ledger, ReleaseRecord
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 

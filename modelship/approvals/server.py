@@ -43,11 +43,11 @@ from urllib.parse import parse_qs
 
 from slack_sdk.signature import Clock, SignatureVerifier
 
-from model_registry.ledger import Ledger, ReleaseRecord
 from modelship.approvals.rules import check_decision, pending_entry, resolve_approvers
 from modelship.approvals.slack_api import ApprovalSlack
 from modelship.approvals.wire import ACTIONS, parse_button_value
 from modelship.errors import ModelshipError, StorageError
+from modelship.ledger import Ledger, ReleaseRecord
 from modelship.slack import blocks
 
 log = logging.getLogger("modelship.approvals")

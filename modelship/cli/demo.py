@@ -106,8 +106,8 @@ def run_demo(current: Any) -> dict[str, Any]:
     import threading
 
     from flows.promote import PromoteParams, promote_flow
-    from model_registry.ledger import new_release_id
     from modelship.errors import ModelshipError
+    from modelship.ledger import new_release_id
     from modelship.prefect_api import pointed_at
 
     _quiet_libraries()

@@ -66,7 +66,7 @@ def unlock(model: ModelArg,
     from modelship.locks import CANARY_SLOT, break_lock
 
     def action() -> dict[str, Any]:
-        from model_registry.ledger import Ledger, ReleaseRecord
+        from modelship.ledger import Ledger, ReleaseRecord
 
         def body(current: Any, clients: Any) -> dict[str, Any]:
             done = break_lock(model, release, storage=clients.storage, home=current.home,

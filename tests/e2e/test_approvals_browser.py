@@ -23,9 +23,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from model_registry.ledger import Ledger
 from modelship.approvals.server import PrefectRuns
 from modelship.clients import build_clients
+from modelship.ledger import Ledger
 from modelship.settings import Settings
 from modelship.slack import blocks
 from modelship.slack.client import SlackClient

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from flows.promote import loaded_models
-from model_registry.ledger import Ledger
 from modelship.clients import build_clients
+from modelship.ledger import Ledger
 from modelship.settings import Settings
 from tests import models
 from tests.conftest import ROOT, RUNTIME_VENV, run_cli

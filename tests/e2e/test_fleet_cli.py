@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from model_registry.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.clients import build_clients
+from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.locks import release_lock
 from modelship.settings import Settings
 from modelship.triton.model_config import (

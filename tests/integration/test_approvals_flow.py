@@ -26,10 +26,10 @@ from prefect import flow
 from prefect.context import FlowRunContext
 
 from flows.check import run_check
-from model_registry.ledger import ReleaseRecord
 from modelship.approvals.server import PrefectRuns
 from modelship.clients import Clients, build_clients
 from modelship.errors import ModelshipError
+from modelship.ledger import ReleaseRecord
 from modelship.policy import Policy
 from modelship.settings import Settings
 from modelship.slack.client import SlackClient

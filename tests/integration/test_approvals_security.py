@@ -25,7 +25,6 @@ from prefect import flow
 from prefect.context import FlowRunContext
 from prefect.flow_runs import pause_flow_run
 
-from model_registry.ledger import Ledger, ReleaseRecord
 from modelship.approvals.click import send
 from modelship.approvals.rules import ApprovalInput
 from modelship.approvals.server import PrefectRuns
@@ -36,6 +35,7 @@ from modelship.approvals.wire import (
     signed_request,
 )
 from modelship.clients import build_clients
+from modelship.ledger import Ledger, ReleaseRecord
 from modelship.prefect_api import pointed_at
 from modelship.settings import Settings
 

@@ -15,9 +15,9 @@ import pytest
 
 from flows import fleet
 from flows.check import run_check
-from model_registry.ledger import Ledger, ReleaseRecord
 from modelship.clients import Clients, build_clients
 from modelship.errors import PreflightError
+from modelship.ledger import Ledger, ReleaseRecord
 from modelship.policy import Policy
 from modelship.settings import Settings
 from tasks.evidence import read_candidate_digest

@@ -26,9 +26,9 @@ import pytest
 from flows import fleet
 from flows.check import run_check
 from model_registry.client import RegistryClient
-from model_registry.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.clients import Clients, build_clients
 from modelship.errors import ReleaseCancelled, ReleaseIncomplete, ReleaseLocked
+from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.policy import Policy
 from modelship.settings import Settings
 from modelship.signals import stop_on_signals

@@ -11,7 +11,6 @@ from urllib.parse import urlencode
 import pytest
 from slack_sdk.signature import SignatureVerifier
 
-from model_registry.ledger import ReleaseRecord
 from modelship.approvals.rules import check_decision, pending_entry, resolve_approvers
 from modelship.approvals.server import ApprovalService, parse_click
 from modelship.approvals.wire import (
@@ -23,6 +22,7 @@ from modelship.approvals.wire import (
     sign,
     signed_request,
 )
+from modelship.ledger import ReleaseRecord
 from modelship.slack import blocks
 
 NOW = 1_800_000_000.0

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from model_registry.ledger import ReleaseRecord, StageEntry, now_iso
+from modelship.ledger import ReleaseRecord, StageEntry, now_iso
 from tasks.recovery import dead_runs, recover
 
 

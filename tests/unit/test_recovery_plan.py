@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from model_registry.ledger import ReleaseRecord, StageEntry, now_iso, release_intent
 from modelship.errors import (
     BakeBreached,
     GateFailed,
@@ -17,6 +16,7 @@ from modelship.errors import (
     ReleaseIncomplete,
     Unreachable,
 )
+from modelship.ledger import ReleaseRecord, StageEntry, now_iso, release_intent
 from modelship.signals import StopRequested
 from tasks.recovery import (
     KEEP,

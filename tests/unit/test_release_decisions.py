@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from model_registry.ledger import (
+from modelship.errors import EvidenceMissing, InfrastructureError, Unreachable, ValidationFailed
+from modelship.ledger import (
     ReleaseRecord,
     candidate_digest,
     last_release,
@@ -16,7 +17,6 @@ from model_registry.ledger import (
     rollback_target,
     served_before,
 )
-from modelship.errors import EvidenceMissing, InfrastructureError, Unreachable, ValidationFailed
 from modelship.locks import LockHolder, holder_alive
 from modelship.policy import ApprovalPolicy, BakePolicy
 from modelship.slack.blocks import parent_blocks, stage_blocks
@@ -197,7 +197,7 @@ def test_approval_request_applies_the_cli_overrides(policy: ApprovalPolicy, flag
 
 
 def test_a_required_approval_outside_a_flow_run_or_without_approvers_fails_closed() -> None:
-    from model_registry.ledger import ReleaseRecord
+    from modelship.ledger import ReleaseRecord
     from modelship.slack.notifier import NullNotifier
     from tasks.approve import ApprovalChannels
     from tasks.record import ReleaseJournal

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from model_registry.ledger import ReleaseRecord
 from modelship.errors import PreflightError
+from modelship.ledger import ReleaseRecord
 from modelship.policy import TritonPolicy
 from modelship.triton.gpu import canary_gpu_evidence, check_headroom, plan_headroom
 from modelship.triton.model_config import ModelSpec, TensorSpec, render_model_config

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from model_registry.ledger import ReleaseRecord, StageEntry
+from modelship.ledger import ReleaseRecord, StageEntry
 from tasks.truth import (
     Expected,
     LockSeen,
