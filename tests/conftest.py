@@ -20,6 +20,10 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 
+#: The suite runs two stacks at once (pytest-xdist, one per worker) on a 2-core machine:
+#: components get longer to become ready than a user's `stack up` does.
+STACK_READY_TIMEOUT_S = os.environ.setdefault("MODELSHIP_STACK_READY_TIMEOUT_S", "300")
+
 
 def run_cli(
     *args: str, home: Path, env: Mapping[str, str] | None = None, timeout: float = 300
@@ -41,7 +45,8 @@ def cli_env(home: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("MODELSHIP_", "MLFLOW_TRACKING", "AWS_", "PREFECT_API"))}
     return {**clean, "MODELSHIP_HOME": str(home),
-            "MODELSHIP_TRITON_RUNTIME": str(RUNTIME_VENV), **(env or {})}
+            "MODELSHIP_TRITON_RUNTIME": str(RUNTIME_VENV),
+            "MODELSHIP_STACK_READY_TIMEOUT_S": STACK_READY_TIMEOUT_S, **(env or {})}
 
 
 # The session's embedded stack (tests/stack_fixtures.py), shared by integration and e2e tests.

@@ -56,7 +56,10 @@ Progress = Callable[[str], None]
 #: the stack counts as up. Receives the state; returns a JSON report.
 ReadyHook = Callable[[dict[str, Any]], dict[str, Any]]
 
-READY_DEADLINE_S = 120.0
+#: Seconds each component gets to become ready. Prefect's first start (migrations, the UI)
+#: takes ~15 s of CPU: on a loaded 2-core machine that is minutes, so the limit can be raised
+#: with MODELSHIP_STACK_READY_TIMEOUT_S (the test suite does, running two stacks at once).
+READY_DEADLINE_S = float(os.environ.get("MODELSHIP_STACK_READY_TIMEOUT_S") or 120.0)
 REPOSITORY_MARKER = ".modelship-repository"
 #: The manifest signing key, kept in the stack's home (0600), never in the bucket. It
 #: survives `stack down` so that versions staged before stay verifiable.

@@ -176,8 +176,9 @@ def wait_ready(
             raise StackError(
                 f"{record.name} was not ready after {deadline_s:.0f} s; see {record.log}:\n"
                 f"{log_tail(record.log)}",
-                hint=f"read {record.log}; the machine may be overloaded, retry "
-                "`modelship stack up`",
+                hint=f"read {record.log}; the machine may be overloaded: retry "
+                "`modelship stack up`, or give it longer with MODELSHIP_STACK_READY_TIMEOUT_S "
+                f"(now {deadline_s:.0f})",
                 component=record.name,
                 log=record.log,
             )
