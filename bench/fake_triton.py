@@ -1,6 +1,6 @@
 """A fake Triton fleet: many replicas' control plane in one process, for scale benchmarks.
 
-Dev-only (bench and tests): it lets the REAL swap executor (:func:`flows.fleet.swap_unlocked`
+Dev-only (bench and tests): it lets the REAL swap executor (:func:`tasks.fleet.swap_unlocked`
 → :func:`tasks.swap.swap_fleet`) run against 100 replicas on a 2-core machine, where 100
 tritonservers would not fit. Each replica listens on its own loopback ports and speaks what
 modelship's clients speak to Triton:

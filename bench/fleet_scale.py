@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python -m bench.fleet_scale [--sizes 10,30,100] [--repeats 3]``.
 
-The coordinator is the real one: :func:`flows.fleet.swap_unlocked` (what ``modelship swap``
+The coordinator is the real one: :func:`tasks.fleet.swap_unlocked` (what ``modelship swap``
 and ``promote`` call under the release lock) → :func:`tasks.swap.swap_fleet`, with clients
 built from :class:`~modelship.settings.Settings` by :func:`modelship.clients.build_clients`.
 It observes the fleet, verifies C's signed manifest and every staged byte in a private
@@ -152,7 +152,7 @@ def faulty_replicas(names: Sequence[str], count: int = FAULTY) -> list[str]:
 
 def swap_once(bench: Bench, *, target: int = C) -> tuple[dict[str, Any], bool, float]:
     """One real swap: (its report, whether it aborted, its wall time in s)."""
-    from flows.fleet import swap_unlocked
+    from tasks.fleet import swap_unlocked
 
     clients = build_clients(bench.settings)  # fresh channels: a revived replica is new
     began = time.monotonic()

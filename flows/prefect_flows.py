@@ -14,12 +14,12 @@ from typing import Any
 from prefect import flow
 from pydantic import BaseModel, Field
 
-from flows import fleet
-from flows.check import run_check
+from flows import standalone
 from modelship.clients import build_clients
 from modelship.policy import policy_for
 from modelship.settings import load_settings
 from modelship.signals import stop_on_signals
+from tasks.check import run_check
 
 
 class CheckParams(BaseModel):
@@ -74,8 +74,8 @@ def swap_flow(params: SwapParams) -> dict[str, Any]:
     clients = build_clients(settings)
     try:
         with stop_on_signals():  # a cancel (SIGTERM) stops it cleanly: aborted or undone
-            return fleet.swap(settings, clients,
-                              policy_for(params.model, settings.policies_dir),
+            return standalone.swap(settings, clients,
+                                   policy_for(params.model, settings.policies_dir),
                               model=params.model, target=params.version, force=params.force,
                               dry_run=params.dry_run, requester="deployment", progress=print)
     finally:
@@ -89,7 +89,7 @@ def rollback_flow(params: RollbackParams) -> dict[str, Any]:
     clients = build_clients(settings)
     try:
         with stop_on_signals():  # a cancel (SIGTERM) stops it cleanly: aborted or undone
-            return fleet.rollback(settings, clients,
+            return standalone.rollback(settings, clients,
                                   policy_for(params.model, settings.policies_dir),
                                   model=params.model, to=params.version,
                                   dry_run=params.dry_run, requester="deployment",

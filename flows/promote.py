@@ -19,20 +19,14 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
-from flows import fleet
-from flows.check import CheckReport, run_check, stage_checked
 from modelship.clients import Clients, build_clients, notifier_for
 from modelship.errors import (
     BakeBreached,
-    GateFailed,
-    GatesInconclusive,
     InfrastructureError,
     ModelshipError,
-    PreflightError,
     ReleaseCancelled,
     UsageError,
 )
@@ -42,19 +36,31 @@ from modelship.prefect_api import keeps_outcome
 from modelship.settings import Settings, load_settings
 from modelship.signals import deferred, exit_code_for, stop_on_signals, stop_signal
 from tasks import bake as baking
+from tasks import fleet
 from tasks.approve import (
-    ApprovalChannels,
     ApprovalRequest,
     approval_request,
-    approve,
     canary_cleanup,
     channels_for,
 )
 from tasks.evidence import read_candidate_digest
+from tasks.prefect_tasks import (
+    approve_task,
+    bake_task,
+    baseline_task,
+    canary_task,
+    check_task,
+    gates_record,
+    gates_task,
+    needs_recovery,
+    publish_record,
+    record_task,
+    recover_task,
+    resolve_task,
+    stage_task,
+    swap_task,
+)
 from tasks.record import ReleaseJournal
-from tasks.recovery import dead_runs, unfinished
-from tasks.recovery import loaded_models as loaded_models  # moved; the crash matrix imports it
-from tasks.retry import TRANSIENT_RETRIES, retry_transient
 
 Progress = Callable[[str], None]
 
@@ -96,132 +102,6 @@ def _run_name() -> str:
 
 # --------------------------------------------------------------------------------------
 # the tasks: one side effect each, readable run names, retries only on transient errors
-
-
-@task(name="resolve", task_run_name="resolve {model}", cache_policy=NO_CACHE,
-      retries=TRANSIENT_RETRIES, retry_condition_fn=retry_transient)
-def resolve_task(clients: Clients, model: str, version: int | None,
-                 alias: str | None) -> dict[str, Any]:
-    """The concrete version, and what the fleet and the registry say serves now."""
-    if clients.registry is None:
-        raise UsageError("promote needs MLflow", hint="run `modelship stack up` or set "
-                         "MLFLOW_TRACKING_URI")
-    number = clients.registry.version_number(model, version=version, alias=alias)
-    status = fleet.status(clients, model=model) if clients.replicas else {}
-    serving = status.get("production_version")
-    if serving is None and any(r.get("ready_versions") for r in status.get("replicas", [])):
-        raise PreflightError(
-            f"the replicas of {model} disagree on what they serve, so a release has no "
-            "baseline; nothing was changed",
-            hint=f"converge the fleet first: `modelship rollback {model}` or `modelship swap "
-            f"{model} --to V` (`modelship status {model}` shows each replica)", model=model)
-    return {"version": number, "serving": serving, "consistent": status.get("consistent"),
-            "aliases": status.get("aliases", {})}
-
-
-@task(name="check", task_run_name="check {model} v{version}", cache_policy=NO_CACHE,
-      retries=TRANSIENT_RETRIES, retry_condition_fn=retry_transient)
-def check_task(settings: Settings, clients: Clients, policy: Policy, model: str, version: int,
-               workdir: Path, allow_breaking: bool) -> CheckReport:
-    """Export, validate (contract, config lint, GX), and trial-load the candidate."""
-    return run_check(settings, clients, policy, model=model, version=version, workdir=workdir,
-                     allow_breaking_changes=allow_breaking, progress=get_run_logger().info)
-
-
-@task(name="stage", task_run_name="stage {model} v{version}", cache_policy=NO_CACHE,
-      retries=TRANSIENT_RETRIES, retry_condition_fn=retry_transient)
-def stage_task(settings: Settings, clients: Clients, policy: Policy, report: CheckReport,
-               model: str, version: int, dry_run: bool) -> dict[str, Any]:
-    """Publish the candidate in the S3 repository (idempotent; the manifest goes last)."""
-    stage_checked(settings, clients, policy, report, dry_run=dry_run,
-                  progress=get_run_logger().info)
-    return report.staged or {}
-
-
-@task(name="canary", task_run_name="canary {model} v{candidate} vs {baseline}",
-      cache_policy=NO_CACHE)
-def canary_task(settings: Settings, clients: Clients, policy: Policy, model: str,
-                candidate: int, baseline: int | None, keep_loaded: bool = False) -> Any:
-    """The candidate next to production on the canary Triton, under load; with
-    ``keep_loaded`` (approval required) it stays loaded for the approval wait's watcher."""
-    from tasks.canary import run_canary
-
-    return run_canary(settings, clients, policy, model=model, candidate=candidate,
-                      baseline=baseline, progress=get_run_logger().info,
-                      keep_loaded=keep_loaded)
-
-
-@task(name="gates", task_run_name="gates {model} v{candidate}", cache_policy=NO_CACHE)
-def gates_task(result: Any, model: str, candidate: int) -> str:
-    """Pass, or stop the release: failed (exit 4) or inconclusive (exit 6)."""
-    from prefect.artifacts import create_table_artifact
-
-    from tasks.report import artifact_key
-
-    rows = [{k: r.get(k) for k in ("rule", "metric", "verdict", "value", "baseline",
-                                    "threshold", "p_value", "message")}
-            for r in result.gate_report.to_dict()["results"]]
-    create_table_artifact(table=rows, key=artifact_key(f"gates-{model}-v{candidate}"),
-                          description=f"Gate verdicts of {model} v{candidate}")
-    failing = "; ".join(r["message"] for r in rows if r["verdict"] not in ("passed",))
-    if result.verdict == "failed":
-        raise GateFailed(f"the gates stopped {model} v{candidate}: {failing}",
-                         hint=f"production is unchanged; read the canary report "
-                         f"({result.report_paths.get('markdown')})", model=model)
-    if result.verdict != "passed":
-        raise GatesInconclusive(
-            f"the gates could not decide on {model} v{candidate} ({result.verdict}): "
-            f"{failing}", hint="production is unchanged; run the promotion again with a "
-            "longer canary (canary.max_duration_s) or fix the cause named above", model=model)
-    return str(result.verdict)
-
-
-@task(name="approve", task_run_name="approve {model} v{version}", cache_policy=NO_CACHE)
-def approve_task(request: ApprovalRequest, journal: ReleaseJournal,
-                 channels: ApprovalChannels, model: str, version: int) -> dict[str, Any]:
-    """Wait for an approval when one is required: the run pauses, and only a checked
-    decision resumes it; expiry fails closed (exit 5)."""
-    return approve(request, journal, channels, model=model, version=version)
-
-
-@task(name="swap", task_run_name="swap {model} v{from_version} -> v{version}",
-      cache_policy=NO_CACHE)
-def swap_task(settings: Settings, clients: Clients, policy: Policy, model: str, version: int,
-              from_version: int | None, footprint_bytes: int | None = None) -> dict[str, Any]:
-    """Every replica to the candidate at once, batching paused (DESIGN §4); the GPU
-    headroom preflight uses the canary's measured footprint when there is one."""
-    return fleet.swap_unlocked(settings, clients, policy, model=model, target=version,
-                               progress=get_run_logger().info,
-                               footprint_bytes=footprint_bytes)
-
-
-@task(name="baseline", task_run_name="pre-swap window {model} v{version}",
-      cache_policy=NO_CACHE)
-def baseline_task(settings: Settings, clients: Clients, policy: Policy, model: str,
-                  version: int, payload: Any) -> baking.Reference:
-    """The bake's reference: the same probe load on production just before the swap, in
-    windows (blocks) with the load each saw."""
-    return baking.measure_reference(clients.replicas, model=model, version=version,
-                                    payload=payload, policy=policy.bake,
-                                    timeout_s=settings.http_timeout_s,
-                                    progress=get_run_logger().info)
-
-
-@task(name="bake", task_run_name="bake {model} v{version}", cache_policy=NO_CACHE)
-def bake_task(settings: Settings, clients: Clients, policy: Policy, model: str, version: int,
-              payload: Any, baseline: baking.Reference | None) -> baking.BakeReport:
-    """Watch the fleet after the swap; the verdict decides whether to roll back."""
-    return baking.watch(clients.replicas, model=model, version=version, payload=payload,
-                        policy=policy.bake, baseline=baseline,
-                        timeout_s=settings.http_timeout_s, progress=get_run_logger().info)
-
-
-@task(name="record", task_run_name="record {model} v{version}", cache_policy=NO_CACHE,
-      retries=TRANSIENT_RETRIES, retry_condition_fn=retry_transient)
-def record_task(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,
-                model: str, version: int) -> dict[str, Any]:
-    """MLflow last: version tags, ``previous``, then ``production``; prune old versions."""
-    return fleet.record_release(settings, clients, policy, record)
 
 
 # --------------------------------------------------------------------------------------
@@ -306,7 +186,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
             with journal.stage("canary") as entry:
                 result: Any = canary_task(settings, clients, policy, model, version,
                                           serving, approval.required)
-                record.gates = _gates_record(ledger, record, result)
+                record.gates = gates_record(ledger, record, result)
                 record.candidate["canary_report_id"] = record.id
                 entry.details["verdict"] = result.verdict
                 entry.details["_lines"] = _gate_lines(record.gates)
@@ -362,7 +242,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                 raise  # end_release raises; this line is for the type checker
             fleet.end_release(settings, clients, policy, record, None, write=_end(journal),
                               progress=progress)
-        _publish_record(record)
+        publish_record(record)
         return record.to_dict()
     except ModelshipError as exc:
         if record.status == "running":  # else end_release ended it (released or undone)
@@ -371,7 +251,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
             journal.finish(status, exc.exit_code, exc.message,
                            links=[f"next: {exc.hint}"] if exc.hint else [])
         exc.details["record"] = record.to_dict()
-        _publish_record(record)
+        publish_record(record)
         raise
     except BaseException as exc:  # a stop request (or a bug) before the fleet changed
         signum = stop_signal(exc)
@@ -440,20 +320,6 @@ def _unload_kept_canary(clients: Clients, journal: ReleaseJournal, *,
                 journal.note(f"canary kept for the approval wait: {done}")
 
 
-def _gates_record(ledger: Ledger, record: ReleaseRecord, result: Any) -> dict[str, Any]:
-    """The gate verdicts and the report files, uploaded next to the record."""
-    keys = {}
-    for kind, path in (result.report_paths or {}).items():
-        if path and Path(path).exists():
-            keys[kind] = ledger.attach(record, Path(path).name, Path(path))
-    gates = result.gate_report.to_dict()
-    return {"verdict": result.verdict, "baseline": result.baseline,
-            "candidate": result.candidate, "required_samples": gates.get("required_samples"),
-            "results": gates.get("results", []), "report_keys": keys,
-            "load": result.load, "skipped_rules": result.skipped_rules,
-            "gpu": result.gpu.to_dict() if result.gpu is not None else None}
-
-
 def _gate_lines(gates: dict[str, Any]) -> list[str]:
     from modelship.slack.blocks import gate_lines
 
@@ -465,25 +331,10 @@ def _gate_lines(gates: dict[str, Any]) -> list[str]:
 # (decided in tasks/recovery.py; the same for swap, rollback and reconcile)
 
 
-@task(name="recover", task_run_name="recover {model}", cache_policy=NO_CACHE,
-      retries=TRANSIENT_RETRIES, retry_condition_fn=retry_transient)
-def recover_task(settings: Settings, clients: Clients, policy: Policy, model: str,
-                 by: str) -> dict[str, Any]:
-    """Finish or undo what dead or incomplete runs left (fleet, pin, aliases, tags, their
-    records), and unload their canary and trial models."""
-    return fleet.recover_model(settings, clients, policy, model=model, by=by,
-                               progress=get_run_logger().info)
-
-
 def _note_takeover(journal: ReleaseJournal, lock: Any) -> None:
     if lock.took_over is not None:
         journal.note(f"took over the release lock of {lock.took_over.describe()}: its "
                      "process on this host is gone")
-
-
-def _needs_recovery(ledger: Ledger, model: str, current: str) -> bool:
-    return bool(dead_runs(ledger, model, current)) or any(
-        r.status == "incomplete" for r in unfinished(ledger.records(model), current))
 
 
 def _recover_first(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger,
@@ -494,7 +345,7 @@ def _recover_first(settings: Settings, clients: Clients, policy: Policy, ledger:
     from modelship.locks import release_lock
 
     record = journal.record
-    if not _needs_recovery(ledger, record.model, record.id):
+    if not needs_recovery(ledger, record.model, record.id):
         return
     held = nullcontext(lock) if lock is not None else release_lock(
         record.model, storage=clients.storage, home=settings.home,
@@ -570,27 +421,3 @@ def _flow_run_id() -> str | None:
 
     context = FlowRunContext.get()
     return str(context.flow_run.id) if context and context.flow_run else None
-
-
-def _publish_record(record: ReleaseRecord) -> None:
-    """The release record as a Prefect artifact of the flow run."""
-    from prefect.artifacts import create_markdown_artifact
-    from prefect.context import FlowRunContext
-
-    from tasks.report import artifact_key
-
-    if FlowRunContext.get() is None:
-        return
-    rows = "\n".join(f"| {s.name} | {s.outcome} | {s.started_at} | {s.ended_at or ''} | "
-                     f"{(s.reason or '').replace('|', '/')[:200]} |" for s in record.stages)
-    markdown = (f"# Release {record.id}\n\n{record.kind} **{record.model}** "
-                f"v{record.from_version} → v{record.to_version}: **{record.status}** "
-                f"(exit {record.exit_code})\n\n{record.reason or ''}\n\n"
-                "| stage | outcome | started | ended | reason |\n|---|---|---|---|---|\n"
-                f"{rows}\n")
-    try:
-        create_markdown_artifact(markdown=markdown,
-                                 key=artifact_key(f"release-{record.model}"),
-                                 description=f"Release record {record.id}")
-    except Exception as exc:  # noqa: BLE001 - the ledger holds the record either way
-        record.notes.append(f"the Prefect artifact could not be written: {exc}")

@@ -1,20 +1,10 @@
-"""Fleet operations: swap, rollback, status and the canary on its own. They compose tasks.
+"""The fleet tasks: the swap executor's wiring, undo and withdraw, the release's MLflow
+commit, its ending (released or undone on every way out), crash recovery's effects, and
+what serves. :mod:`flows.standalone` and :mod:`flows.promote` compose them.
 
-Every path that changes the fleet keeps MLflow true and leaves a ledger record:
-
-- ``swap`` swaps only a candidate whose passing canary is on record for its digest against
-  what serves now (or a version that served before, or ``--force``, recorded), under the
-  model's release lock, then moves ``previous`` to what served and ``production`` to the
-  target.
-- ``rollback`` picks its default target from the ledger (what served before the current
-  version), refuses a version that never served (unless ``--force``), moves the
-  ``production`` alias **first**, swaps back, and puts the alias back on any failure.
-- A fleet left mixed by a crashed coordinator is converged by ``swap --to V`` and
-  ``rollback``: the plan says so.
-- The GPU headroom preflight of ``swap`` and ``rollback`` uses the footprint the target's
-  canary measured, read from the ledger when the staged digest matches
-  (:func:`tasks.swap.recorded_footprint`), else the estimate; ``footprint`` in the output
-  says which.
+Every function here does one job against the outside (the replicas, the pin in S3, the
+ledger, MLflow); the decisions are pure and live in :mod:`tasks.recovery` and
+:mod:`modelship.triton.swap_plan`.
 """
 
 from __future__ import annotations
@@ -28,7 +18,6 @@ from modelship.errors import (
     InfrastructureError,
     ModelNotFound,
     ModelshipError,
-    PreflightError,
     ReleaseCancelled,
     ReleaseIncomplete,
     ReleaseLocked,
@@ -45,14 +34,13 @@ from modelship.ledger import (
     rollback_target,
     served_before,
 )
-from modelship.locks import release_lock
 from modelship.policy import Policy
 from modelship.settings import Settings
 from modelship.signals import stop_signal
 from modelship.signing import key_bytes
 from modelship.triton.model_config import example_request
 from tasks import recovery
-from tasks.evidence import read_candidate_digest, require_evidence
+from tasks.evidence import read_candidate_digest
 from tasks.stage import prune_versions, staged_config
 from tasks.swap import fleet_status
 
@@ -63,7 +51,7 @@ def _quiet(_: str) -> None:
     """The default progress sink: say nothing."""
 
 
-def _require_fleet(clients: Clients) -> None:
+def require_fleet(clients: Clients) -> None:
     if not clients.replicas:
         raise UsageError("no Triton replicas are configured",
                          hint="run `modelship stack up` or set MODELSHIP_TRITON_REPLICAS")
@@ -72,7 +60,7 @@ def _require_fleet(clients: Clients) -> None:
                          hint="run `modelship stack up` or set MODELSHIP_S3_ENDPOINT")
 
 
-def _ledger(clients: Clients) -> Ledger:
+def ledger_of(clients: Clients) -> Ledger:
     assert clients.storage is not None
     return Ledger(clients.storage)
 
@@ -89,7 +77,7 @@ def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model
     was read (a release record)."""
     from tasks.swap import swap_fleet
 
-    _require_fleet(clients)
+    require_fleet(clients)
     assert clients.storage is not None
     config = staged_config(clients.storage, repository_prefix=settings.repository_prefix,
                            model=model, version=target)
@@ -104,7 +92,7 @@ def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model
     return report.to_dict()
 
 
-def _recorded_footprint(records: list[ReleaseRecord], digest: dict[str, Any],
+def recorded_footprint_for(records: list[ReleaseRecord], digest: dict[str, Any],
                         progress: Progress) -> dict[str, Any]:
     """C's canary-measured GPU footprint from the ledger, for the headroom preflight of a
     swap or rollback outside a release (``swap_unlocked``'s footprint keywords)."""
@@ -246,7 +234,7 @@ def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model
     """
     if clients.storage is None:
         return {"interrupted": [], "finished": [], "unloaded": [], "fleet": None}
-    ledger = _ledger(clients)
+    ledger = ledger_of(clients)
     effects = FleetEffects(settings, clients, policy, model=model, progress=progress)
     report = recovery.recover(ledger, model, by=by, observe=observer(settings, clients, model),
                               effects=effects, progress=progress)
@@ -317,7 +305,7 @@ def repair_noop(settings: Settings, clients: Clients, policy: Policy, *, model: 
         ReleaseIncomplete: a repair could not be done now (MLflow down).
     """
     assert clients.storage is not None
-    records = _ledger(clients).records(model)
+    records = ledger_of(clients).records(model)
     tagged_by = recovery.newest_release_of(records, version) or release_id
     target = recovery.repair_target(version, previous=rollback_target(records, version),
                                     release_id=tagged_by)
@@ -356,7 +344,7 @@ def refuse_while_running(ledger: Ledger, model: str, *, what: str) -> None:
         + f"; then `modelship status {model}`", model=model, release_id=run.id)
 
 
-def _serving(clients: Clients, model: str) -> tuple[int | None, dict[str, Any]]:
+def serving_now(clients: Clients, model: str) -> tuple[int | None, dict[str, Any]]:
     """What every replica serves (None: nothing, or a mixed fleet), asked of the replicas
     alone: a fleet change must not depend on MLflow to know what serves."""
     doc = fleet_status(clients.replicas, model)
@@ -365,12 +353,12 @@ def _serving(clients: Clients, model: str) -> tuple[int | None, dict[str, Any]]:
     return serving, {**doc, "production_version": serving}
 
 
-def _converge_needed(doc: dict[str, Any]) -> bool:
+def converge_needed(doc: dict[str, Any]) -> bool:
     return not doc.get("consistent") and any(r.get("ready_versions")
                                              for r in doc.get("replicas", []))
 
 
-def _finish(ledger: Ledger, record: ReleaseRecord, status_: str, code: int,
+def finish_record(ledger: Ledger, record: ReleaseRecord, status_: str, code: int,
             reason: str | None) -> None:
     record.finish(status_, code, reason)
     ledger.write(record)
@@ -389,7 +377,7 @@ def aliases_now(clients: Clients, model: str) -> dict[str, int] | None:
         return None
 
 
-def _begin(settings: Settings, ledger: Ledger, record: ReleaseRecord, clients: Clients, *,
+def begin_change(settings: Settings, ledger: Ledger, record: ReleaseRecord, clients: Clients, *,
            doc: dict[str, Any], target: int, stage: str) -> None:
     """Write the intent and open the fleet stage, before the first change of the fleet.
 
@@ -397,7 +385,7 @@ def _begin(settings: Settings, ledger: Ledger, record: ReleaseRecord, clients: C
     recorded production (the pin); with no pin either, the only way home is forward, so
     the intent is committed from the start."""
     serving = doc.get("production_version")
-    mixed = _converge_needed(doc)
+    mixed = converge_needed(doc)
     back = serving
     if mixed:
         seen = recovery.observe_seen(clients, model=record.model, version=None,
@@ -416,83 +404,13 @@ def _begin(settings: Settings, ledger: Ledger, record: ReleaseRecord, clients: C
     ledger.write(record)
 
 
-def _commit(ledger: Ledger, record: ReleaseRecord, stage: str) -> None:
+def commit_change(ledger: Ledger, record: ReleaseRecord, stage: str) -> None:
     """The fleet switched: the point of no return of a plain swap or rollback."""
     entry = record.stage(stage)
     if entry is not None:
         entry.outcome, entry.ended_at = "ok", now_iso()
     record.intent["committed_at"] = now_iso()
     ledger.write(record)
-
-
-def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, target: int,
-         force: bool = False, dry_run: bool = False, requester: str | None = None,
-         progress: Progress = _quiet) -> dict[str, Any]:
-    """``modelship swap``: under the model's lock, first finish or undo what dead or
-    incomplete releases left; then evidence, the intent, the swap, and released (tag,
-    ``previous``, ``production`` last) or undone on every way out. A no-op repairs the
-    pin, the tag and the aliases to what serves."""
-    _require_fleet(clients)
-    assert clients.storage is not None
-    ledger = _ledger(clients)
-    digest = read_candidate_digest(clients.storage, repository_prefix=settings.repository_prefix,
-                                   model=model, version=target)
-    if dry_run:
-        serving, doc = _serving(clients, model)
-        records = ledger.records(model)
-        evidence = require_evidence(records, model=model, digest=digest, serving=serving,
-                                    force=force)
-        footprint = _recorded_footprint(records, digest, progress)
-        report = swap_unlocked(settings, clients, policy, model=model, target=target,
-                               dry_run=True, converge=_converge_needed(doc),
-                               progress=progress,
-                               **{k: footprint[k] for k in ("footprint_bytes",
-                                                            "footprint_detail")})
-        return {**report, "evidence": evidence, "footprint": footprint["evidence"]}
-    record = ReleaseRecord.start("swap", model, requester=requester, to_version=target,
-                                 candidate=digest)
-    refuse_while_running(ledger, model, what="swap")
-    with release_lock(model, storage=clients.storage, home=settings.home,
-                      release_id=record.id, kind="swap"):
-        recovered = recover_model(settings, clients, policy, model=model, by=record.id,
-                                  progress=progress)
-        serving, doc = _serving(clients, model)
-        records = ledger.records(model)
-        evidence = require_evidence(records, model=model, digest=digest, serving=serving,
-                                    force=force)
-        footprint = _recorded_footprint(records, digest, progress)
-        record.from_version, record.forced = serving, evidence["basis"] == "forced"
-        record.gates = {"evidence": evidence}
-        if recovered["finished"]:
-            record.notes.append(f"finished first: {recovered['finished']}")
-        _begin(settings, ledger, record, clients, doc=doc, target=target, stage="swap")
-        try:
-            report = swap_unlocked(settings, clients, policy, model=model, target=target,
-                                   converge=_converge_needed(doc), progress=progress,
-                                   **{k: footprint[k] for k in ("footprint_bytes",
-                                                                "footprint_detail")})
-            record.swap = {**report, "footprint": footprint["evidence"]}
-            if report.get("kind") == "noop":
-                repaired = repair_noop(settings, clients, policy, model=model,
-                                       version=target, release_id=record.id,
-                                       progress=progress)
-                record.notes.extend(f"repaired: {line}" for line in repaired)
-                record.intent = {}  # nothing changed the fleet: nothing to finish or undo
-                _finish(ledger, record, "noop", 0, f"v{target} already serves"
-                        + (f"; repaired {'; '.join(repaired)}" if repaired else ""))
-                return {**report, "release_id": record.id, "evidence": evidence,
-                        "footprint": footprint["evidence"], "repaired": repaired}
-            _commit(ledger, record, "swap")
-        except BaseException as exc:
-            if record.status != "running":
-                raise
-            end_release(settings, clients, policy, record, exc, write=ledger.write,
-                        progress=progress)
-            raise  # end_release raises; this line is for the type checker
-        end_release(settings, clients, policy, record, None, write=ledger.write,
-                    progress=progress)
-    return {**report, "release_id": record.id, "evidence": evidence,
-            "footprint": footprint["evidence"], "status": record.status}
 
 
 def status(clients: Clients, *, model: str) -> dict[str, Any]:
@@ -514,7 +432,7 @@ def status(clients: Clients, *, model: str) -> dict[str, Any]:
     last = None
     if clients.storage is not None:
         try:
-            found = last_release(_ledger(clients).records(model))
+            found = last_release(ledger_of(clients).records(model))
             last = None if found is None else {
                 "id": found.id, "kind": found.kind, "status": found.status,
                 "from_version": found.from_version, "to_version": found.to_version,
@@ -533,77 +451,14 @@ def status(clients: Clients, *, model: str) -> dict[str, Any]:
     }
 
 
-def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str,
-             to: int | None, force: bool = False, dry_run: bool = False,
-             requester: str | None = None, progress: Progress = _quiet) -> dict[str, Any]:
-    """Under the model's lock, first finish or undo what dead or incomplete releases left;
-    then the intent, the ``production`` alias first, the fleet, and released (tag,
-    ``previous``) or undone (fleet and alias back) on every way out. A live release of the
-    model (say in its bake) is named, with how to stop it."""
-    _require_fleet(clients)
-    if clients.registry is None:
-        raise UsageError("rollback needs MLflow to move the production alias",
-                         hint="set MLFLOW_TRACKING_URI or run `modelship stack up`")
-    assert clients.storage is not None
-    ledger = _ledger(clients)
-    if to is not None:
-        clients.registry.version_number(model, version=to, alias=None)  # names what exists
-    if dry_run:
-        return _rollback_plan(settings, clients, policy, ledger, model=model, to=to,
-                              force=force, dry_run=True, progress=progress)[0]
-    record = ReleaseRecord.start("rollback", model, requester=requester)
-    refuse_while_running(ledger, model, what="roll back")
-    with release_lock(model, storage=clients.storage, home=settings.home,
-                      release_id=record.id, kind="rollback"):
-        recovered = recover_model(settings, clients, policy, model=model, by=record.id,
-                                  progress=progress)
-        plan, doc = _rollback_plan(settings, clients, policy, ledger, model=model, to=to,
-                                   force=force, dry_run=False, progress=progress)
-        current, target = plan["from_version"], plan["to_version"]
-        record.from_version, record.to_version = current, target
-        record.candidate, record.forced = plan["digest"], plan["forced"]
-        if recovered["finished"]:
-            record.notes.append(f"finished first: {recovered['finished']}")
-        _begin(settings, ledger, record, clients, doc=doc, target=target, stage="swap")
-        try:
-            progress(f"moving alias {PRODUCTION_ALIAS} of {model} to v{target} (first)")
-            clients.registry.set_alias(model, PRODUCTION_ALIAS, target)
-            report = {**swap_unlocked(settings, clients, policy, model=model, target=target,
-                                      converge=_converge_needed(doc), progress=progress,
-                                      **plan["sized"]),
-                      "footprint": plan["footprint"]}
-            record.swap = report
-            _commit(ledger, record, "swap")
-        except BaseException as exc:
-            if record.status != "running":
-                raise
-            progress(f"rollback stopped ({type(exc).__name__}): putting the fleet and alias "
-                     f"{PRODUCTION_ALIAS} back on {'nothing' if current is None else current}")
-            end_release(settings, clients, policy, record, exc, write=ledger.write,
-                        progress=progress)
-            raise  # end_release raises; this line is for the type checker
-        end_release(settings, clients, policy, record, None, write=ledger.write,
-                    progress=progress)
-        record.reason = f"rolled back from v{current}"
-        try:
-            clients.registry.set_tags(model, target, {"modelship.rolled_back_from":
-                                                      str(current)})
-            ledger.write(record)
-        except ModelshipError as exc:
-            progress(f"note: the rolled_back_from tag was not written: {exc.message}")
-    return {"model": model, "from_version": current, "to_version": target, "dry_run": False,
-            "release_id": record.id, "aliases": aliases_now(clients, model),
-            "swap": report, "status": record.status}
-
-
-def _rollback_plan(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger, *,
+def rollback_plan(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger, *,
                    model: str, to: int | None, force: bool, dry_run: bool,
                    progress: Progress) -> tuple[dict[str, Any], dict[str, Any]]:
     """Where a rollback goes (the ledger's default target, or ``to`` if it served before),
     sized for the headroom preflight; with ``dry_run`` the swap's plan too."""
     assert clients.registry is not None and clients.storage is not None
     aliases = clients.registry.aliases(model)
-    serving, doc = _serving(clients, model)
+    serving, doc = serving_now(clients, model)
     current = serving if serving is not None else aliases.get(PRODUCTION_ALIAS)
     records = ledger.records(model)
     if to is None:
@@ -623,14 +478,14 @@ def _rollback_plan(settings: Settings, clients: Clients, policy: Policy, ledger:
             "and canaries it, or pass --force (recorded)", model=model, version=to)
     digest = read_candidate_digest(clients.storage, repository_prefix=settings.repository_prefix,
                                    model=model, version=to)
-    footprint = _recorded_footprint(records, digest, progress)
+    footprint = recorded_footprint_for(records, digest, progress)
     sized = {k: footprint[k] for k in ("footprint_bytes", "footprint_detail")}
     plan = {"model": model, "from_version": current, "to_version": to, "digest": digest,
             "forced": force and not served_before(records, to), "sized": sized,
             "footprint": footprint["evidence"]}
     if dry_run:
         report = swap_unlocked(settings, clients, policy, model=model, target=to,
-                               dry_run=True, converge=_converge_needed(doc),
+                               dry_run=True, converge=converge_needed(doc),
                                progress=progress, **sized)
         return {"model": model, "from_version": current, "to_version": to, "dry_run": True,
                 "swap": {**report, "footprint": footprint["evidence"]}}, doc
@@ -642,62 +497,4 @@ def history(clients: Clients, *, model: str) -> list[dict[str, Any]]:
     if clients.storage is None:
         raise UsageError("history reads the ledger in S3, and no S3 is configured",
                          hint="run `modelship stack up` or set MODELSHIP_S3_ENDPOINT")
-    return [r.to_dict() for r in _ledger(clients).records(model)]
-
-
-def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, version: int,
-           progress: Progress = _quiet) -> dict[str, Any]:
-    """Stage if needed, then the canary against the version in production, and the gates.
-
-    No swap. The result is recorded in the ledger (kind ``canary``), so a later
-    ``swap --to V`` finds its evidence. On a first release only absolute gates apply.
-    """
-    import tempfile
-    from pathlib import Path
-
-    from flows.check import run_check
-    from tasks.canary import run_canary
-    from tasks.stage import manifest_key
-
-    if clients.storage is None or clients.canary is None:
-        raise UsageError("the canary needs an S3 repository and a canary Triton",
-                         hint="run `modelship stack up` or set MODELSHIP_S3_ENDPOINT and "
-                         "MODELSHIP_TRITON_CANARY")
-    if not clients.storage.exists(manifest_key(settings.repository_prefix, model, version)):
-        progress(f"{model} v{version} is not staged yet: checking and staging it first")
-        with tempfile.TemporaryDirectory(prefix="modelship-canary-") as tmp:
-            run_check(settings, clients, policy, model=model, version=version,
-                      workdir=Path(tmp), stage=True, progress=progress)
-    baseline, doc = _serving(clients, model) if clients.replicas else (None, {})
-    if baseline is None and _converge_needed(doc):
-        raise PreflightError(
-            f"the replicas of {model} disagree on the version they serve, so there is no "
-            "baseline to compare with",
-            hint=f"converge them first with `modelship rollback {model}` or `modelship swap "
-            f"{model} --to V`", model=model)
-    if baseline == version:
-        progress(f"{model} v{version} is already in production: nothing to compare")
-        return {"model": model, "candidate": version, "baseline": baseline, "verdict": "noop",
-                "message": f"v{version} already serves in production"}
-    ledger = _ledger(clients)
-    record = ReleaseRecord.start("canary", model, from_version=baseline, to_version=version,
-                                 candidate=read_candidate_digest(
-                                     clients.storage,
-                                     repository_prefix=settings.repository_prefix,
-                                     model=model, version=version))
-    with release_lock(model, storage=clients.storage, home=settings.home,
-                      release_id=record.id, kind="canary"):
-        result = run_canary(settings, clients, policy, model=model, candidate=version,
-                            baseline=baseline, progress=progress)
-    keys = {kind: ledger.attach(record, Path(path).name, Path(path))
-            for kind, path in (result.report_paths or {}).items()
-            if path and Path(path).exists()}
-    gates = result.gate_report.to_dict()
-    record.gates = {"verdict": result.verdict, "baseline": baseline, "candidate": version,
-                    "results": gates.get("results", []), "report_keys": keys,
-                    # C's measured GPU footprint: a later `swap --to V` sizes its headroom by it
-                    "gpu": result.gpu.to_dict() if result.gpu is not None else None}
-    record.candidate["canary_report_id"] = record.id
-    code = {"passed": 0, "failed": 4, "inconclusive": 6}.get(result.verdict, 1)
-    _finish(ledger, record, "passed" if code == 0 else "rejected", code, None)
-    return {**dict(result.to_dict()), "release_id": record.id}
+    return [r.to_dict() for r in ledger_of(clients).records(model)]

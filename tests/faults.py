@@ -164,7 +164,7 @@ def _install(stage: str, act: Callable[[], None]) -> None:
 
         _after(bake, "watch", act, before=True)
     elif stage == "record":
-        import flows.fleet as fleet
+        import tasks.fleet as fleet
 
         _after(fleet, "record_release", act, before=True)
     else:
@@ -374,7 +374,7 @@ def observe(settings: Any, model: str, *, locks: Callable[[], Sequence[Mapping[s
                         for r in reversed(Ledger(clients.storage).records(model)))
         leftovers: tuple[str, ...] = ()
         if clients.canary is not None:
-            from flows.promote import loaded_models
+            from tasks.recovery import loaded_models
 
             leftovers = tuple(n for n in loaded_models(clients.canary)
                               if n == model or n.startswith(f"_trial_{model}"))

@@ -45,11 +45,11 @@ def swap(model: ModelArg,
          as_json: JsonOpt = False) -> None:
     """Swap every replica to a staged version with a passing canary on record (atomic; a
     mixed fleet is converged). Moves the aliases and records the swap."""
-    from flows import fleet
+    from flows import standalone
     from modelship.policy import policy_for
 
     def action() -> Any:
-        return with_clients(lambda settings, clients: fleet.swap(
+        return with_clients(lambda settings, clients: standalone.swap(
             settings, clients, policy_for(model, settings.policies_dir, policy), model=model,
             target=to, force=force, dry_run=dry_run, requester=_requester(settings),
             progress=progress))
@@ -65,11 +65,11 @@ def rollback(model: ModelArg,
              as_json: JsonOpt = False) -> None:
     """Roll back to what served before (the ledger says which): the alias first, then every
     replica; the alias is put back if anything fails."""
-    from flows import fleet
+    from flows import standalone
     from modelship.policy import policy_for
 
     def action() -> Any:
-        return with_clients(lambda settings, clients: fleet.rollback(
+        return with_clients(lambda settings, clients: standalone.rollback(
             settings, clients, policy_for(model, settings.policies_dir, policy), model=model,
             to=to, force=force, dry_run=dry_run, requester=_requester(settings),
             progress=progress))
@@ -87,7 +87,7 @@ def status(model: ModelArg, as_json: JsonOpt = False) -> None:
     """Compare the replicas (versions and live configs, batching included) with the
     production pin, the production alias and the newest ledger record. Exit 1 on any
     disagreement, naming the command that repairs it; a source that is down is noted."""
-    from flows.status import status_report
+    from tasks.status import status_report
 
     finish(run_reporting(
         lambda: with_clients(lambda settings, clients: status_report(settings, clients,
@@ -147,8 +147,8 @@ def load(model: ModelArg, version: VersionOpt = None,
                                               help="Load the canary, not the fleet.")] = False,
          as_json: JsonOpt = False) -> None:
     """The canary load generator on its own: latency percentiles, throughput, errors."""
-    from flows import fleet
     from modelship.loadgen import LoadSpec, run_load_sync
+    from tasks import fleet
 
     def action() -> Any:
         def body(settings: Any, clients: Any) -> Any:
@@ -229,7 +229,7 @@ def canary(model: ModelArg,
                "canary.sequential).")] = None,
            as_json: JsonOpt = False) -> None:
     """Canary the candidate against production on the canary Triton; apply the gates."""
-    from flows import fleet
+    from flows import standalone
     from modelship.policy import policy_for
 
     def action() -> Any:
@@ -238,7 +238,7 @@ def canary(model: ModelArg,
             if sequential is not None:
                 chosen = chosen.model_copy(update={"canary": chosen.canary.model_copy(
                     update={"sequential": sequential})})
-            return fleet.canary(settings, clients, chosen, model=model, version=version,
+            return standalone.canary(settings, clients, chosen, model=model, version=version,
                                 progress=progress)
 
         return with_clients(body)
@@ -280,10 +280,10 @@ def reconcile(model: Annotated[str | None, typer.Argument(
     import os
     import sys
 
-    from flows import fleet
     from modelship.locks import release_lock
     from modelship.policy import policy_for
     from modelship.signing import key_bytes
+    from tasks import fleet
     from tasks import reconcile as reconciling
 
     def arguments(settings: Any, clients: Any) -> dict[str, Any]:

@@ -82,9 +82,9 @@ def promote(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
     def action() -> Any:
         import getpass
 
-        from flows.check import parse_ref
         from flows.promote import PromoteParams, promote_flow
         from modelship.prefect_api import run_flow
+        from tasks.check import parse_ref
 
         parse_ref(version, alias)
         current = settings()
@@ -105,7 +105,7 @@ def promote(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
 @app.command("history")
 def history(model: ModelArg, as_json: JsonOpt = False) -> None:
     """The release records of a model (the ledger), newest first, rollbacks included."""
-    from flows import fleet
+    from tasks import fleet
 
     def render(records: list[dict[str, Any]]) -> str:
         if not records:

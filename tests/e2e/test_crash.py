@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-from flows.promote import loaded_models
 from modelship.clients import build_clients
 from modelship.ledger import Ledger
 from modelship.settings import Settings
+from tasks.recovery import loaded_models
 from tests import models
 from tests.conftest import ROOT, RUNTIME_VENV, run_cli
 
@@ -59,7 +59,7 @@ HARNESS = textwrap.dedent("""
         import tasks.trial_load as module
         module.compare_outputs = die
     elif point == "after-check":  # check passed; staging is about to begin
-        import flows.promote as module
+        import tasks.prefect_tasks as module
         module.stage_checked = die
     elif point == "stage":        # the first file is uploaded, the manifest is not
         from modelship.storage import S3Storage

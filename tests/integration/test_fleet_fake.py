@@ -1,6 +1,6 @@
 """The real fleet swap against the fake Triton fleet (bench/fake_triton.py): 5 replicas.
 
-The coordinator is the one ``modelship swap`` runs (:func:`flows.fleet.swap_unlocked`, with
+The coordinator is the one ``modelship swap`` runs (:func:`tasks.fleet.swap_unlocked`, with
 clients built from settings); the candidate is staged, signed and verified in a private
 SeaweedFS; only the replicas are simulated, in one process. What each replica was asked
 to do is read back from the fake's call log, and what it serves from the fake's state,
@@ -28,7 +28,6 @@ from bench.fleet_scale import (
     swap_once,
 )
 from bench.staging import seaweed
-from flows.fleet import swap_unlocked
 from modelship.clients import build_clients
 from modelship.errors import InfrastructureError, PreflightError
 from modelship.policy import Policy, StagingPolicy, SwapPolicy
@@ -37,6 +36,7 @@ from modelship.signing import generate_key, key_bytes
 from modelship.triton.client import TritonServer
 from modelship.triton.infer import TritonInference
 from modelship.triton.model_config import to_json
+from tasks.fleet import swap_unlocked
 
 pytestmark = pytest.mark.integration
 

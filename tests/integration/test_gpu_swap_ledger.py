@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import fleet
+from flows import standalone
 from flows.check import run_check
 from modelship.clients import Clients, build_clients
 from modelship.errors import PreflightError
@@ -62,7 +62,7 @@ def _record(clients: Clients, settings: Settings, version: int, *, candidate_byt
 def _dry_swap(settings: Settings, clients: Clients, version: int,
               proxies: list[GpuProxy]) -> dict[str, object]:
     gpu_clients = replace(clients, replicas=[through(p) for p in proxies])
-    return fleet.swap(settings, gpu_clients, Policy(), model=MODEL, target=version,
+    return standalone.swap(settings, gpu_clients, Policy(), model=MODEL, target=version,
                       force=True, dry_run=True)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from flows import fleet
+from flows import standalone
 from flows.check import run_check
 from model_registry.client import RegistryClient
 from modelship.clients import Clients, build_clients
@@ -33,6 +33,7 @@ from modelship.policy import Policy
 from modelship.settings import Settings
 from modelship.signals import stop_on_signals
 from modelship.signing import key_bytes
+from tasks import fleet
 from tasks import reconcile as reconciling
 from tasks.reconcile import read_pin
 from tasks.swap import fleet_status
@@ -68,7 +69,7 @@ def staged(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory
 
 
 def _swap(s: Staged, target: int, clients: Clients | None = None) -> dict[str, Any]:
-    return fleet.swap(s.settings, clients or s.clients, Policy(), model=MODEL, target=target,
+    return standalone.swap(s.settings, clients or s.clients, Policy(), model=MODEL, target=target,
                       force=True, requester="txn-test")
 
 
@@ -175,7 +176,7 @@ def test_a_rollback_during_a_live_release_names_it(staged: Staged) -> None:
     ledger.write(live)  # this process is its holder: alive, as a bake in another terminal
     try:
         with pytest.raises(ReleaseLocked) as refused:
-            fleet.rollback(s.settings, s.clients, Policy(), model=MODEL, to=None)
+            standalone.rollback(s.settings, s.clients, Policy(), model=MODEL, to=None)
         assert live.id in refused.value.message and "bake" in refused.value.message
         assert f"kill -TERM {os.getpid()}" in (refused.value.hint or "")
     finally:

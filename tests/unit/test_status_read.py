@@ -9,10 +9,10 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from flows.status import read_within, status_report
 from modelship.clients import build_clients
 from modelship.errors import StorageError, Unreachable
 from modelship.settings import Settings
+from tasks.status import read_within, status_report
 
 
 def test_a_call_that_does_not_return_by_the_deadline_is_unreachable() -> None:

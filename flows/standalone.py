@@ -1,0 +1,224 @@
+"""The fleet commands on their own: ``swap``, ``rollback`` and the ``canary``. They compose
+the fleet tasks of :mod:`tasks.fleet`; every I/O call is there or in :mod:`tasks`.
+
+Every path that changes the fleet keeps MLflow true and leaves a ledger record:
+
+- ``swap`` swaps only a candidate whose passing canary is on record for its digest against
+  what serves now (or a version that served before, or ``--force``, recorded), under the
+  model's release lock, then moves ``previous`` to what served and ``production`` to the
+  target.
+- ``rollback`` picks its default target from the ledger (what served before the current
+  version), refuses a version that never served (unless ``--force``), moves the
+  ``production`` alias **first**, swaps back, and puts the alias back on any failure.
+- A fleet left mixed by a crashed coordinator is converged by ``swap --to V`` and
+  ``rollback``: the plan says so.
+- The GPU headroom preflight of ``swap`` and ``rollback`` uses the footprint the target's
+  canary measured, read from the ledger when the staged digest matches
+  (:func:`tasks.swap.recorded_footprint`), else the estimate; ``footprint`` in the output
+  says which.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from model_registry.client import PRODUCTION_ALIAS
+from modelship.clients import Clients
+from modelship.errors import ModelshipError, PreflightError, UsageError
+from modelship.ledger import ReleaseRecord
+from modelship.locks import release_lock
+from modelship.policy import Policy
+from modelship.settings import Settings
+from tasks import fleet
+from tasks.evidence import read_candidate_digest, require_evidence
+from tasks.fleet import Progress, _quiet
+
+
+def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, target: int,
+         force: bool = False, dry_run: bool = False, requester: str | None = None,
+         progress: Progress = _quiet) -> dict[str, Any]:
+    """``modelship swap``: under the model's lock, first finish or undo what dead or
+    incomplete releases left; then evidence, the intent, the swap, and released (tag,
+    ``previous``, ``production`` last) or undone on every way out. A no-op repairs the
+    pin, the tag and the aliases to what serves."""
+    fleet.require_fleet(clients)
+    assert clients.storage is not None
+    ledger = fleet.ledger_of(clients)
+    digest = read_candidate_digest(clients.storage, repository_prefix=settings.repository_prefix,
+                                   model=model, version=target)
+    if dry_run:
+        serving, doc = fleet.serving_now(clients, model)
+        records = ledger.records(model)
+        evidence = require_evidence(records, model=model, digest=digest, serving=serving,
+                                    force=force)
+        footprint = fleet.recorded_footprint_for(records, digest, progress)
+        report = fleet.swap_unlocked(settings, clients, policy, model=model, target=target,
+                               dry_run=True, converge=fleet.converge_needed(doc),
+                               progress=progress,
+                               **{k: footprint[k] for k in ("footprint_bytes",
+                                                            "footprint_detail")})
+        return {**report, "evidence": evidence, "footprint": footprint["evidence"]}
+    record = ReleaseRecord.start("swap", model, requester=requester, to_version=target,
+                                 candidate=digest)
+    fleet.refuse_while_running(ledger, model, what="swap")
+    with release_lock(model, storage=clients.storage, home=settings.home,
+                      release_id=record.id, kind="swap"):
+        recovered = fleet.recover_model(settings, clients, policy, model=model, by=record.id,
+                                  progress=progress)
+        serving, doc = fleet.serving_now(clients, model)
+        records = ledger.records(model)
+        evidence = require_evidence(records, model=model, digest=digest, serving=serving,
+                                    force=force)
+        footprint = fleet.recorded_footprint_for(records, digest, progress)
+        record.from_version, record.forced = serving, evidence["basis"] == "forced"
+        record.gates = {"evidence": evidence}
+        if recovered["finished"]:
+            record.notes.append(f"finished first: {recovered['finished']}")
+        fleet.begin_change(settings, ledger, record, clients, doc=doc, target=target, stage="swap")
+        try:
+            report = fleet.swap_unlocked(settings, clients, policy, model=model, target=target,
+                                   converge=fleet.converge_needed(doc), progress=progress,
+                                   **{k: footprint[k] for k in ("footprint_bytes",
+                                                                "footprint_detail")})
+            record.swap = {**report, "footprint": footprint["evidence"]}
+            if report.get("kind") == "noop":
+                repaired = fleet.repair_noop(settings, clients, policy, model=model,
+                                       version=target, release_id=record.id,
+                                       progress=progress)
+                record.notes.extend(f"repaired: {line}" for line in repaired)
+                record.intent = {}  # nothing changed the fleet: nothing to finish or undo
+                fleet.finish_record(ledger, record, "noop", 0, f"v{target} already serves"
+                        + (f"; repaired {'; '.join(repaired)}" if repaired else ""))
+                return {**report, "release_id": record.id, "evidence": evidence,
+                        "footprint": footprint["evidence"], "repaired": repaired}
+            fleet.commit_change(ledger, record, "swap")
+        except BaseException as exc:
+            if record.status != "running":
+                raise
+            fleet.end_release(settings, clients, policy, record, exc, write=ledger.write,
+                        progress=progress)
+            raise  # end_release raises; this line is for the type checker
+        fleet.end_release(settings, clients, policy, record, None, write=ledger.write,
+                    progress=progress)
+    return {**report, "release_id": record.id, "evidence": evidence,
+            "footprint": footprint["evidence"], "status": record.status}
+
+
+def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str,
+             to: int | None, force: bool = False, dry_run: bool = False,
+             requester: str | None = None, progress: Progress = _quiet) -> dict[str, Any]:
+    """Under the model's lock, first finish or undo what dead or incomplete releases left;
+    then the intent, the ``production`` alias first, the fleet, and released (tag,
+    ``previous``) or undone (fleet and alias back) on every way out. A live release of the
+    model (say in its bake) is named, with how to stop it."""
+    fleet.require_fleet(clients)
+    if clients.registry is None:
+        raise UsageError("rollback needs MLflow to move the production alias",
+                         hint="set MLFLOW_TRACKING_URI or run `modelship stack up`")
+    assert clients.storage is not None
+    ledger = fleet.ledger_of(clients)
+    if to is not None:
+        clients.registry.version_number(model, version=to, alias=None)  # names what exists
+    if dry_run:
+        return fleet.rollback_plan(settings, clients, policy, ledger, model=model, to=to,
+                              force=force, dry_run=True, progress=progress)[0]
+    record = ReleaseRecord.start("rollback", model, requester=requester)
+    fleet.refuse_while_running(ledger, model, what="roll back")
+    with release_lock(model, storage=clients.storage, home=settings.home,
+                      release_id=record.id, kind="rollback"):
+        recovered = fleet.recover_model(settings, clients, policy, model=model, by=record.id,
+                                  progress=progress)
+        plan, doc = fleet.rollback_plan(settings, clients, policy, ledger, model=model, to=to,
+                                   force=force, dry_run=False, progress=progress)
+        current, target = plan["from_version"], plan["to_version"]
+        record.from_version, record.to_version = current, target
+        record.candidate, record.forced = plan["digest"], plan["forced"]
+        if recovered["finished"]:
+            record.notes.append(f"finished first: {recovered['finished']}")
+        fleet.begin_change(settings, ledger, record, clients, doc=doc, target=target, stage="swap")
+        try:
+            progress(f"moving alias {PRODUCTION_ALIAS} of {model} to v{target} (first)")
+            clients.registry.set_alias(model, PRODUCTION_ALIAS, target)
+            report = {**fleet.swap_unlocked(settings, clients, policy, model=model, target=target,
+                                      converge=fleet.converge_needed(doc), progress=progress,
+                                      **plan["sized"]),
+                      "footprint": plan["footprint"]}
+            record.swap = report
+            fleet.commit_change(ledger, record, "swap")
+        except BaseException as exc:
+            if record.status != "running":
+                raise
+            progress(f"rollback stopped ({type(exc).__name__}): putting the fleet and alias "
+                     f"{PRODUCTION_ALIAS} back on {'nothing' if current is None else current}")
+            fleet.end_release(settings, clients, policy, record, exc, write=ledger.write,
+                        progress=progress)
+            raise  # end_release raises; this line is for the type checker
+        fleet.end_release(settings, clients, policy, record, None, write=ledger.write,
+                    progress=progress)
+        record.reason = f"rolled back from v{current}"
+        try:
+            clients.registry.set_tags(model, target, {"modelship.rolled_back_from":
+                                                      str(current)})
+            ledger.write(record)
+        except ModelshipError as exc:
+            progress(f"note: the rolled_back_from tag was not written: {exc.message}")
+    return {"model": model, "from_version": current, "to_version": target, "dry_run": False,
+            "release_id": record.id, "aliases": fleet.aliases_now(clients, model),
+            "swap": report, "status": record.status}
+
+
+def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, version: int,
+           progress: Progress = _quiet) -> dict[str, Any]:
+    """Stage if needed, then the canary against the version in production, and the gates.
+
+    No swap. The result is recorded in the ledger (kind ``canary``), so a later
+    ``swap --to V`` finds its evidence. On a first release only absolute gates apply.
+    """
+    from tasks.canary import run_canary
+    from tasks.check import run_check
+    from tasks.stage import manifest_key
+
+    if clients.storage is None or clients.canary is None:
+        raise UsageError("the canary needs an S3 repository and a canary Triton",
+                         hint="run `modelship stack up` or set MODELSHIP_S3_ENDPOINT and "
+                         "MODELSHIP_TRITON_CANARY")
+    if not clients.storage.exists(manifest_key(settings.repository_prefix, model, version)):
+        progress(f"{model} v{version} is not staged yet: checking and staging it first")
+        with tempfile.TemporaryDirectory(prefix="modelship-canary-") as tmp:
+            run_check(settings, clients, policy, model=model, version=version,
+                      workdir=Path(tmp), stage=True, progress=progress)
+    baseline, doc = fleet.serving_now(clients, model) if clients.replicas else (None, {})
+    if baseline is None and fleet.converge_needed(doc):
+        raise PreflightError(
+            f"the replicas of {model} disagree on the version they serve, so there is no "
+            "baseline to compare with",
+            hint=f"converge them first with `modelship rollback {model}` or `modelship swap "
+            f"{model} --to V`", model=model)
+    if baseline == version:
+        progress(f"{model} v{version} is already in production: nothing to compare")
+        return {"model": model, "candidate": version, "baseline": baseline, "verdict": "noop",
+                "message": f"v{version} already serves in production"}
+    ledger = fleet.ledger_of(clients)
+    record = ReleaseRecord.start("canary", model, from_version=baseline, to_version=version,
+                                 candidate=read_candidate_digest(
+                                     clients.storage,
+                                     repository_prefix=settings.repository_prefix,
+                                     model=model, version=version))
+    with release_lock(model, storage=clients.storage, home=settings.home,
+                      release_id=record.id, kind="canary"):
+        result = run_canary(settings, clients, policy, model=model, candidate=version,
+                            baseline=baseline, progress=progress)
+    keys = {kind: ledger.attach(record, Path(path).name, Path(path))
+            for kind, path in (result.report_paths or {}).items()
+            if path and Path(path).exists()}
+    gates = result.gate_report.to_dict()
+    record.gates = {"verdict": result.verdict, "baseline": baseline, "candidate": version,
+                    "results": gates.get("results", []), "report_keys": keys,
+                    # C's measured GPU footprint: a later `swap --to V` sizes its headroom by it
+                    "gpu": result.gpu.to_dict() if result.gpu is not None else None}
+    record.candidate["canary_report_id"] = record.id
+    code = {"passed": 0, "failed": 4, "inconclusive": 6}.get(result.verdict, 1)
+    fleet.finish_record(ledger, record, "passed" if code == 0 else "rejected", code, None)
+    return {**dict(result.to_dict()), "release_id": record.id}

@@ -1,0 +1,298 @@
+"""The pre-deploy artifact gate: resolve, export, validate, trial load, and (optionally) stage.
+
+Each stage is a plain function of ``tasks/`` and ``model_registry/``. :func:`run_check` is
+what ``modelship check`` and ``modelship stage`` call (no Prefect server needed), the
+promote flow's ``check`` task (:mod:`tasks.prefect_tasks`) and
+:func:`flows.prefect_flows.check_flow` wrap it. Nothing here touches a serving model:
+production keeps serving whatever it served.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelship.candidate import ExportedModel, GoldenInputs, ResolvedVersion
+from modelship.clients import Clients
+from modelship.errors import ModelshipError, PreflightError, UsageError
+from modelship.jsonable import jsonable
+from modelship.policy import Policy
+from modelship.settings import Settings
+from modelship.signing import key_bytes
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class CheckReport:
+    """What each stage found; the CLI prints it and the release record keeps it."""
+
+    model: str
+    version: int | None = None
+    verdict: str = "running"
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    resolved: ResolvedVersion | None = None
+    golden: GoldenInputs | None = None
+    exported: ExportedModel | None = None
+    production_version: int | None = None
+    config_pbtxt: str | None = None
+    checks: dict[str, Any] = field(default_factory=dict)
+    staged: dict[str, Any] | None = None
+    feed: dict[str, Any] = field(default_factory=dict, repr=False)
+    outputs: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "version": self.version,
+            "verdict": self.verdict,
+            "production_version": self.production_version,
+            "stages": self.stages,
+            "resolved": self.resolved.to_dict() if self.resolved else None,
+            "golden": self.golden.to_dict() if self.golden else None,
+            "export": self.exported.to_dict() if self.exported else None,
+            "checks": self.checks,
+            "config_pbtxt": self.config_pbtxt,
+            "staged": self.staged,
+        }
+
+
+@contextmanager
+def _stage(report: CheckReport, name: str, progress: Progress) -> Iterator[dict[str, Any]]:
+    """Time one stage, record its outcome, and attach the report to any error."""
+    entry: dict[str, Any] = {"stage": name, "ok": False}
+    report.stages.append(entry)
+    started = time.monotonic()
+    progress(f"{name} ...")
+    try:
+        yield entry
+    except ModelshipError as exc:
+        entry["error"] = exc.message
+        entry["seconds"] = round(time.monotonic() - started, 3)
+        report.verdict = "rejected" if exc.exit_code in (2, 3) else "error"
+        check = exc.details.get("stage")
+        if check and check != name:
+            exc.details["check"] = check  # e.g. "contract" within the validate stage
+        exc.details["stage"] = name
+        exc.details["report"] = report.to_dict()
+        progress(f"{name} failed: {exc.message}")
+        raise
+    entry["ok"] = True
+    entry["seconds"] = round(time.monotonic() - started, 3)
+    progress(f"{name} ok ({entry['seconds']:.1f} s)")
+
+
+def preflight(clients: Clients, settings: Settings, *, need_storage: bool) -> None:
+    """Ping what this run needs before anything happens; one error lists every failure."""
+    from modelship.clients import check_endpoints
+
+    needed = Clients(registry=clients.registry, storage=clients.storage if need_storage
+                     else None, prefect=None, slack=None, replicas=[], canary=clients.canary)
+    ignored = {"prefect", "slack", "triton", *(() if need_storage else ("s3",))}
+    failed = [c for c in check_endpoints(needed, settings)
+              if not c.ok and c.component not in ignored]
+    lines = [f"{c.component} ({c.endpoint}): {c.reason}" for c in failed]
+    codes = {c.exit_code for c in failed}
+    if clients.canary is None:
+        lines.append("canary Triton: not configured (set MODELSHIP_TRITON_CANARY)")
+        codes.add(2)
+    if lines:
+        error = PreflightError(
+            "cannot reach what this release needs: " + "; ".join(lines),
+            hint="start the stack (`modelship stack up`) or fix the endpoints and "
+            "credentials, then check with `modelship doctor`",
+            unreachable=lines,
+        )
+        # Wrong settings (credentials, missing endpoints) are the user's to fix: exit 2.
+        error.exit_code = 2 if codes == {2} else 1
+        raise error
+
+
+def run_check(
+    settings: Settings,
+    clients: Clients,
+    policy: Policy,
+    *,
+    model: str,
+    version: int | None = None,
+    alias: str | None = None,
+    workdir: Path,
+    stage: bool = False,
+    allow_breaking_changes: bool = False,
+    dry_run: bool = False,
+    progress: Progress = lambda _: None,
+) -> CheckReport:
+    """Run the artifact gate on one candidate; raise the first stage's error."""
+    from model_registry.client import PRODUCTION_ALIAS
+    from model_registry.golden import load_golden
+    from modelship.triton.infer import TritonInference
+    from modelship.triton.model_config import from_pbtxt, to_pbtxt
+    from tasks import expectations, export, trial_load, validate
+    from tasks.stage import version_prefix
+
+    report = CheckReport(model=model)
+    registry, storage, canary = clients.registry, clients.storage, clients.canary
+
+    with _stage(report, "preflight", progress):
+        preflight(clients, settings, need_storage=True)
+    assert registry is not None and storage is not None and canary is not None
+
+    with _stage(report, "resolve", progress) as entry:
+        resolved = registry.resolve(model, version=version, alias=alias,
+                                    download_dir=workdir / "artifacts")
+        report.resolved, report.version = resolved, resolved.version
+        report.production_version = registry.aliases(model).get(PRODUCTION_ALIAS)
+        entry.update(flavor=resolved.flavor, uri=resolved.uri)
+
+    with _stage(report, "golden", progress) as entry:
+        golden_info, golden = load_golden(
+            registry, resolved, workdir=workdir / "golden",
+            max_rows=policy.export.golden_max_rows,
+            allow_synthetic=policy.export.allow_synthetic_golden)
+        report.golden = golden_info
+        entry.update(source=golden_info.source, rows=golden_info.rows,
+                     synthetic=golden_info.source == "synthetic")
+
+    with _stage(report, "input_checks", progress) as entry:
+        inputs = expectations.check_inputs(
+            golden, policy.validation, signature_columns=_signature_columns(resolved.signature),
+            out_dir=workdir / "checks" / "inputs")
+        report.checks["inputs"] = inputs.to_dict()
+        expectations.raise_for_failures(inputs, f"{resolved.uri} golden inputs")
+        entry.update(evaluated=inputs.evaluated, docs=report.checks["inputs"]["docs_path"])
+
+    def signature_contract(candidate: ExportedModel) -> None:
+        validate.check_contract(resolved.signature, candidate.spec, None)
+
+    with _stage(report, "export", progress) as entry:
+        exported = export.export_model(resolved, golden, policy.export, workdir / "export",
+                                       before_parity=signature_contract)
+        report.exported = exported
+        entry.update(opset=exported.opset, parity=exported.parity)
+
+    with _stage(report, "validate", progress) as entry:
+        graph = exported.spec
+        # Staged: the policy target's config (KIND_GPU on the fleet). Both it and its CPU form
+        # are rendered and linted (tasks/validate.py, issue 13); the contract is checked on
+        # the CPU form, and the trial load renders the staged one for the canary it runs on
+        # (modelship.triton.target), as the canary and the swap do.
+        rendered = validate.render_checked_configs(
+            graph, policy, versions=[resolved.version],
+            golden=export.golden_feed(golden, graph, resolved.signature))
+        config = rendered.cpu
+        validate.check_contract(resolved.signature, graph, config)
+        production_spec = None
+        if report.production_version is not None and \
+                report.production_version != resolved.version:
+            folder = version_prefix(settings.repository_prefix, model,
+                                    report.production_version)
+            key = f"{folder}/config.pbtxt"
+            if storage.exists(key):
+                production_spec = validate.spec_of_config(
+                    from_pbtxt(storage.get_bytes(key).decode()))
+        changes = validate.check_breaking(
+            production_spec, report.production_version, graph,
+            allowed=allow_breaking_changes or policy.validation.allow_breaking_changes)
+        report.config_pbtxt = to_pbtxt(rendered.staged)
+        entry.update(breaking_changes=changes, contract="ok", lint="ok")
+
+    feed = export.golden_feed(golden, exported.spec, resolved.signature)
+    with _stage(report, "output_checks", progress) as entry:
+        outputs = trial_load.run_onnxruntime(exported.onnx_path, feed)
+        result = expectations.check_outputs(outputs, policy.validation,
+                                            out_dir=workdir / "checks" / "outputs")
+        report.checks["outputs"] = result.to_dict()
+        expectations.raise_for_failures(result, f"{resolved.uri} outputs on the golden inputs")
+        entry.update(evaluated=result.evaluated, docs=report.checks["outputs"]["docs_path"])
+
+    with _stage(report, "trial_load", progress) as entry:
+        inference = TritonInference(canary.endpoint.http, timeout_s=settings.http_timeout_s)
+        try:
+            trial = trial_load.trial_load(canary, inference, model=model,
+                                          version=resolved.version, config=rendered.staged,
+                                          files=exported.files, feed=feed,
+                                          parity=policy.export.parity)
+        finally:
+            inference.close()
+        report.checks["trial_load"] = trial
+        entry.update(server=trial["server"], load_s=trial["load_s"])
+
+    report.feed, report.outputs = feed, outputs
+    if stage:
+        stage_checked(settings, clients, policy, report, dry_run=dry_run, progress=progress)
+    report.verdict = "passed"
+    return report
+
+
+def stage_checked(settings: Settings, clients: Clients, policy: Policy, report: CheckReport,
+                  *, dry_run: bool = False, progress: Progress = lambda _: None) -> None:
+    """Stage a candidate that passed :func:`run_check` (``report.staged`` says what was
+    done); with ``dry_run`` only the staging plan is computed."""
+    from tasks import stage as staging
+
+    registry, storage = clients.registry, clients.storage
+    resolved, exported, golden_info = report.resolved, report.exported, report.golden
+    if registry is None or storage is None or resolved is None or exported is None \
+            or golden_info is None or report.config_pbtxt is None:
+        raise UsageError("stage_checked needs a report from a passed check",
+                         hint="run the check first")
+    graph, feed, outputs = exported.spec, report.feed, report.outputs
+    model = report.model
+    if dry_run:
+        with _stage(report, "stage", progress) as entry:
+            plan = staging.prepare_staging(
+                storage, model=model, version=resolved.version, files=exported.files,
+                config_pbtxt=report.config_pbtxt, repository_prefix=settings.repository_prefix)
+            report.staged = {"dry_run": True, "plan": plan.describe(), **plan.to_dict()}
+            for line in plan.describe():
+                progress(f"plan: {line}")
+            entry.update(dry_run=True)
+    else:
+        with _stage(report, "stage", progress) as entry:
+            provenance = {
+                "mlflow_uri": resolved.uri,
+                "mlflow_tracking_uri": registry.tracking_uri,
+                "source": resolved.source,
+                "run_id": resolved.run_id,
+                "flavor": resolved.flavor,
+                "onnx_opset": exported.opset,
+                "golden_source": golden_info.source,
+                "parity": exported.parity,
+                "validation": {k: v.get("success", True) if isinstance(v, dict) else v
+                               for k, v in report.checks.items()},
+                "inputs": [t.__dict__ for t in graph.inputs],
+                "outputs": [t.__dict__ for t in graph.outputs],
+            }
+            staged = staging.stage_version(
+                storage, model=model, version=resolved.version, files=exported.files,
+                config_pbtxt=report.config_pbtxt, provenance=jsonable(provenance),
+                policy=policy.staging, repository_prefix=settings.repository_prefix,
+                signing_key=key_bytes(settings.manifest_signing_key),
+                probe=staging.golden_probe(feed, outputs, policy.export.parity),
+                progress=progress)
+            report.staged = staged.to_dict()
+            entry.update(bytes_uploaded=staged.bytes_uploaded,
+                         already_staged=staged.already_staged)
+
+
+def _signature_columns(signature: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    import json
+
+    if not signature or not signature.get("inputs"):
+        return None
+    raw = signature["inputs"]
+    specs = json.loads(raw) if isinstance(raw, str) else raw
+    columns = [s for s in specs if s.get("type") != "tensor"]
+    return columns or None
+
+
+def parse_ref(version: int | None, alias: str | None) -> tuple[int | None, str | None]:
+    """Exactly one of ``--version`` / ``--alias``."""
+    if (version is None) == (alias is None):
+        raise UsageError("pass exactly one of --version and --alias",
+                         hint="e.g. `--version 3` or `--alias candidate`")
+    return version, alias
