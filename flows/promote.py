@@ -50,7 +50,6 @@ from tasks.prefect_tasks import (
     baseline_task,
     canary_task,
     check_task,
-    gates_record,
     gates_task,
     needs_recovery,
     publish_record,
@@ -186,7 +185,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
             with journal.stage("canary") as entry:
                 result: Any = canary_task(settings, clients, policy, model, version,
                                           serving, approval.required)
-                record.gates = gates_record(ledger, record, result)
+                journal.attach_gates(result)
                 record.candidate["canary_report_id"] = record.id
                 entry.details["verdict"] = result.verdict
                 entry.details["_lines"] = _gate_lines(record.gates)
@@ -238,9 +237,9 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                 if record.status != "running":
                     raise
                 fleet.end_release(settings, clients, policy, record, exc,
-                                  write=_end(journal), progress=progress)
+                                  write=journal.write_ending, progress=progress)
                 raise  # end_release raises; this line is for the type checker
-            fleet.end_release(settings, clients, policy, record, None, write=_end(journal),
+            fleet.end_release(settings, clients, policy, record, None, write=journal.write_ending,
                               progress=progress)
         publish_record(record)
         return record.to_dict()
@@ -365,25 +364,12 @@ def _repair_noop(settings: Settings, clients: Clients, policy: Policy,
 
     record = journal.record
     with release_lock(record.model, storage=clients.storage,
-                      home=settings.home, release_id=record.id, kind="promote"), \
-            journal.stage("repair") as entry:
-        repaired = fleet.repair_noop(settings, clients, policy, model=record.model,
-                                     version=version, release_id=record.id,
-                                     progress=journal.progress)
-        entry.details["repaired"] = repaired
-        if not repaired:
-            entry.outcome, entry.reason = "skipped", "the pin, the tag and the aliases agree"
+                      home=settings.home, release_id=record.id, kind="promote"):
+        fleet.repair_stage(settings, clients, policy, journal, version)
 
 
 def _last_stage(record: ReleaseRecord) -> str:
     return next((s.name for s in reversed(record.stages)), "start")
-
-
-def _end(journal: ReleaseJournal) -> Callable[[ReleaseRecord], None]:
-    """The journal's last write, for :func:`flows.fleet.end_release`."""
-    def write(record: ReleaseRecord) -> None:
-        journal.finish(record.status, int(record.exit_code or 0), record.reason)
-    return write
 
 
 def release_plan(settings: Settings, clients: Clients, policy: Policy,

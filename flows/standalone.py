@@ -26,13 +26,14 @@ from typing import Any
 
 from model_registry.client import PRODUCTION_ALIAS
 from modelship.clients import Clients
-from modelship.errors import ModelshipError, PreflightError, UsageError
-from modelship.ledger import ReleaseRecord
+from modelship.errors import PreflightError, UsageError
+from modelship.ledger import ReleaseRecord, now_iso
 from modelship.locks import release_lock
 from modelship.policy import Policy
 from modelship.settings import Settings
+from modelship.slack.blocks import gate_lines
 from tasks import fleet
-from tasks.evidence import read_candidate_digest, require_evidence
+from tasks.evidence import read_candidate_digest
 from tasks.fleet import Progress, _quiet
 
 
@@ -42,7 +43,8 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
     """``modelship swap``: under the model's lock, first finish or undo what dead or
     incomplete releases left; then evidence, the intent, the swap, and released (tag,
     ``previous``, ``production`` last) or undone on every way out. A no-op repairs the
-    pin, the tag and the aliases to what serves."""
+    pin, the tag and the aliases to what serves. Journaled as a release is: the record,
+    its stages and the Slack thread."""
     fleet.require_fleet(clients)
     assert clients.storage is not None
     ledger = fleet.ledger_of(clients)
@@ -50,58 +52,55 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
                                    model=model, version=target)
     if dry_run:
         serving, doc = fleet.serving_now(clients, model)
-        records = ledger.records(model)
-        evidence = require_evidence(records, model=model, digest=digest, serving=serving,
-                                    force=force)
-        footprint = fleet.recorded_footprint_for(records, digest, progress)
+        evidence, footprint = fleet.swap_evidence(ledger, model=model, digest=digest,
+                                                  serving=serving, force=force,
+                                                  progress=progress)
         report = fleet.swap_unlocked(settings, clients, policy, model=model, target=target,
-                               dry_run=True, converge=fleet.converge_needed(doc),
-                               progress=progress,
-                               **{k: footprint[k] for k in ("footprint_bytes",
-                                                            "footprint_detail")})
+                                     dry_run=True, converge=fleet.converge_needed(doc),
+                                     progress=progress, **_sized(footprint))
         return {**report, "evidence": evidence, "footprint": footprint["evidence"]}
     record = ReleaseRecord.start("swap", model, requester=requester, to_version=target,
                                  candidate=digest)
     fleet.refuse_while_running(ledger, model, what="swap")
+    journal = fleet.journal_for(settings, clients, policy, record, progress)
     with release_lock(model, storage=clients.storage, home=settings.home,
                       release_id=record.id, kind="swap"):
         recovered = fleet.recover_model(settings, clients, policy, model=model, by=record.id,
-                                  progress=progress)
+                                        progress=progress)
         serving, doc = fleet.serving_now(clients, model)
-        records = ledger.records(model)
-        evidence = require_evidence(records, model=model, digest=digest, serving=serving,
-                                    force=force)
-        footprint = fleet.recorded_footprint_for(records, digest, progress)
+        evidence, footprint = fleet.swap_evidence(ledger, model=model, digest=digest,
+                                                  serving=serving, force=force,
+                                                  progress=progress)
         record.from_version, record.forced = serving, evidence["basis"] == "forced"
         record.gates = {"evidence": evidence}
-        if recovered["finished"]:
-            record.notes.append(f"finished first: {recovered['finished']}")
-        fleet.begin_change(settings, ledger, record, clients, doc=doc, target=target, stage="swap")
+        _note_recovered(record, recovered)
+        fleet.begin_change(settings, journal, clients, doc=doc, target=target)
         try:
-            report = fleet.swap_unlocked(settings, clients, policy, model=model, target=target,
-                                   converge=fleet.converge_needed(doc), progress=progress,
-                                   **{k: footprint[k] for k in ("footprint_bytes",
-                                                                "footprint_detail")})
-            record.swap = {**report, "footprint": footprint["evidence"]}
+            with journal.stage("swap") as entry:
+                report = fleet.swap_unlocked(settings, clients, policy, model=model,
+                                             target=target, converge=fleet.converge_needed(doc),
+                                             progress=progress, **_sized(footprint))
+                record.swap = {**report, "footprint": footprint["evidence"]}
+                entry.details.update(kind=report.get("kind"), skew_ms=report.get("skew_ms"))
+                if report.get("kind") != "noop":
+                    # switched: the point of no return of a plain swap, saved with the stage
+                    record.intent["committed_at"] = now_iso()
             if report.get("kind") == "noop":
-                repaired = fleet.repair_noop(settings, clients, policy, model=model,
-                                       version=target, release_id=record.id,
-                                       progress=progress)
+                repaired = fleet.repair_stage(settings, clients, policy, journal, target)
                 record.notes.extend(f"repaired: {line}" for line in repaired)
                 record.intent = {}  # nothing changed the fleet: nothing to finish or undo
-                fleet.finish_record(ledger, record, "noop", 0, f"v{target} already serves"
-                        + (f"; repaired {'; '.join(repaired)}" if repaired else ""))
+                journal.finish("noop", 0, f"v{target} already serves"
+                               + (f"; repaired {'; '.join(repaired)}" if repaired else ""))
                 return {**report, "release_id": record.id, "evidence": evidence,
                         "footprint": footprint["evidence"], "repaired": repaired}
-            fleet.commit_change(ledger, record, "swap")
         except BaseException as exc:
             if record.status != "running":
                 raise
-            fleet.end_release(settings, clients, policy, record, exc, write=ledger.write,
-                        progress=progress)
+            fleet.end_release(settings, clients, policy, record, exc,
+                              write=journal.write_ending, progress=progress)
             raise  # end_release raises; this line is for the type checker
-        fleet.end_release(settings, clients, policy, record, None, write=ledger.write,
-                    progress=progress)
+        fleet.end_release(settings, clients, policy, record, None, write=journal.write_ending,
+                          progress=progress)
     return {**report, "release_id": record.id, "evidence": evidence,
             "footprint": footprint["evidence"], "status": record.status}
 
@@ -112,7 +111,7 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
     """Under the model's lock, first finish or undo what dead or incomplete releases left;
     then the intent, the ``production`` alias first, the fleet, and released (tag,
     ``previous``) or undone (fleet and alias back) on every way out. A live release of the
-    model (say in its bake) is named, with how to stop it."""
+    model (say in its bake) is named, with how to stop it. Journaled as a release is."""
     fleet.require_fleet(clients)
     if clients.registry is None:
         raise UsageError("rollback needs MLflow to move the production alias",
@@ -120,50 +119,47 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
     assert clients.storage is not None
     ledger = fleet.ledger_of(clients)
     if to is not None:
-        clients.registry.version_number(model, version=to, alias=None)  # names what exists
+        fleet.require_version(clients, model, to)  # names the versions that exist
     if dry_run:
         return fleet.rollback_plan(settings, clients, policy, ledger, model=model, to=to,
-                              force=force, dry_run=True, progress=progress)[0]
+                                   force=force, dry_run=True, progress=progress)[0]
     record = ReleaseRecord.start("rollback", model, requester=requester)
     fleet.refuse_while_running(ledger, model, what="roll back")
+    journal = fleet.journal_for(settings, clients, policy, record, progress)
     with release_lock(model, storage=clients.storage, home=settings.home,
                       release_id=record.id, kind="rollback"):
         recovered = fleet.recover_model(settings, clients, policy, model=model, by=record.id,
-                                  progress=progress)
+                                        progress=progress)
         plan, doc = fleet.rollback_plan(settings, clients, policy, ledger, model=model, to=to,
-                                   force=force, dry_run=False, progress=progress)
+                                        force=force, dry_run=False, progress=progress)
         current, target = plan["from_version"], plan["to_version"]
         record.from_version, record.to_version = current, target
         record.candidate, record.forced = plan["digest"], plan["forced"]
-        if recovered["finished"]:
-            record.notes.append(f"finished first: {recovered['finished']}")
-        fleet.begin_change(settings, ledger, record, clients, doc=doc, target=target, stage="swap")
+        _note_recovered(record, recovered)
+        fleet.begin_change(settings, journal, clients, doc=doc, target=target)
         try:
-            progress(f"moving alias {PRODUCTION_ALIAS} of {model} to v{target} (first)")
-            clients.registry.set_alias(model, PRODUCTION_ALIAS, target)
-            report = {**fleet.swap_unlocked(settings, clients, policy, model=model, target=target,
-                                      converge=fleet.converge_needed(doc), progress=progress,
-                                      **plan["sized"]),
-                      "footprint": plan["footprint"]}
-            record.swap = report
-            fleet.commit_change(ledger, record, "swap")
+            with journal.stage("swap") as entry:
+                progress(f"moving alias {PRODUCTION_ALIAS} of {model} to v{target} (first)")
+                fleet.set_production(clients, model, target)
+                report = {**fleet.swap_unlocked(settings, clients, policy, model=model,
+                                                target=target,
+                                                converge=fleet.converge_needed(doc),
+                                                progress=progress, **plan["sized"]),
+                          "footprint": plan["footprint"]}
+                record.swap = report
+                entry.details.update(kind=report.get("kind"), skew_ms=report.get("skew_ms"))
+                record.intent["committed_at"] = now_iso()  # switched: the point of no return
         except BaseException as exc:
             if record.status != "running":
                 raise
             progress(f"rollback stopped ({type(exc).__name__}): putting the fleet and alias "
                      f"{PRODUCTION_ALIAS} back on {'nothing' if current is None else current}")
-            fleet.end_release(settings, clients, policy, record, exc, write=ledger.write,
-                        progress=progress)
+            fleet.end_release(settings, clients, policy, record, exc,
+                              write=journal.write_ending, progress=progress)
             raise  # end_release raises; this line is for the type checker
-        fleet.end_release(settings, clients, policy, record, None, write=ledger.write,
-                    progress=progress)
-        record.reason = f"rolled back from v{current}"
-        try:
-            clients.registry.set_tags(model, target, {"modelship.rolled_back_from":
-                                                      str(current)})
-            ledger.write(record)
-        except ModelshipError as exc:
-            progress(f"note: the rolled_back_from tag was not written: {exc.message}")
+        fleet.end_release(settings, clients, policy, record, None, write=journal.write_ending,
+                          progress=progress)
+        fleet.note_rolled_back(clients, journal, current=current, target=target)
     return {"model": model, "from_version": current, "to_version": target, "dry_run": False,
             "release_id": record.id, "aliases": fleet.aliases_now(clients, model),
             "swap": report, "status": record.status}
@@ -173,18 +169,18 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
            progress: Progress = _quiet) -> dict[str, Any]:
     """Stage if needed, then the canary against the version in production, and the gates.
 
-    No swap. The result is recorded in the ledger (kind ``canary``), so a later
-    ``swap --to V`` finds its evidence. On a first release only absolute gates apply.
+    No swap. The result is recorded in the ledger (kind ``canary``) with its stage and
+    Slack thread, so a later ``swap --to V`` finds its evidence. On a first release only
+    absolute gates apply.
     """
     from tasks.canary import run_canary
     from tasks.check import run_check
-    from tasks.stage import manifest_key
 
     if clients.storage is None or clients.canary is None:
         raise UsageError("the canary needs an S3 repository and a canary Triton",
                          hint="run `modelship stack up` or set MODELSHIP_S3_ENDPOINT and "
                          "MODELSHIP_TRITON_CANARY")
-    if not clients.storage.exists(manifest_key(settings.repository_prefix, model, version)):
+    if not fleet.is_staged(settings, clients, model=model, version=version):
         progress(f"{model} v{version} is not staged yet: checking and staging it first")
         with tempfile.TemporaryDirectory(prefix="modelship-canary-") as tmp:
             run_check(settings, clients, policy, model=model, version=version,
@@ -200,25 +196,40 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
         progress(f"{model} v{version} is already in production: nothing to compare")
         return {"model": model, "candidate": version, "baseline": baseline, "verdict": "noop",
                 "message": f"v{version} already serves in production"}
-    ledger = fleet.ledger_of(clients)
     record = ReleaseRecord.start("canary", model, from_version=baseline, to_version=version,
                                  candidate=read_candidate_digest(
                                      clients.storage,
                                      repository_prefix=settings.repository_prefix,
                                      model=model, version=version))
+    journal = fleet.journal_for(settings, clients, policy, record, progress)
     with release_lock(model, storage=clients.storage, home=settings.home,
                       release_id=record.id, kind="canary"):
-        result = run_canary(settings, clients, policy, model=model, candidate=version,
-                            baseline=baseline, progress=progress)
-    keys = {kind: ledger.attach(record, Path(path).name, Path(path))
-            for kind, path in (result.report_paths or {}).items()
-            if path and Path(path).exists()}
-    gates = result.gate_report.to_dict()
-    record.gates = {"verdict": result.verdict, "baseline": baseline, "candidate": version,
-                    "results": gates.get("results", []), "report_keys": keys,
-                    # C's measured GPU footprint: a later `swap --to V` sizes its headroom by it
-                    "gpu": result.gpu.to_dict() if result.gpu is not None else None}
-    record.candidate["canary_report_id"] = record.id
-    code = {"passed": 0, "failed": 4, "inconclusive": 6}.get(result.verdict, 1)
-    fleet.finish_record(ledger, record, "passed" if code == 0 else "rejected", code, None)
+        journal.open()
+        try:
+            with journal.stage("canary") as entry:
+                result = run_canary(settings, clients, policy, model=model, candidate=version,
+                                    baseline=baseline, progress=progress)
+                journal.attach_gates(result)
+                record.candidate["canary_report_id"] = record.id
+                entry.details["verdict"] = result.verdict
+                entry.details["_lines"] = gate_lines(record.gates)
+            journal.upload(Path(result.report_paths.get("png") or ""),
+                           f"canary {model} v{version} vs "
+                           f"{'nothing' if baseline is None else f'v{baseline}'}")
+        except BaseException as exc:
+            if record.status == "running":
+                journal.stopped(exc)
+            raise
+        code = {"passed": 0, "failed": 4, "inconclusive": 6}.get(result.verdict, 1)
+        journal.finish("passed" if code == 0 else "rejected", code, None)
     return {**dict(result.to_dict()), "release_id": record.id}
+
+
+def _sized(footprint: dict[str, Any]) -> dict[str, Any]:
+    """The footprint keywords of :func:`tasks.fleet.swap_unlocked`."""
+    return {k: footprint[k] for k in ("footprint_bytes", "footprint_detail")}
+
+
+def _note_recovered(record: ReleaseRecord, recovered: dict[str, Any]) -> None:
+    if recovered["finished"]:
+        record.notes.append(f"finished first: {recovered['finished']}")

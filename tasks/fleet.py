@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from model_registry.client import PREVIOUS_ALIAS, PRODUCTION_ALIAS
-from modelship.clients import Clients
+from modelship.clients import Clients, notifier_for
 from modelship.errors import (
     InfrastructureError,
     ModelNotFound,
@@ -27,7 +27,6 @@ from modelship.ledger import (
     RELEASE_ID_TAG,
     Ledger,
     ReleaseRecord,
-    StageEntry,
     last_release,
     now_iso,
     release_intent,
@@ -40,8 +39,9 @@ from modelship.signals import stop_signal
 from modelship.signing import key_bytes
 from modelship.triton.model_config import example_request
 from tasks import recovery
-from tasks.evidence import read_candidate_digest
-from tasks.stage import prune_versions, staged_config
+from tasks.evidence import read_candidate_digest, require_evidence
+from tasks.record import ReleaseJournal
+from tasks.stage import manifest_key, prune_versions, staged_config
 from tasks.swap import fleet_status
 
 Progress = Callable[[str], None]
@@ -325,6 +325,21 @@ def repair_noop(settings: Settings, clients: Clients, policy: Policy, *, model: 
     return ending.done
 
 
+def repair_stage(settings: Settings, clients: Clients, policy: Policy, journal: ReleaseJournal,
+                 version: int) -> list[str]:
+    """The journal's ``repair`` stage of a no-op (promote or swap; the caller holds the
+    lock): :func:`repair_noop`, with what was repaired in the stage."""
+    record = journal.record
+    with journal.stage("repair") as entry:
+        repaired = repair_noop(settings, clients, policy, model=record.model,
+                               version=version, release_id=record.id,
+                               progress=journal.progress)
+        entry.details["repaired"] = repaired
+        if not repaired:
+            entry.outcome, entry.reason = "skipped", "the pin, the tag and the aliases agree"
+    return repaired
+
+
 def refuse_while_running(ledger: Ledger, model: str, *, what: str) -> None:
     """Name a live release of ``model`` instead of guessing around it (a rollback during a
     bake): it holds the lock, and stopping it undoes its swap."""
@@ -358,12 +373,6 @@ def converge_needed(doc: dict[str, Any]) -> bool:
                                              for r in doc.get("replicas", []))
 
 
-def finish_record(ledger: Ledger, record: ReleaseRecord, status_: str, code: int,
-            reason: str | None) -> None:
-    record.finish(status_, code, reason)
-    ledger.write(record)
-
-
 def aliases_now(clients: Clients, model: str) -> dict[str, int] | None:
     """The model's aliases, {} when it has none or no MLflow is configured; None when
     MLflow does not answer (the intent then keeps ``previous`` as it is)."""
@@ -377,13 +386,23 @@ def aliases_now(clients: Clients, model: str) -> dict[str, int] | None:
         return None
 
 
-def begin_change(settings: Settings, ledger: Ledger, record: ReleaseRecord, clients: Clients, *,
-           doc: dict[str, Any], target: int, stage: str) -> None:
-    """Write the intent and open the fleet stage, before the first change of the fleet.
+def journal_for(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,
+                progress: Progress = _quiet) -> ReleaseJournal:
+    """The journal of a fleet change outside promote: the same ledger record, stage entries
+    and Slack thread as a release (the null notifier when Slack is off)."""
+    return ReleaseJournal(record, ledger_of(clients), notifier_for(clients, settings, policy),
+                          progress)
+
+
+def begin_change(settings: Settings, journal: ReleaseJournal, clients: Clients, *,
+                 doc: dict[str, Any], target: int) -> None:
+    """Write the intent and open the journal (the record and its Slack thread), before the
+    first change of the fleet.
 
     A mixed fleet (a converge) has no one version to go back to: its undo goes to the
     recorded production (the pin); with no pin either, the only way home is forward, so
     the intent is committed from the start."""
+    record = journal.record
     serving = doc.get("production_version")
     mixed = converge_needed(doc)
     back = serving
@@ -400,17 +419,52 @@ def begin_change(settings: Settings, ledger: Ledger, record: ReleaseRecord, clie
         record.intent["committed_at"] = now_iso()
         record.notes.append("the fleet was mixed with no recorded production: converging "
                             "forward is the only way home, so this swap is never undone")
-    record.stages.append(StageEntry(stage, now_iso()))
-    ledger.write(record)
+    journal.open()
 
 
-def commit_change(ledger: Ledger, record: ReleaseRecord, stage: str) -> None:
-    """The fleet switched: the point of no return of a plain swap or rollback."""
-    entry = record.stage(stage)
-    if entry is not None:
-        entry.outcome, entry.ended_at = "ok", now_iso()
-    record.intent["committed_at"] = now_iso()
-    ledger.write(record)
+def swap_evidence(ledger: Ledger, *, model: str, digest: dict[str, Any], serving: int | None,
+                  force: bool, progress: Progress = _quiet
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ledger's evidence for swapping to ``digest`` (a passing canary against
+    ``serving``, a version that served before, or ``force``) and the canary-measured GPU
+    footprint for the headroom preflight. Raises EvidenceMissing without either."""
+    records = ledger.records(model)
+    evidence = require_evidence(records, model=model, digest=digest, serving=serving,
+                                force=force)
+    return evidence, recorded_footprint_for(records, digest, progress)
+
+
+def require_version(clients: Clients, model: str, version: int) -> None:
+    """Raise ModelNotFound (naming the versions that exist) unless MLflow has ``version``."""
+    assert clients.registry is not None
+    clients.registry.version_number(model, version=version, alias=None)
+
+
+def set_production(clients: Clients, model: str, version: int) -> None:
+    """Point the ``production`` alias at ``version`` (a rollback moves it first)."""
+    assert clients.registry is not None
+    clients.registry.set_alias(model, PRODUCTION_ALIAS, version)
+
+
+def note_rolled_back(clients: Clients, journal: ReleaseJournal, *, current: int | None,
+                     target: int) -> None:
+    """A released rollback: the ``rolled_back_from`` tag on ``target`` and the record's
+    reason. Best effort: the rollback itself is done, so a failure is only a note."""
+    record = journal.record
+    record.reason = f"rolled back from v{current}"
+    try:
+        assert clients.registry is not None
+        clients.registry.set_tags(record.model, target,
+                                  {"modelship.rolled_back_from": str(current)})
+        journal.save()
+    except ModelshipError as exc:
+        journal.progress(f"note: the rolled_back_from tag was not written: {exc.message}")
+
+
+def is_staged(settings: Settings, clients: Clients, *, model: str, version: int) -> bool:
+    """Whether ``version`` of ``model`` is published in the S3 repository (its manifest)."""
+    assert clients.storage is not None
+    return clients.storage.exists(manifest_key(settings.repository_prefix, model, version))
 
 
 def status(clients: Clients, *, model: str) -> dict[str, Any]:

@@ -165,21 +165,6 @@ def recover_task(settings: Settings, clients: Clients, policy: Policy, model: st
                                progress=get_run_logger().info)
 
 
-def gates_record(ledger: Ledger, record: ReleaseRecord, result: Any) -> dict[str, Any]:
-    """The gate verdicts and the report files, uploaded next to the record (returns the
-    record's ``gates``)."""
-    keys = {}
-    for kind, path in (result.report_paths or {}).items():
-        if path and Path(path).exists():
-            keys[kind] = ledger.attach(record, Path(path).name, Path(path))
-    gates = result.gate_report.to_dict()
-    return {"verdict": result.verdict, "baseline": result.baseline,
-            "candidate": result.candidate, "required_samples": gates.get("required_samples"),
-            "results": gates.get("results", []), "report_keys": keys,
-            "load": result.load, "skipped_rules": result.skipped_rules,
-            "gpu": result.gpu.to_dict() if result.gpu is not None else None}
-
-
 def publish_record(record: ReleaseRecord) -> None:
     """The release record as a Prefect artifact of the flow run."""
     from prefect.artifacts import create_markdown_artifact

@@ -12,6 +12,7 @@ in the record, and the thread stops posting (one slow timeout, not one per stage
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from typing import Any
 
 from modelship.errors import ModelshipError
 from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
+from modelship.signals import exit_code_for, stop_signal
 from modelship.slack import blocks
 from modelship.slack.notifier import Notifier, NullNotifier
 
@@ -153,6 +155,23 @@ class ReleaseJournal:
     def upload(self, path: Path, title: str) -> None:
         self.thread.upload(path, title)
 
+    def attach_gates(self, result: Any) -> dict[str, Any]:
+        """The canary's gate verdicts on the record, its report files uploaded next to it
+        (one builder for promote and the canary on its own); returns the record's gates."""
+        keys = {}
+        for kind, path in (result.report_paths or {}).items():
+            if path and Path(path).exists() and self.ledger is not None:
+                keys[kind] = self.ledger.attach(self.record, Path(path).name, Path(path))
+        gates = result.gate_report.to_dict()
+        self.record.gates = {
+            "verdict": result.verdict, "baseline": result.baseline,
+            "candidate": result.candidate, "required_samples": gates.get("required_samples"),
+            "results": gates.get("results", []), "report_keys": keys,
+            "load": result.load, "skipped_rules": result.skipped_rules,
+            # C's measured GPU footprint: a later `swap --to V` sizes its headroom by it
+            "gpu": result.gpu.to_dict() if result.gpu is not None else None}
+        return self.record.gates
+
     def finish(self, status: str, exit_code: int, reason: str | None = None,
                links: Sequence[str] = ()) -> None:
         """End the release: the record's last write, the parent's last update, a summary."""
@@ -163,3 +182,24 @@ class ReleaseJournal:
         self.thread.reply(blocks.title(data), blocks.summary_blocks(data, links))
         if self.thread.down is not None:
             self.save()  # the note about Slack came after the last write
+
+    def write_ending(self, record: ReleaseRecord) -> None:
+        """The last write of a release that :func:`tasks.fleet.end_release` ended
+        (released, undone or incomplete): the record, the parent and the summary."""
+        self.finish(record.status, int(record.exit_code or 0), record.reason)
+
+    def stopped(self, exc: BaseException) -> None:
+        """End a run that stopped before it changed the fleet (the canary on its own):
+        ``cancelled`` for a stop request (exit 128 + signal), else ``failed`` or
+        ``rejected`` with the error's exit code; the record says nothing changed."""
+        signum = stop_signal(exc)
+        stage = next((s.name for s in reversed(self.record.stages)), "start")
+        if signum is not None:
+            self.finish("cancelled", exit_code_for(signum),
+                        f"stopped by {signal.Signals(signum).name} during {stage}; nothing "
+                        "in production was changed")
+        elif isinstance(exc, ModelshipError):
+            self.finish("failed" if exc.exit_code == 1 else "rejected", exc.exit_code,
+                        exc.message, links=[f"next: {exc.hint}"] if exc.hint else [])
+        else:
+            self.finish("failed", 1, f"{type(exc).__name__}: {exc}")
