@@ -503,13 +503,13 @@ def channels_for(settings: Any, clients: Any, *, model: str, version: int,
     production's error budget and α from ``bake``, the probe's rows from ``export``.
     """
     from modelship.approvals.server import PrefectRuns
-    from modelship.approvals.slack_api import ApprovalSlack
+    from modelship.slack.client import SlackClient
     from tasks.canary import sequential_config
 
     resolve: GroupResolver | None = None
     if settings.slack_api_url and settings.slack_token is not None:
-        slack = ApprovalSlack(settings.slack_api_url, settings.slack_token.get_secret_value(),
-                              timeout_s=settings.http_timeout_s)
+        slack = SlackClient(settings.slack_api_url, settings.slack_token.get_secret_value(),
+                            timeout_s=settings.http_timeout_s)
         resolve = slack.group_members
     runs = PrefectRuns(settings.prefect_api_url)
     judge = EvidenceJudge(

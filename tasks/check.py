@@ -9,9 +9,8 @@ production keeps serving whatever it served.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from modelship.jsonable import jsonable
 from modelship.policy import Policy
 from modelship.settings import Settings
 from modelship.signing import key_bytes
+from tasks.record import NextStep, StageRecorder
 
 Progress = Callable[[str], None]
 
@@ -61,29 +61,40 @@ class CheckReport:
         }
 
 
-@contextmanager
-def _stage(report: CheckReport, name: str, progress: Progress) -> Iterator[dict[str, Any]]:
-    """Time one stage, record its outcome, and attach the report to any error."""
-    entry: dict[str, Any] = {"stage": name, "ok": False}
-    report.stages.append(entry)
-    started = time.monotonic()
-    progress(f"{name} ...")
-    try:
-        yield entry
-    except ModelshipError as exc:
+class CheckStages(StageRecorder[dict[str, Any]]):
+    """The check's stages in its report (``report.stages``): an error carries the stage
+    (and the check within it) and the report so far, and sets the verdict."""
+
+    def __init__(self, report: CheckReport, progress: Progress) -> None:
+        self.report, self.progress = report, progress
+
+    def _begin(self, name: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"stage": name, "ok": False}
+        self.report.stages.append(entry)
+        return entry
+
+    def _failed(self, name: str, entry: dict[str, Any], exc: ModelshipError, seconds: float,
+                next_step: NextStep | None) -> None:
         entry["error"] = exc.message
-        entry["seconds"] = round(time.monotonic() - started, 3)
-        report.verdict = "rejected" if exc.exit_code in (2, 3) else "error"
+        entry["seconds"] = seconds
+        self.report.verdict = "rejected" if exc.exit_code in (2, 3) else "error"
         check = exc.details.get("stage")
         if check and check != name:
             exc.details["check"] = check  # e.g. "contract" within the validate stage
         exc.details["stage"] = name
-        exc.details["report"] = report.to_dict()
-        progress(f"{name} failed: {exc.message}")
-        raise
-    entry["ok"] = True
-    entry["seconds"] = round(time.monotonic() - started, 3)
-    progress(f"{name} ok ({entry['seconds']:.1f} s)")
+        exc.details["report"] = self.report.to_dict()
+
+    def _ended(self, name: str, entry: dict[str, Any], seconds: float
+               ) -> tuple[str, str | None]:
+        entry["ok"] = True
+        entry["seconds"] = seconds
+        return "ok", None
+
+
+def _stage(report: CheckReport, name: str, progress: Progress
+           ) -> AbstractContextManager[dict[str, Any]]:
+    """Time one stage, record its outcome, and attach the report to any error."""
+    return CheckStages(report, progress).stage(name)
 
 
 def preflight(clients: Clients, settings: Settings, *, need_storage: bool) -> None:
@@ -129,10 +140,10 @@ def run_check(
     """Run the artifact gate on one candidate; raise the first stage's error."""
     from model_registry.client import PRODUCTION_ALIAS
     from model_registry.golden import load_golden
-    from modelship.repository import version_prefix
     from modelship.triton.infer import TritonInference
     from modelship.triton.model_config import from_pbtxt, to_pbtxt
     from tasks import expectations, export, trial_load, validate
+    from tasks.stage import version_prefix
 
     report = CheckReport(model=model)
     registry, storage, canary = clients.registry, clients.storage, clients.canary

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from modelship.errors import ModelshipError
 from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
@@ -30,6 +30,61 @@ Progress = Callable[[str], None]
 
 def _quiet(_: str) -> None:
     """The default progress sink: say nothing."""
+
+NextStep = Callable[[ModelshipError], str]
+E = TypeVar("E")
+
+
+class StageRecorder(Generic[E]):
+    """The one stage recorder (the release journal, and the check's report): each stage is
+    timed, its start and its end are recorded where the record lives, and each is said in
+    one progress line (``name ...``, then ``name ok (1.2 s)`` or ``name failed: why``).
+
+    Subclasses keep the entry: :class:`ReleaseJournal` in the release record (the ledger
+    and the Slack thread), :class:`tasks.check.CheckStages` in the check's report.
+    """
+
+    progress: Progress
+
+    def _begin(self, name: str) -> E:
+        """Record the stage's start; returns the entry the caller fills in."""
+        raise NotImplementedError
+
+    def _failed(self, name: str, entry: E, exc: ModelshipError, seconds: float,
+                next_step: NextStep | None) -> None:
+        """Record a stage that failed with ``exc`` after ``seconds``."""
+        raise NotImplementedError
+
+    def _stopped(self, entry: E, exc: BaseException) -> None:
+        """Record a stage left by anything else (a stop request, a bug); default: nothing."""
+
+    def _ended(self, name: str, entry: E, seconds: float) -> tuple[str, str | None]:
+        """Record a stage that ended; returns its outcome and reason (None: none)."""
+        raise NotImplementedError
+
+    @contextmanager
+    def stage(self, name: str, *, next_step: NextStep | None = None) -> Iterator[E]:
+        """Run one stage: record its start, then its outcome (ok, or the error's message).
+
+        Args:
+            next_step: What to tell the reader to do when the stage fails (default: the
+                error's hint).
+        """
+        entry = self._begin(name)
+        self.progress(f"{name} ...")
+        began = time.monotonic()
+        try:
+            yield entry
+        except ModelshipError as exc:
+            self._failed(name, entry, exc, round(time.monotonic() - began, 3), next_step)
+            self.progress(f"{name} failed: {exc.message}")
+            raise
+        except BaseException as exc:
+            self._stopped(entry, exc)
+            raise
+        seconds = round(time.monotonic() - began, 3)
+        outcome, reason = self._ended(name, entry, seconds)
+        self.progress(f"{name} {outcome} ({seconds:.1f} s)" + (f": {reason}" if reason else ""))
 
 
 class ReleaseThread:
@@ -71,13 +126,13 @@ class ReleaseThread:
         self._safe("reply", lambda: self.notifier.post(text, reply_blocks, thread_ts=ts))
 
     def upload(self, path: Path, title: str) -> None:
-        if self.ts is None or not path.exists():
+        if self.ts is None or not path.is_file():  # Path("") is the working directory
             return
         ts = self.ts
         self._safe("upload", lambda: self.notifier.upload(path, title=title, thread_ts=ts))
 
 
-class ReleaseJournal:
+class ReleaseJournal(StageRecorder[StageEntry]):
     """The record of one release, kept true in the ledger and the Slack thread as it goes.
 
     Args:
@@ -112,45 +167,40 @@ class ReleaseJournal:
             self.record.slack["ts"] = self.thread.ts
         self.save()
 
-    @contextmanager
-    def stage(self, name: str, *, next_step: Callable[[ModelshipError], str] | None = None
-              ) -> Iterator[StageEntry]:
-        """Run one stage: record its start, then its outcome (ok, or the error's message)."""
+    def _begin(self, name: str) -> StageEntry:
         entry = StageEntry(name=name, started_at=now_iso())
         self.record.stages.append(entry)
         self.save()
         self.thread.refresh(self.record)
-        self.progress(f"{name} ...")
-        began = time.monotonic()
-        try:
-            yield entry
-        except ModelshipError as exc:
-            entry.outcome, entry.reason = "failed", exc.message
-            entry.details.setdefault("error", type(exc).__name__)
-            entry.ended_at = now_iso()
-            entry.details["seconds"] = round(time.monotonic() - began, 3)
-            self.save()
-            hint = next_step(exc) if next_step else exc.hint
-            self.thread.reply(f"{name} failed: {exc.message}",
-                              blocks.stage_blocks(entry.to_dict(), next_step=hint))
-            self.progress(f"{name} failed: {exc.message}")
-            raise
-        except BaseException as exc:
-            entry.outcome, entry.reason = "failed", f"{type(exc).__name__}: {exc}"
-            entry.ended_at = now_iso()
-            self.save()
-            raise
+        return entry
+
+    def _failed(self, name: str, entry: StageEntry, exc: ModelshipError, seconds: float,
+                next_step: NextStep | None) -> None:
+        entry.outcome, entry.reason = "failed", exc.message
+        entry.details.setdefault("error", type(exc).__name__)
+        entry.ended_at = now_iso()
+        entry.details["seconds"] = seconds
+        self.save()
+        hint = next_step(exc) if next_step else exc.hint
+        self.thread.reply(f"{name} failed: {exc.message}",
+                          blocks.stage_blocks(entry.to_dict(), next_step=hint))
+
+    def _stopped(self, entry: StageEntry, exc: BaseException) -> None:
+        entry.outcome, entry.reason = "failed", f"{type(exc).__name__}: {exc}"
+        entry.ended_at = now_iso()
+        self.save()
+
+    def _ended(self, name: str, entry: StageEntry, seconds: float) -> tuple[str, str | None]:
         if entry.outcome == "running":
             entry.outcome = "ok"
         entry.ended_at = now_iso()
-        entry.details["seconds"] = round(time.monotonic() - began, 3)
+        entry.details["seconds"] = seconds
         self.save()
         self.thread.refresh(self.record)
         lines = entry.details.pop("_lines", [])
         self.thread.reply(f"{name} {entry.outcome}",
                           blocks.stage_blocks(entry.to_dict(), lines=lines))
-        self.progress(f"{name} {entry.outcome} ({entry.details['seconds']:.1f} s)"
-                      + (f": {entry.reason}" if entry.reason else ""))
+        return entry.outcome, entry.reason
 
     def upload(self, path: Path, title: str) -> None:
         self.thread.upload(path, title)

@@ -306,7 +306,8 @@ def apply(seen: Seen, step: Step) -> Seen:
 
 
 class Effects(Protocol):
-    """The I/O of the steps (flows/fleet.py binds it to the real fleet and MLflow)."""
+    """The I/O of the steps (:class:`tasks.fleet.FleetEffects` binds it to the real fleet
+    and MLflow)."""
 
     def fleet_to(self, version: int | None) -> None:
         """Converge every reachable replica to ``version`` and pin it (None: withdraw);

@@ -44,11 +44,11 @@ from urllib.parse import parse_qs
 from slack_sdk.signature import Clock, SignatureVerifier
 
 from modelship.approvals.rules import check_decision, pending_entry, resolve_approvers
-from modelship.approvals.slack_api import ApprovalSlack
 from modelship.approvals.wire import ACTIONS, parse_button_value
 from modelship.errors import ModelshipError, StorageError
 from modelship.ledger import Ledger, ReleaseRecord
 from modelship.slack import blocks
+from modelship.slack.client import SlackClient
 
 log = logging.getLogger("modelship.approvals")
 
@@ -133,7 +133,7 @@ class ApprovalService:
     secret: str
     ledger: Ledger
     runs: FlowRuns
-    slack: ApprovalSlack | None = None
+    slack: SlackClient | None = None
     audit_path: Path | None = None
     clock: Callable[[], float] = time.time
     _seen: dict[str, float] = field(default_factory=dict)
@@ -286,11 +286,11 @@ class ApprovalService:
         verb = "Approved" if status == "approved" else "Rejected"
         outcome = f"{verb} by <@{click.user}> at {at}"
         try:
-            self.slack.update(str(slack_at["channel"]), str(slack_at["ts"]),
-                              blocks.approval_text(shown),
-                              blocks.approval_outcome_blocks(
-                                  shown, record.to_dict(), outcome=outcome,
-                                  file_id=pending.get("file_id")))
+            self.slack.update_message(str(slack_at["channel"]), str(slack_at["ts"]),
+                                      blocks.approval_text(shown),
+                                      blocks=blocks.approval_outcome_blocks(
+                                          shown, record.to_dict(), outcome=outcome,
+                                          file_id=pending.get("file_id")))
         except ModelshipError as exc:  # the run resumed; the flow updates it again
             self.audit("slack_failed", release_id=click.release_id, error=exc.message)
 
@@ -443,9 +443,9 @@ def build_service(settings: Any, *, audit_path: Path | None) -> ApprovalService:
                          hint="set MODELSHIP_S3_ENDPOINT or run `modelship stack up`")
     slack = None
     if settings.slack_api_url and settings.slack_token is not None:
-        slack = ApprovalSlack(settings.slack_api_url,
-                              settings.slack_token.get_secret_value(),
-                              timeout_s=settings.http_timeout_s)
+        slack = SlackClient(settings.slack_api_url,
+                            settings.slack_token.get_secret_value(),
+                            timeout_s=settings.http_timeout_s)
     return ApprovalService(secret=settings.slack_signing_secret.get_secret_value(),
                            ledger=Ledger(clients.storage),
                            runs=PrefectRuns(settings.prefect_api_url), slack=slack,

@@ -14,6 +14,8 @@ error here, in :meth:`SlackClient._call`, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +79,9 @@ class PostedMessage:
 
 
 class SlackClient:
-    """Posts, updates and uploads to Slack; the only code that imports slack_sdk's client.
+    """Slack's one port: posts, updates and uploads (the release thread), and what the
+    approvals need beyond them (a user group's members, an ephemeral reply, a click's
+    ``response_url``); the only code that imports slack_sdk's client.
 
     Built at the edge from settings and passed in; the constructor does no I/O.
 
@@ -161,6 +165,39 @@ class SlackClient:
             channel=channel,
             ts=ts,
         )
+
+    def group_members(self, group: str) -> list[str]:
+        """The user ids of a user group (``usergroups.users.list``), for approvers given
+        as a group."""
+        response = self._call("usergroups.users.list",
+                              lambda: self._web.usergroups_users_list(usergroup=group),
+                              group=group)
+        return [str(u) for u in cast(list[Any], response.get("users") or [])]
+
+    def ephemeral(self, channel: str, user: str, text: str,
+                  thread_ts: str | None = None) -> None:
+        """Tell one user something only they see (``chat.postEphemeral``), e.g. why their
+        approval click was refused."""
+        self._call("chat.postEphemeral", lambda: self._web.chat_postEphemeral(
+            channel=channel, user=user, text=text, thread_ts=thread_ts), channel=channel)
+
+    def respond(self, response_url: str, body: Mapping[str, Any]) -> None:
+        """POST to a click's ``response_url`` (Slack's reply channel for that click).
+
+        Raises:
+            Unreachable: The URL did not answer within the timeout.
+        """
+        request = urllib.request.Request(response_url, data=json.dumps(body).encode(),
+                                         method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                response.read()
+        except OSError as exc:
+            raise Unreachable(f"the response_url {response_url} did not answer: {exc}",
+                              hint="the click's message may be stale; the outcome is in "
+                              "the release record", endpoint=response_url,
+                              transient=True) from exc
 
     def upload_file(
         self,
