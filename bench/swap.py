@@ -459,8 +459,8 @@ class Rig:
 def build_rig(settings: Settings, workdir: Path) -> Rig:
     """Register, check and stage two versions, and first-deploy the first on every replica."""
     from flows.check import run_check
+    from modelship.repository import staged_config
     from modelship.triton.model_config import example_request
-    from tasks.stage import staged_config
     from tests import models
 
     clients = build_clients(settings)
@@ -606,7 +606,7 @@ class _Corruption:
 
 def fault_real_load_failure(rig: Rig) -> dict[str, Any]:
     """One replica's reload of C really fails in Triton, after the others loaded C."""
-    from tasks.stage import version_prefix
+    from modelship.repository import version_prefix
 
     old, new = rig.versions
     victim_index = 1
@@ -735,7 +735,8 @@ VERIFY_MB = 64  # size of the synthetic version whose preflight verification is 
 def preflight_verify_cost(rig: Rig, workdir: Path) -> dict[str, Any]:
     """Time the swap preflight's verification (signature + streamed sha256 of every byte)
     on a synthetic version of VERIFY_MB MB staged next to the real ones (never loaded)."""
-    from tasks.stage import read_verified, stage_version
+    from modelship.repository import read_verified
+    from tasks.stage import stage_version
 
     key = key_bytes(rig.settings.manifest_signing_key)
     folder = workdir / "verify-cost"

@@ -877,11 +877,11 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
             answers (a shared cause: inputs, the load path); the candidate cannot be told
             apart from the baseline (exit 6).
     """
+    from modelship.repository import staged_config, verify_staged
     from modelship.triton.model_config import to_json, with_versions
     from tasks.gates import evaluate
     from tasks.payload import load_payload
     from tasks.report import publish_markdown_artifact, write_canary_report
-    from tasks.stage import staged_config, verify_staged
 
     started = time.monotonic()
     server, storage = clients.canary, clients.storage

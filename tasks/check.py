@@ -140,10 +140,10 @@ def run_check(
     """Run the artifact gate on one candidate; raise the first stage's error."""
     from model_registry.client import PRODUCTION_ALIAS
     from model_registry.golden import load_golden
+    from modelship.repository import version_prefix
     from modelship.triton.infer import TritonInference
     from modelship.triton.model_config import from_pbtxt, to_pbtxt
     from tasks import expectations, export, trial_load, validate
-    from tasks.stage import version_prefix
 
     report = CheckReport(model=model)
     registry, storage, canary = clients.registry, clients.storage, clients.canary

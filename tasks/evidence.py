@@ -20,8 +20,8 @@ from modelship.ledger import (
     passing_canary,
     served_before,
 )
+from modelship.repository import manifest_key
 from modelship.storage import S3Storage
-from tasks.stage import manifest_key
 
 
 def read_candidate_digest(storage: S3Storage, *, repository_prefix: str, model: str,

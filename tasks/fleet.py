@@ -34,6 +34,7 @@ from modelship.ledger import (
     served_before,
 )
 from modelship.policy import Policy
+from modelship.repository import manifest_key, staged_config
 from modelship.settings import Settings
 from modelship.signals import stop_signal
 from modelship.signing import key_bytes
@@ -41,7 +42,7 @@ from modelship.triton.model_config import example_request
 from tasks import recovery
 from tasks.evidence import read_candidate_digest, require_evidence
 from tasks.record import ReleaseJournal
-from tasks.stage import manifest_key, prune_versions, staged_config
+from tasks.stage import prune_versions
 from tasks.swap import fleet_status
 
 Progress = Callable[[str], None]
@@ -123,7 +124,7 @@ def withdraw(settings: Settings, clients: Clients, *, model: str,
              progress: Progress = _quiet) -> dict[str, Any]:
     """Undo a first release: no replica serves ``model``, and its production pin is gone,
     so reconcile (and a restarted replica) cannot load the withdrawn version back."""
-    from tasks.stage import CONFIG_NAME, model_prefix
+    from modelship.repository import CONFIG_NAME, model_prefix
 
     failed: dict[str, str] = {}
     for replica in clients.replicas:

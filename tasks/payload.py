@@ -13,10 +13,10 @@ import numpy as np
 
 from model_registry.client import RegistryClient
 from model_registry.golden import load_golden
+from modelship.repository import staged_config
 from modelship.storage import S3Storage
 from modelship.triton.model_config import example_request
 from tasks.export import golden_feed
-from tasks.stage import staged_config
 from tasks.validate import spec_of_config
 
 

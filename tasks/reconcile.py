@@ -29,12 +29,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from modelship.errors import ModelshipError, StagingError
+from modelship.repository import CONFIG_NAME, model_prefix, read_verified
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
 from modelship.triton.model_config import ModelConfig, from_pbtxt, serving_digest, to_pbtxt
 from modelship.triton.swap_plan import ReplicaView
 from modelship.triton.target import render_for_servers
-from tasks.stage import CONFIG_NAME, model_prefix, read_verified
 from tasks.swap import PIN_SIGNATURE_METADATA, apply_config, observe_fleet, pin_signature
 
 __all__ = ["Pin", "ReconcilePlan", "ReconcileStep", "pinned_models", "plan_reconcile",

@@ -53,6 +53,14 @@ from modelship.errors import (
 )
 from modelship.ledger import ReleaseRecord, same_candidate, sort_newest_first
 from modelship.policy import GpuPolicy, SwapPolicy
+from modelship.repository import (
+    CONFIG_NAME,
+    SHA256_METADATA,
+    VerifiedVersion,
+    model_prefix,
+    read_verified,
+    version_prefix,
+)
 from modelship.signals import deferred
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
@@ -86,14 +94,6 @@ from modelship.triton.swap_plan import (
     start,
 )
 from modelship.triton.target import render_for_servers
-from tasks.stage import (
-    CONFIG_NAME,
-    SHA256_METADATA,
-    VerifiedVersion,
-    model_prefix,
-    read_verified,
-    version_prefix,
-)
 
 __all__ = ["PIN_SIGNATURE_METADATA", "Fault", "Observed", "PhaseReport", "Progress",
            "RecordedFootprint", "SwapReport", "apply_config", "fleet_status", "observe_fleet",

@@ -91,7 +91,7 @@ def _assert_production_untouched(clients: Clients, production: Production) -> No
 def test_good_sklearn_candidate_passes_and_stages_a_verifiable_release(
         stack_settings: Settings, clients: Clients, production: Production,
         tmp_path: Path) -> None:
-    from tasks.stage import verify_staged
+    from modelship.repository import verify_staged
 
     version = models.register_sklearn(str(stack_settings.mlflow_tracking_uri), MODEL, seed=1)
     report = _check(stack_settings, clients, tmp_path, version=version, stage=True)

@@ -13,17 +13,11 @@ import pytest
 from modelship.clients import build_clients
 from modelship.errors import CredentialsRejected, ModelNotFound, StagingError
 from modelship.policy import StagingPolicy
+from modelship.repository import staged_config, staged_versions, verify_staged
 from modelship.settings import Settings
 from modelship.signing import generate_key, sign
 from modelship.storage import S3Storage
-from tasks.stage import (
-    StagedVersion,
-    prune_versions,
-    stage_version,
-    staged_config,
-    staged_versions,
-    verify_staged,
-)
+from tasks.stage import StagedVersion, prune_versions, stage_version
 
 pytestmark = pytest.mark.integration
 

@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 
 from modelship.errors import StagingError, UsageError
+from modelship.repository import FileDigest, blob_key
 from modelship.storage import S3Storage
 from tasks.stage import (
-    FileDigest,
     StagingAction,
-    blob_key,
     manifest_conflicts,
     plan_staging,
     prepare_staging,
