@@ -75,9 +75,16 @@ def bursty_errors(rng: np.random.Generator, n: int, rate: float,
     stay = 1.0 - 1.0 / mean_burst
     start = rate / (mean_burst * (1.0 - rate))
     u = rng.random(n)
-    out = np.zeros(n, dtype=bool)
     state = bool(rng.random() < rate)
-    for i in range(n):  # a Markov chain: sequential by nature; n ≤ ~10^5 here
+    if start <= stay:
+        # Request i fails when u_i < (stay if the previous failed else start): below start it
+        # fails and at or above stay it succeeds whatever came before; in between it repeats
+        # the previous request. So each request takes the last decided one's state.
+        decided = (u < start) | (u >= stay)
+        last = np.maximum.accumulate(np.where(decided, np.arange(n), -1))
+        return np.where(last >= 0, u[np.maximum(last, 0)] < start, state)
+    out = np.zeros(n, dtype=bool)
+    for i in range(n):  # start > stay (a rate near 1): a failure makes the next less likely
         state = bool(u[i] < (stay if state else start))
         out[i] = state
     return out
