@@ -219,6 +219,13 @@ def approve(request: ApprovalRequest, journal: Any, channels: ApprovalChannels, 
     watcher.start()
     try:
         return _wait(request, journal, channels, pending, watcher)
+    except BaseException as exc:
+        if pending.get("status") == "pending":  # a stop or an error ended the wait: the
+            # request closes with the run (saved below or by the record's end), so a late
+            # click is refused instead of approving a release that is over
+            pending.update(status="interrupted", decided_at=now_iso(),
+                           reason=f"the run stopped while it waited ({type(exc).__name__})")
+        raise
     finally:
         watcher.stop()
         _cleanup(journal, channels, pending)

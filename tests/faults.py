@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 #: The stage points a fault can be injected at, in release order (see :func:`_install`).
-STAGES = ("check", "canary", "approval", "swap", "bake", "record")
+STAGES = ("check", "stage", "canary", "approval", "swap", "bake", "record")
 #: Faults delivered to the CLI process itself.
 CLI_SIGNALS: dict[str, signal.Signals] = {
     "sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
@@ -116,6 +116,7 @@ def _install(stage: str, act: Callable[[], None]) -> None:
     """Put the fault at the stage's point:
 
     - ``check``: the trial model is loaded on the canary Triton and has answered;
+    - ``stage``: the version's first file is uploaded, its manifest is not (half-published);
     - ``canary``: the candidate and the baseline are loaded on the canary;
     - ``approval``: the request is recorded and posted, and the run waits (1 s into it);
     - ``swap``: batching paused on both replicas, one switched, the other's switch in
@@ -127,6 +128,10 @@ def _install(stage: str, act: Callable[[], None]) -> None:
         import tasks.trial_load as trial_load
 
         _after(trial_load, "compare_outputs", act, before=True)
+    elif stage == "stage":
+        from modelship.storage import S3Storage
+
+        _after(S3Storage, "upload_file_parts", act)
     elif stage == "canary":
         import tasks.canary as canary
 
