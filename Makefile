@@ -63,6 +63,7 @@ worker: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache  # the layer contracts in pyproject.toml (README "Layers")
 
 # The whole suite on both cores: pytest-xdist runs one test file at a time per worker (a
 # file's module fixtures stay in one process) and each worker starts its own session stack.

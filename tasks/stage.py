@@ -1,14 +1,7 @@
 """Stage 4, stage: publish a candidate into the S3 Triton repository, atomically.
 
-Layout inside the bucket (``P`` is the repository prefix Triton serves)::
-
-    P/<model>/config.pbtxt               written only when absent; the swap owns it after
-    P/<model>/<version>/<file>           model.onnx, model.onnx.data, ...
-    P/<model>/<version>/config.pbtxt     the candidate's own rendered config, for the record
-    P/<model>/<version>/release.json     the manifest, written LAST
-    blobs/sha256/<digest>                content-addressed store, OUTSIDE P
-
-Why this shape:
+The layout inside the bucket (version folders under the repository prefix ``P``, the blob
+store ``blobs/sha256/`` beside it) is drawn in :mod:`modelship.repository`. Why this shape:
 
 - **Content addressing.** Every file is hashed (sha256, streamed) and uploaded once to the
   blob store, then copied server-side into the version folder. A file that did not change
