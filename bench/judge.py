@@ -1,7 +1,9 @@
 """The canary judge by simulation, before and after issue 17: every row of its table.
 
 Run: ``.venv/bin/python -m bench.judge [--reps N] [--seq-reps N] [--workers 2]
-[--bake-reps N] [--no-bake]``.
+[--bake-reps N] [--no-bake] [--cases CASE ...] [--after-only]``. ``--cases`` runs only the
+rows named (the other rows keep their figures in the file), ``--after-only`` only the
+current rules (the before cells keep theirs); each row records when each cell was measured.
 
 Every canary is simulated (no servers) with the seeded generators of
 :mod:`bench.traffic_models` (``SeedSequence([case, rep])``): per-arm AR(1) latency of the
@@ -36,12 +38,16 @@ Rows (the issue's table, canary and gate side):
   the budget, independent), n = 5000: the combined verdict. Goal ≤ the stated family-wise
   α (before: the docstring's "A/A ≤ 1%"; after: 5%).
 - ``tail_p99_+40pct``: the p99 +40%, tail only (p50 unchanged), at the planned n: the
-  p99 gate. Goal ≥ 90%.
+  p99 gate. Goal ≥ 90%. The plan is the canary's (:func:`tasks.canary.plan_rules`) from a
+  20,000-request reference of the same family (before: its own planner and rule, p99
+  +50% at power 0.95; after: the default rule, +40% at power 0.9).
 - ``errors_2x_seq_off`` / ``errors_2x_seq_on`` / ``errors_2x_early_pass``: errors at 2×
   the budget, independent: the canary's detection with the sequential watch off (fixed
   gates at the planned n) and on (looks of 100 per arm up to the planned n, early pass
   allowed after the 2000-request floor), and how often it passed early. Goals: on ≥ off;
-  early pass only when within tolerance (so ≈ 0).
+  early pass only when within tolerance (so ≈ 0). After: the watch-on plan is
+  :func:`tasks.canary.plan_rules` with the watch's share (the fixed test at the α left
+  loses no power where the watch-off test has at least half).
 
 The bake rows come from :func:`bench.judge_bake.run` when that module exists, so one
 command reports every row. Figures go to ``bench/results/judge.json``.
@@ -50,25 +56,28 @@ command reports every row. Figures go to ``bench/results/judge.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.results import print_table, rate_cell, wilson, write_results
+from bench.results import RESULTS_DIR, print_table, rate_cell, wilson, write_results
 from bench.traffic_models import Arm, arm, standard_latency, tail_stretch
 from modelship.measurements import ArmMeasurements, CanarySnapshot
-from modelship.policy import FAMILY_ALPHA, GateRule, default_gates
+from modelship.policy import FAMILY_ALPHA, default_gates
 from tasks import gates as after_gates
 from tasks import sequential as after_sequential
-from tasks.canary import sequential_config, spend_alpha, watched
+from tasks.canary import SEQUENTIAL_SHARE, plan_rules, sequential_config, spend_alpha, watched
 
 __all__ = ["run", "wilson"]
 
@@ -80,7 +89,7 @@ FLOOR = 2000
 BATCH = 100
 LOOKS = 200
 REFERENCE = 2000
-MAX_PLAN = 12_000
+MAX_PLAN = 40_000
 SERVER_SHARE = 0.85
 
 _modules: dict[str, types.ModuleType] = {}
@@ -98,10 +107,44 @@ def before(name: str) -> types.ModuleType:
     return _modules[name]
 
 
-def gates_before() -> list[GateRule]:
-    """The default gates at :data:`BEFORE` (the error rule at α 0.05)."""
-    return [g.model_copy(update={"alpha": 0.05}) if g.name == "error_rate" else g
-            for g in default_gates()]
+@dataclass(frozen=True)
+class LegacyRule:
+    """A gate rule in the one-class shape of :data:`BEFORE` (every field on every rule), for
+    the rules read from that commit (today's rules are a union of classes per test)."""
+
+    name: str
+    metric: str
+    test: str | None = None
+    min: float | None = None
+    max: float | None = None
+    max_increase_pct: float | None = None
+    min_effect_ms: float | None = None
+    max_rate: float | None = None
+    dry_run: bool = False
+    alpha: float = 0.05
+    power: float = 0.8
+    effect: float | None = None
+
+    def model_dump(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def model_copy(self, *, update: Mapping[str, Any]) -> LegacyRule:
+        return dataclasses.replace(self, **update)
+
+
+def gates_before() -> list[Any]:
+    """The default gates at :data:`BEFORE` (its ``default_gates()``, error rule at α 0.05)."""
+    return [
+        LegacyRule("latency_p50", "latency_p50_ms", "mann_whitney", max_increase_pct=10.0,
+                   min_effect_ms=0.05, alpha=0.01, power=0.95, effect=15.0),
+        LegacyRule("latency_p99", "latency_p99_ms", "quantile", max_increase_pct=10.0,
+                   min_effect_ms=0.5, alpha=0.01, power=0.95, effect=40.0),
+        LegacyRule("error_rate", "error_rate", "exact_rate", max_rate=0.001, alpha=0.05,
+                   power=0.95, effect=0.004),
+        LegacyRule("agreement", "agreement", "threshold", min=0.98),
+        LegacyRule("server_latency", "server_latency_ratio", "server_ratio",
+                   max_increase_pct=10.0, alpha=0.01),
+    ]
 
 
 # ------------------------------------------------------------------------- simulation
@@ -147,7 +190,7 @@ def _rng(case: str, rep: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([sum(map(ord, case)), rep]))
 
 
-def judge_rules(version: str, snap: CanarySnapshot, rules: Sequence[GateRule],
+def judge_rules(version: str, snap: CanarySnapshot, rules: Sequence[Any],
                 min_samples: int = 1) -> bool:
     """Whether the combined verdict of ``rules`` is ``failed`` (before or after)."""
     mod = before("gates") if version == "before" else after_gates
@@ -155,14 +198,19 @@ def judge_rules(version: str, snap: CanarySnapshot, rules: Sequence[GateRule],
     return bool(mod.combine(results) is mod.Verdict.FAILED)
 
 
-def planned(version: str, rules: Sequence[GateRule]) -> int:
-    mod = before("gates") if version == "before" else after_gates
+def planned(version: str, rules: Sequence[Any], *, watch: bool = False) -> int:
+    """The canary's n per arm, from a 20,000-request reference: before, the plan of its
+    rules; after, :func:`tasks.canary.plan_rules` (with the watch's share when ``watch``)."""
     ref = standard_latency(np.random.default_rng(7), 20_000)
-    return int(min(mod.plan_samples(rules, baseline_latency_ms=ref, min_samples=FLOOR),
-                   MAX_PLAN))
+    if version == "before":
+        n = before("gates").plan_samples(rules, baseline_latency_ms=ref, min_samples=FLOOR)
+    else:
+        n = plan_rules(rules, baseline_latency_ms=ref, baseline_error_rate=0.0, floor=FLOOR,
+                       share=SEQUENTIAL_SHARE if watch else 0.0)
+    return int(min(n, MAX_PLAN))
 
 
-def _rule(version: str, name: str) -> list[GateRule]:
+def _rule(version: str, name: str) -> list[Any]:
     rules = gates_before() if version == "before" else default_gates()
     return [r for r in rules if r.name == name]
 
@@ -206,10 +254,10 @@ def run_fixed(args: tuple[str, str, int]) -> dict[str, Any]:
 # ------------------------------------------------------------------------- sequential
 
 
-def _watch(version: str, reference: np.ndarray) -> Any:
+def _watch(version: str, reference: np.ndarray, rules: Sequence[Any] | None = None) -> Any:
     if version == "before":
         return before("sequential").SequentialCanary(reference_ms=reference)
-    return after_sequential.SequentialCanary(sequential_config(default_gates()),
+    return after_sequential.SequentialCanary(sequential_config(rules or default_gates()),
                                              reference_ms=reference)
 
 
@@ -256,18 +304,29 @@ def run_sequential(args: tuple[str, str, int]) -> dict[str, Any]:
     return {"case": case, "version": version, "k": failed, "n": reps, "n_per_arm": n}
 
 
-def run_canary_2x(args: tuple[str, int]) -> dict[str, Any]:
+ERROR_RULE_ONLY = False
+"""``--2x-error-rule-only``: the 2×-budget rows judge (and watch) the error rule alone, at
+the default policy's planned n (a tenth of the cost: no latency watch)."""
+
+
+def run_canary_2x(args: tuple[str, int] | tuple[str, int, int] | tuple[str, int, int, bool]
+                  ) -> dict[str, Any]:
     """Errors at 2× the budget: detection with the watch off and on, and early passes.
 
     Common random numbers: one simulated canary of the larger planned n per rep; the watch
     off judges its first ``n_off`` requests per arm, the watch on looks at it from the start.
     """
-    version, reps = args
-    rules = gates_before() if version == "before" else default_gates()
+    version, reps = args[0], args[1]
+    first = args[2] if len(args) > 2 else 0
+    error_only = bool(args[3]) if len(args) > 3 else ERROR_RULE_ONLY
+    every = gates_before() if version == "before" else default_gates()
+    n_off = planned(version, every)
+    n_on = planned(version, every) if version == "before" else planned(version, every,
+                                                                       watch=True)
+    rules = [r for r in every if r.name == "error_rate"] if error_only else every
     fixed_on = rules if version == "before" else spend_alpha(rules)
-    n_off, n_on = planned(version, rules), planned(version, fixed_on)
     off = on = early = 0
-    for rep in range(reps):
+    for rep in range(first, first + reps):
         rng = _rng("errors_2x", rep)
         n_max = max(n_off, n_on)
         snap = snapshot(rng, n_max, c_err=0.002)
@@ -282,7 +341,7 @@ def run_canary_2x(args: tuple[str, int]) -> dict[str, Any]:
             and b.latency_s is not None
         c_arm = Arm(c.latency_ms, c.latency_s, c.error_s)
         b_arm = Arm(b.latency_ms, b.latency_s, np.zeros(0))
-        watch = _watch(version, standard_latency(rng, REFERENCE))
+        watch = _watch(version, standard_latency(rng, REFERENCE), rules)
         looks = int(np.ceil(n_on / BATCH))
         step = DURATION_S * n_on / n_max / looks
         status, stop = "continue", looks
@@ -322,37 +381,91 @@ def _cut(a: ArmMeasurements, t: float) -> ArmMeasurements:
 # ------------------------------------------------------------------------- all rows
 
 
-def run(reps: int = 200, seq_reps: int = 100, workers: int = 2) -> list[dict[str, Any]]:
-    """The canary and gate rows: ``{case, what, rule, goal, before: (k, n), after: (k, n)}``."""
-    fixed_jobs = [(c, v, reps) for c in FIXED for v in ("before", "after")]
-    seq_jobs = [(c, v, seq_reps) for c in SEQUENTIAL for v in ("before", "after")]
+CANARY_2X = ("errors_2x_off", "errors_2x_on", "errors_2x_early")
+
+
+def run(reps: int = 200, seq_reps: int = 100, workers: int = 2,
+        cases: Sequence[str] | None = None,
+        versions: Sequence[str] = ("before", "after")) -> list[dict[str, Any]]:
+    """The canary and gate rows: ``{case, what, rule, goal, before: (k, n), after: (k, n)}``.
+
+    ``cases`` keeps only the rows named (every row when None; any ``errors_2x_*`` name runs
+    the three 2×-budget rows); ``versions`` the columns measured (a missing one is None).
+    """
+    wanted = set(cases) if cases is not None else None
+    unknown = (wanted or set()) - {*FIXED, *SEQUENTIAL, *CANARY_2X}
+    if unknown:
+        raise SystemExit(f"unknown case(s): {', '.join(sorted(unknown))}; known: "
+                         f"{', '.join([*FIXED, *SEQUENTIAL, *CANARY_2X])}")
+
+    def keep(case: str) -> bool:
+        return wanted is None or case in wanted
+
+    fixed_jobs = [(c, v, reps) for c in FIXED if keep(c) for v in versions]
+    seq_jobs = [(c, v, seq_reps) for c in SEQUENTIAL if keep(c) for v in versions]
     with ProcessPoolExecutor(max_workers=workers) as pool:
         cells = list(pool.map(run_fixed, fixed_jobs)) + list(pool.map(run_sequential,
                                                                      seq_jobs))
-        canary = {c["version"]: c for c in pool.map(run_canary_2x,
-                                                     [("before", seq_reps),
-                                                      ("after", seq_reps)])}
-    specs = {**FIXED, **SEQUENTIAL}
+        chunks = [(v, len(part), int(part[0]), ERROR_RULE_ONLY) for v in versions
+                  if any(keep(c) for c in CANARY_2X)
+                  for part in np.array_split(np.arange(seq_reps), workers) if part.size]
+        canary: dict[str, dict[str, Any]] = {}
+        for c in pool.map(run_canary_2x, chunks):  # reps split across the workers
+            into = canary.setdefault(c["version"], {**c, "reps": 0, "off": 0, "on": 0,
+                                                    "early": 0})
+            for key in ("reps", "off", "on", "early"):
+                into[key] += c[key]
+    specs = {case: spec for case, spec in {**FIXED, **SEQUENTIAL}.items() if keep(case)}
     rows: list[dict[str, Any]] = []
+
+    def cell(by: Mapping[str, Mapping[str, Any]], v: str, k: str, n: str
+             ) -> tuple[int, int] | None:
+        return (by[v][k], by[v][n]) if v in by else None
+
     for case in specs:
         by = {c["version"]: c for c in cells if c["case"] == case}
         rows.append({"case": case, "what": specs[case]["what"], "rule": specs[case]["rule"],
                      "goal": specs[case]["goal"],
-                     "before": (by["before"]["k"], by["before"]["n"]),
-                     "after": (by["after"]["k"], by["after"]["n"]),
-                     "n_per_arm": {"before": by["before"]["n_per_arm"],
-                                   "after": by["after"]["n_per_arm"]}})
+                     "before": cell(by, "before", "k", "n"),
+                     "after": cell(by, "after", "k", "n"),
+                     "n_per_arm": {v: by[v]["n_per_arm"] for v in by}})
     for key, what, goal in (("off", "errors at 2× budget, watch off (planned n)", "≤ on"),
                             ("on", "errors at 2× budget, watch on", "≥ off"),
                             ("early", "errors at 2× budget: early passes", "≈ 0")):
-        rows.append({"case": f"errors_2x_{key}", "what": what,
+        if not canary:
+            break
+        if ERROR_RULE_ONLY:
+            what = f"{what}, the error rule alone"
+        rows.append({"case": f"errors_2x_{key}" + ("_error_rule" if ERROR_RULE_ONLY else ""),
+                     "what": what,
                      "rule": "sequential canary" if key != "off" else "fixed gates",
                      "goal": goal,
-                     "before": (canary["before"][key], canary["before"]["reps"]),
-                     "after": (canary["after"][key], canary["after"]["reps"]),
+                     "before": cell(canary, "before", key, "reps"),
+                     "after": cell(canary, "after", key, "reps"),
                      "n_per_arm": {v: canary[v]["n_off" if key == "off" else "n_on"]
-                                   for v in ("before", "after")}})
+                                   for v in canary}})
     return rows
+
+
+def _merge(path: Path, rows: list[dict[str, Any]], setup: dict[str, Any]) -> dict[str, Any]:
+    """The figures file with ``rows`` replacing the rows of the same case (cells measured
+    now replace that cell; a cell not measured now keeps its earlier figure)."""
+    old: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    by_case = {r["case"]: r for r in old.get("rows", [])}
+    for row in rows:
+        prev = by_case.get(row["case"], {})
+        merged = {**prev, **{k: v for k, v in row.items() if v is not None}}
+        merged["n_per_arm"] = {**prev.get("n_per_arm", {}), **row.get("n_per_arm", {})}
+        for v in ("before", "after"):
+            if row.get(v) is not None:
+                merged[v] = list(row[v])
+                merged[f"{v}_ci95"] = list(wilson(*row[v]))
+                merged.setdefault("measured", {})[v] = setup["measured_at"]
+        by_case[row["case"]] = merged
+    order = [*FIXED, *SEQUENTIAL, *CANARY_2X, *(f"{c}_error_rule" for c in CANARY_2X)]
+    rows_out = sorted(by_case.values(), key=lambda r: order.index(r["case"])
+                      if r["case"] in order else len(order))
+    return {"setup": {**old.get("setup", {}), **setup}, "rows": rows_out}
 
 
 def main() -> None:
@@ -363,28 +476,44 @@ def main() -> None:
     parser.add_argument("--bake-reps", type=int, default=200)
     parser.add_argument("--bake-long-reps", type=int, default=100)
     parser.add_argument("--no-bake", action="store_true")
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="only these rows (the others keep their figures in the file); "
+                             "implies --no-bake")
+    parser.add_argument("--after-only", action="store_true",
+                        help="measure only the current rules (the 'before' cells keep their "
+                             "figures)")
+    parser.add_argument("--2x-error-rule-only", dest="error_only", action="store_true",
+                        help="the errors_2x rows judge and watch the error rule alone")
     args = parser.parse_args()
+    global ERROR_RULE_ONLY
+    ERROR_RULE_ONLY = args.error_only
     started = time.perf_counter()
-    rows = run(args.reps, args.seq_reps, args.workers)
+    versions = ("after",) if args.after_only else ("before", "after")
+    rows = run(args.reps, args.seq_reps, args.workers, args.cases, versions)
     bake: list[dict[str, Any]] = []
-    if not args.no_bake and importlib.util.find_spec("bench.judge_bake") is not None:
+    if not args.no_bake and args.cases is None \
+            and importlib.util.find_spec("bench.judge_bake") is not None:
         from bench import judge_bake
 
         bake = judge_bake.run(args.bake_reps, args.workers, args.bake_long_reps)
     elapsed = time.perf_counter() - started
     plan = {v: planned(v, gates_before() if v == "before" else default_gates())
             for v in ("before", "after")}
-    figures = {"setup": {"reps": args.reps, "seq_reps": args.seq_reps, "before": BEFORE,
-                         "family_alpha_after": FAMILY_ALPHA, "default_plan_n": plan,
-                         "seconds": round(elapsed, 1)},
-               "rows": [{**r, "before": list(r["before"]), "after": list(r["after"]),
-                         "before_ci95": list(wilson(*r["before"])),
-                         "after_ci95": list(wilson(*r["after"]))} for r in rows + bake]}
+    setup = {"reps": args.reps, "seq_reps": args.seq_reps, "before": BEFORE,
+             "family_alpha_after": FAMILY_ALPHA, "default_plan_n": plan,
+             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.cases is None:
+        setup["seconds"] = round(elapsed, 1)
+    figures = _merge(RESULTS_DIR / "judge.json", rows + bake, setup)
     path = write_results("judge", figures)
+
+    def cell(r: Mapping[str, Any], v: str) -> str:
+        return rate_cell(*r[v]) if r.get(v) is not None else "–"
+
     print_table(f"Canary and gate rules, before ({BEFORE}) → after ({elapsed:.0f} s; default "
                 f"plan n/arm {plan['before']} → {plan['after']})",
                 ["case", "rule", "before [95% CI]", "after [95% CI]", "goal"],
-                [[r["case"], r["rule"], rate_cell(*r["before"]), rate_cell(*r["after"]), r["goal"]]
+                [[r["case"], r["rule"], cell(r, "before"), cell(r, "after"), r["goal"]]
                  for r in rows + bake])
     print(f"\nwrote {path}")
 

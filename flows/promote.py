@@ -376,9 +376,12 @@ def release_plan(settings: Settings, clients: Clients, policy: Policy,
                  record: ReleaseRecord, approval: ApprovalRequest,
                  staged: dict[str, Any]) -> dict[str, Any]:
     """What a promotion would do, for ``--dry-run``: stages, gates, sizes and targets."""
-    from tasks.gates import plan_samples
+    from tasks.canary import SEQUENTIAL_SHARE, plan_rules
 
-    samples = plan_samples(policy.gates, min_samples=policy.canary.min_samples)
+    # the canary's own planner: the watch's share of α grows the plan when it is on
+    samples = plan_rules(policy.gates, baseline_latency_ms=None, baseline_error_rate=0.0,
+                         floor=policy.canary.min_samples,
+                         share=SEQUENTIAL_SHARE if policy.canary.sequential else 0.0)
     canary = policy.canary
     return {
         "stages": ["resolve", "check", "stage", "canary", "gates", "approve", "baseline",

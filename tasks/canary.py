@@ -41,6 +41,7 @@ The run, in order, all inside one ``try`` whose ``finally`` unloads the canary m
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import re
 import threading
@@ -50,6 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -415,9 +417,11 @@ def _ok_by_arm(records: Sequence[RequestRecord], paired: bool) -> dict[str, int]
 SEQUENTIAL_SHARE = 0.2
 """Share of each watched rule's α that the sequential watch spends; the fixed test gets the
 rest, so the rule set's family-wise α (:func:`tasks.gates.family_alpha`) is spent once. A
-fifth: the watch is for clear regressions, which it stops at any level, while the fixed
-test at 80% of α loses little power, so a candidate at 2× the error budget is caught as
-often with the watch on as off (bench/judge.py, ``errors_2x_*``; at a half it was not)."""
+fifth: the watch is for clear regressions, which it stops at any level. The fixed test at
+80% of α runs on a plan grown by :func:`watch_plan_factor` (:func:`plan_rules`), so it
+alone catches at least as often as the watch-off test wherever that one catches half the
+time: a candidate at 2× the error budget is caught at least as often with the watch on
+(bench/judge.py, ``errors_2x_*``)."""
 
 _QUANTILES = {"latency_p50_ms": 0.5, "latency_mean_ms": 0.5, "latency_p90_ms": 0.9,
               "latency_p95_ms": 0.95, "latency_p99_ms": 0.99}
@@ -467,7 +471,8 @@ def spend_alpha(rules: Sequence[GateRule], *, share: float = SEQUENTIAL_SHARE
                 ) -> list[GateRule]:
     """The fixed gates when the sequential watch runs too (pure): every watched rule keeps
     ``1 - share`` of its α (the watch spends the rest), so the family-wise α is spent once.
-    The canary plans its load with these rules, so the fixed tests keep their power."""
+    The canary plans its load for them with :func:`plan_rules` (``share``), so the fixed
+    tests lose no power to the watch."""
     return [r.model_copy(update={"alpha": r.alpha * (1.0 - share)}) if watched(r) else r
             for r in rules]
 
@@ -720,22 +725,99 @@ def _server_side(before: Scrape | None, after: Scrape | None, model: str,
     return out
 
 
+def watch_plan_factor(alpha: float, share: float) -> float:
+    """Sample-size factor of a watched rule's fixed test when the watch spends ``share`` of
+    its α: ``(z_{(1-share)α} / z_α)²`` (1 without a watch).
+
+    Why this and not the plan at the smaller α: under the normal approximation the fixed
+    test's power is ``Φ(δ a - z)`` with ``a ∝ √n``. With ``a_on = a_off · z_on / z_α``
+    the watch-on margin is the watch-off margin scaled by ``z_on / z_α > 1``:
+    ``δ a_on - z_on = (z_on / z_α)(δ a_off - z_α)``, so wherever the watch-off test catches
+    a candidate at least half the time, the watch-on fixed test alone catches it at least
+    as often, and the watch's own early failures only add. (Sizing at the smaller α for
+    the rule's ``effect`` keeps the power there only: below it, e.g. at 2× the error
+    budget, the watch-on canary was caught less often.) The factor is ≥ the ratio of the
+    plans at the two α, so the rule's stated power at its effect holds too.
+    """
+    if not 0 < share < 1 or not 0 < alpha < 0.5:
+        return 1.0
+    z_off = NormalDist().inv_cdf(1.0 - alpha)
+    z_on = NormalDist().inv_cdf(1.0 - alpha * (1.0 - share))
+    return (z_on / z_off) ** 2
+
+
+def plan_rules(rules: Sequence[GateRule], *, baseline_latency_ms: np.ndarray | None,
+               baseline_error_rate: float, floor: int, share: float = 0.0) -> int:
+    """Requests per version the canary runs for (pure): the max over blocking rules of
+    :func:`tasks.gates.required_samples` at the rule's own α, times
+    :func:`watch_plan_factor` for the watched rules when the sequential watch spends
+    ``share`` of their α (``rules`` are the policy's, not :func:`spend_alpha`'s)."""
+    from tasks.gates import required_samples as rule_samples
+    from tasks.gates import tail_reference_floor
+
+    sizes = [floor]
+    for rule in rules:
+        if rule.dry_run:
+            continue
+        n = rule_samples(rule, baseline_latency_ms=baseline_latency_ms,
+                         baseline_error_rate=baseline_error_rate, floors=False)
+        if share and watched(rule):  # the power plan grows, not the floors
+            grown = math.ceil(n * watch_plan_factor(rule.alpha, share))
+            if rule.test == "exact_rate":
+                grown = _rate_dominance_n(float(rule.max_rate or 0.0), rule.alpha, share, n,
+                                          grown)
+            n = grown
+        sizes.append(max(n, tail_reference_floor(rule)))
+    return int(max(sizes))
+
+
+@functools.lru_cache(maxsize=256)
+def _rate_dominance_n(max_rate: float, alpha: float, share: float, n_off: int,
+                      start: int) -> int:
+    """The exact binomial test's own version of :func:`watch_plan_factor` (pure).
+
+    Errors are few, so the normal approximation misjudges the exact test's tail: the
+    smallest n from ``start`` up (steps of 1%) at which the test at ``(1 - share) α``
+    has at least the power of the test at ``α`` with ``n_off`` at every error rate where
+    the latter catches half the candidates or more (up to 99.9%)."""
+    from scipy import stats
+
+    if not 0 < max_rate < 1:
+        return start
+
+    def power(n: int, level: float, rates: np.ndarray) -> np.ndarray:
+        # tasks.gates.rate_power's critical count, vectorised over the rates
+        c = int(stats.binom.isf(level, n, max_rate))
+        c = c if stats.binom.sf(c, n, max_rate) < level else c + 1
+        return np.asarray(stats.binom.sf(c, n, rates), dtype=float)
+
+    rates = max_rate * np.exp(np.linspace(0.0, math.log(min(50.0, 0.5 / max_rate)), 400))[1:]
+    off = power(n_off, alpha, rates)
+    keep = (off >= 0.5) & (off <= 0.999)
+    n = start
+    for _ in range(60):
+        if np.all(power(n, alpha * (1.0 - share), rates[keep]) >= off[keep]):
+            return n
+        n = math.ceil(n * 1.01)
+    return n
+
+
 def required_samples(rules: Sequence[GateRule], records: Sequence[RequestRecord], *,
-                     paired: bool, floor: int) -> int:
+                     paired: bool, floor: int, share: float = 0.0) -> int:
     """Answered requests per version the gates need, sized from what was measured so far.
 
     The latency tests are sized from the baseline's own latencies (the candidate's on a
     first release), the error-rate test from the baseline's error rate; without records
-    the gates' lognormal default applies. Never below the policy's ``floor``.
+    the gates' lognormal default applies. Never below the policy's ``floor``. With the
+    sequential watch on (``share`` > 0), watched rules plan for their fixed test at the α
+    the watch leaves (:func:`plan_rules`).
     """
-    from tasks.gates import plan_samples
-
     arm = BASELINE if paired else None
     own = [r for r in records if r.tag == arm]
     latency = np.asarray([r.latency_ms for r in own if r.ok], dtype=float)
     error_rate = sum(1 for r in own if not r.ok) / len(own) if own and paired else 0.0
-    return int(plan_samples(rules, baseline_latency_ms=latency if latency.size >= 2 else None,
-                            baseline_error_rate=error_rate, min_samples=floor))
+    return plan_rules(rules, baseline_latency_ms=latency if latency.size >= 2 else None,
+                      baseline_error_rate=error_rate, floor=floor, share=share)
 
 
 def broken_canary(records: Sequence[RequestRecord], paired: bool) -> str | None:
@@ -958,8 +1040,11 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
                            window_s=min(spec.window_s, canary.warmup_s))
             warm_records = _load_once(url, model, candidate, baseline, payload, warm).records
 
+        share = SEQUENTIAL_SHARE if canary.sequential and paired else 0.0
+
         def plan(records: Sequence[RequestRecord]) -> int:
-            return required_samples(fixed, records, paired=paired, floor=canary.min_samples)
+            return required_samples(judged, records, paired=paired, floor=canary.min_samples,
+                                    share=share)
 
         first_plan = plan(warm_records)
         before = _scrape(server, settings.http_timeout_s, notes)

@@ -598,12 +598,15 @@ def test_rate_planning_is_finite_and_fast_at_any_baseline_rate(pb: float, max_ra
 
 
 def test_rate_plan_reaches_its_power_exactly() -> None:
-    from tasks.gates import rate_power
+    """The exact binomial step finds the first n with the power; the rule's plan adds what
+    the overdispersion deflation costs on independent errors (a few percent)."""
+    from tasks.gates import _rate_plan, rate_power
 
-    r = rule(metric="error_rate", max_rate=0.001, effect=0.004, power=0.95)
-    n = required_samples(r)
+    n = _rate_plan(0.001, 0.005, 0.05, 0.95)
     assert float(rate_power(n, 0.001, 0.005, 0.05)[0]) >= 0.95
     assert float(rate_power(n - 1, 0.001, 0.005, 0.05)[0]) < 0.95
+    r = rule(metric="error_rate", max_rate=0.001, effect=0.004, power=0.95)
+    assert n <= required_samples(r) <= 1.25 * n
 
 
 # --------------------------------------------------------------------------------------
