@@ -31,6 +31,11 @@ statistics:
   arXiv:2010.09686): the hedged capital process with predictable plug-in bets
   (:func:`betting_log_e`, :func:`betting_cs`): valid at every look for statistics in
   ``[0, 1]`` whose conditional mean given the past is at most ``m``.
+- **Design effect** of a block rule (after Kish, *Survey Sampling*, 1965, §8.2: the
+  variance, here the sample size, relative to simple random sampling): the n a rule
+  needs when its batch-means test and its whole-run test must both reject, over the n
+  of the whole-run z-test alone, by seeded simulation of the normal approximation
+  (:func:`design_effect`, :func:`long_run_variances`); ``tasks.gates`` plans with it.
 - **Diagnostics** for the report: the lag-1 autocorrelation of the block statistics
   (:func:`lag1`) and the overdispersion, with a flag when either is high
   (:func:`diagnose`).
