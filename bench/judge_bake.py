@@ -163,8 +163,8 @@ def run_case(args: tuple[str, int]) -> dict[str, Any]:
     """``reps`` bakes of one case, judged before and after."""
     case, reps = args
     after_policy, before_policy = policy_for(case), policy_for(case, BEFORE)
-    after = {"rolled_back": 0, "errors": 0, "latency": 0, "windows": []}
-    before = {"rolled_back": 0, "errors": 0, "latency": 0, "windows": []}
+    after: dict[str, Any] = {"rolled_back": 0, "errors": 0, "latency": 0, "windows": []}
+    before: dict[str, Any] = {"rolled_back": 0, "errors": 0, "latency": 0, "windows": []}
     for rep in range(reps):
         traffic = simulate(case, rep, after_policy)
         reference, windows = windows_of(traffic, after_policy.window_s)
