@@ -116,7 +116,8 @@ def _install(stage: str, act: Callable[[], None]) -> None:
     """Put the fault at the stage's point:
 
     - ``check``: the trial model is loaded on the canary Triton and has answered;
-    - ``stage``: the version's first file is uploaded, its manifest is not (half-published);
+    - ``stage``: the version's first file is uploaded (a content-addressed blob), its
+      manifest is not (half-published);
     - ``canary``: the candidate and the baseline are loaded on the canary;
     - ``approval``: the request is recorded and posted, and the run waits (1 s into it);
     - ``swap``: batching paused on both replicas, one switched, the other's switch in
@@ -431,7 +432,7 @@ def disagreements(obs: Observation) -> list[str]:
     """Why the state is not one true release now (empty: converged). What ``modelship
     status`` must exit non-zero for: the replicas, their batching, the pin, the
     ``production`` alias and the newest finished record disagree, a record is unfinished
-    (a live, dead or incomplete run), or a release lock is held."""
+    (a live, dead or incomplete run), or a lock is :func:`wedged`."""
     found = []
     v = obs.serving
     if v is None:
@@ -457,10 +458,18 @@ def disagreements(obs: Observation) -> list[str]:
         found.append(f"the newest finished record {last.id} ({last.status}, "
                      f"v{last.from_version} -> v{last.to_version}) says "
                      f"v{served_after(last)} serves, the replicas v{v}")
-    held = [row for row in obs.locks if row.get("held")]
+    held = [row for row in obs.locks if wedged(row)]
     if held:
-        found.append(f"a release lock is held: {held}")
+        found.append(f"a lock is held: {held}")
     return found
+
+
+def wedged(row: Mapping[str, Any]) -> bool:
+    """A row of ``modelship locks`` that stops the next taker: held by a live holder, or
+    by one nobody can tell dead. A holder verified dead (its process on this host is
+    gone) is taken over by the next release or canary at once, so it wedges nothing."""
+    return bool(row.get("held")) and (row.get("holder_alive") is not False
+                                      or bool(row.get("unreadable")))
 
 
 def story_breaks(records: Sequence[RecordState], serving: int | None, *,

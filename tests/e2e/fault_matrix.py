@@ -8,7 +8,7 @@ issue 18 item 6):
   MLflow, S3 (SeaweedFS) or Prefect, whole process group, at the stage's point, with the
   release going on without it and ``modelship stack up`` restarting it once the CLI ended
   (``tests/faults.py`` injects; nothing in the product knows a test);
-- **stages**: check (the trial model answered), stage (the first file uploaded, the
+- **stages**: check (the trial model answered), stage (the first blob uploaded, the
   manifest not), canary (candidate and baseline loaded), the approval wait, swap (one
   replica switched, batching paused, the other in flight), bake (the fleet serves the
   candidate) and record (the bake passed).
@@ -23,14 +23,15 @@ command (``promote`` again, or a plain ``rollback``) exits 0 and everything conv
 fleet, the pin and the alias agree, the version carries its release tag, the ledger tells
 one continuous story with no record ``running`` or ``incomplete`` (a killed run ends
 ``interrupted``, its approval request closed), nothing is left on the canary, ``status``
-exits 0 and no lock is held.
+exits 0 and no lock is wedged (:func:`tests.faults.wedged`: a lock whose holder is verified
+dead, such as a killed canary's slot, is taken over by the next taker at once).
 
 **Which cells.** 6 faults x 7 stages is 42 cells; these 19 are the ones whose code paths
 differ:
 
 - SIGKILL (no handler runs; the next command finds a dead run) at every kill point of the
   former SIGKILL chain: check (a trial model left on the canary), stage (a half-published
-  version: files, no manifest; the rerun publishes it), canary (the candidate left on the
+  version: a blob, no manifest; the rerun publishes it), canary (the candidate left on the
   canary, the lock held), approval (a pending approval and a kept canary candidate), swap
   (a half-switched fleet, batching paused), bake (an unbaked swap) and record (a baked,
   unrecorded release: past its point of no return, to be finished, not undone).
@@ -303,9 +304,9 @@ def test_a_fault_at_a_stage_converges_on_the_next_command(matrix: Matrix, cell: 
     (faulted,) = [r.id for r in mid.records if r.id not in before_ids and r.kind == "promote"]
     _check_faulted_exit(run, mid, faulted)
     _check_record_truth(mid, faulted, run)
-    if cell.fault.stage == "stage":  # files, but no manifest: the version does not exist
+    if cell.fault.stage == "stage":  # a blob uploaded, no manifest: no such version yet
         keys = matrix.version_keys(candidate)
-        assert keys and not [k for k in keys if k.endswith(MANIFEST)], keys
+        assert not [k for k in keys if k.endswith(MANIFEST)], keys
     # status is true: non-zero exactly while something disagrees
     status = matrix.cli("status", MODEL, "--json", timeout=120)
     wrong = disagreements(mid)

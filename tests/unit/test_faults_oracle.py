@@ -63,10 +63,20 @@ def test_a_converged_state_has_nothing_to_say() -> None:
     ({"records": (*HISTORY, rec("r3", "released", 2, 1))}, "says v1 serves"),
     ({"records": (*HISTORY, rec("r3", "cancelled", 1, 2))}, "says v1 serves"),
     ({"locks": ({"model": "m", "held": True, "holder": None},)}, "lock is held"),
+    ({"locks": ({"model": "m", "held": True, "holder_alive": True},)}, "lock is held"),
+    ({"locks": ({"model": "m", "held": True, "holder_alive": False, "unreadable": True},)},
+     "lock is held"),
 ])
 def test_each_disagreement_is_found(changes: dict[str, Any], words: str) -> None:
     found = disagreements(obs(**changes))
     assert any(words in line for line in found), found
+
+
+def test_a_lock_whose_holder_is_verified_dead_wedges_nothing() -> None:
+    # the next release or canary takes it over at once (a killed canary's slot)
+    dead = {"model": "m", "lock": "canary", "held": True, "holder_alive": False,
+            "unreadable": False}
+    assert disagreements(obs(locks=(dead,))) == []
 
 
 def test_a_record_that_stopped_before_the_fleet_or_undid_it_agrees() -> None:
