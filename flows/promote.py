@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import signal
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +33,7 @@ from modelship.errors import (
 from modelship.ledger import Ledger, ReleaseRecord, now_iso, release_intent
 from modelship.policy import Policy, policy_for
 from modelship.prefect_api import keeps_outcome
+from modelship.progress import Progress
 from modelship.settings import Settings, load_settings
 from modelship.signals import deferred, exit_code_for, stop_on_signals, stop_signal
 from tasks import bake as baking
@@ -60,8 +61,6 @@ from tasks.prefect_tasks import (
     swap_task,
 )
 from tasks.record import ReleaseJournal
-
-Progress = Callable[[str], None]
 
 
 class PromoteParams(BaseModel):

@@ -30,16 +30,16 @@ from modelship.errors import PreflightError, UsageError
 from modelship.ledger import ReleaseRecord, now_iso
 from modelship.locks import release_lock
 from modelship.policy import Policy
+from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.slack.blocks import gate_lines
 from tasks import fleet
 from tasks.evidence import read_candidate_digest
-from tasks.fleet import Progress, _quiet
 
 
 def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, target: int,
          force: bool = False, dry_run: bool = False, requester: str | None = None,
-         progress: Progress = _quiet) -> dict[str, Any]:
+         progress: Progress = quiet) -> dict[str, Any]:
     """``modelship swap``: under the model's lock, first finish or undo what dead or
     incomplete releases left; then evidence, the intent, the swap, and released (tag,
     ``previous``, ``production`` last) or undone on every way out. A no-op repairs the
@@ -107,7 +107,7 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
 
 def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str,
              to: int | None, force: bool = False, dry_run: bool = False,
-             requester: str | None = None, progress: Progress = _quiet) -> dict[str, Any]:
+             requester: str | None = None, progress: Progress = quiet) -> dict[str, Any]:
     """Under the model's lock, first finish or undo what dead or incomplete releases left;
     then the intent, the ``production`` alias first, the fleet, and released (tag,
     ``previous``) or undone (fleet and alias back) on every way out. A live release of the
@@ -166,7 +166,7 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
 
 
 def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, version: int,
-           progress: Progress = _quiet) -> dict[str, Any]:
+           progress: Progress = quiet) -> dict[str, Any]:
     """Stage if needed, then the canary against the version in production, and the gates.
 
     No swap. The result is recorded in the ledger (kind ``canary``) with its stage and

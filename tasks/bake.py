@@ -115,6 +115,7 @@ from modelship.errors import ModelshipError
 from modelship.jsonable import jsonable
 from modelship.loadgen import LoadSpec, run_load_sync
 from modelship.policy import BakePolicy
+from modelship.progress import Progress, quiet
 from modelship.triton.client import TritonServer
 from modelship.triton.gpu import parse_gpu_metrics, summarize
 from modelship.triton.metrics import (
@@ -128,7 +129,6 @@ from modelship.triton.metrics import (
 )
 from tasks.blocks import HIGH_LAG1, diagnose, lag1, long_run_variance, overdispersion
 
-Progress = Callable[[str], None]
 Outcome = Literal["passed", "held", "breach", "infrastructure"]
 Fault = Callable[[int], None]
 
@@ -149,10 +149,6 @@ POWER_Z = float(stats.norm.ppf(0.9))
 
 MEDIAN_EFFICIENCY = math.sqrt(math.pi / 2.0)
 """Standard error of a sample median over that of a mean, for normal data."""
-
-
-def _quiet(_: str) -> None:
-    """The default progress sink: say nothing."""
 
 
 @dataclass(frozen=True)
@@ -774,7 +770,7 @@ def fleet_load(per_replica: Mapping[str, Mapping[str, Any]]) -> dict[str, float 
 
 def measure_reference(replicas: Sequence[TritonServer], *, model: str, version: int,
                       payload: Mapping[str, np.ndarray], policy: BakePolicy,
-                      timeout_s: float, progress: Progress = _quiet) -> Reference:
+                      timeout_s: float, progress: Progress = quiet) -> Reference:
     """The pre-swap reference: ``baseline_s`` of the probe on ``version`` (production),
     cut into windows of ``window_s`` exactly as the bake's (one block each)."""
     count = max(int(math.ceil(policy.baseline_s / policy.window_s)), 1)
@@ -815,7 +811,7 @@ class BakeReport:
 
 def watch(replicas: Sequence[TritonServer], *, model: str, version: int,
           payload: Mapping[str, np.ndarray], policy: BakePolicy, baseline: Baseline,
-          timeout_s: float, progress: Progress = _quiet, fault: Fault | None = None
+          timeout_s: float, progress: Progress = quiet, fault: Fault | None = None
           ) -> BakeReport:
     """Watch ``version`` on the fleet for ``bake.duration_s``; stop at the first breach.
 

@@ -61,6 +61,7 @@ from modelship.errors import GatesInconclusive, InfrastructureError, ModelshipEr
 from modelship.loadgen import LoadReport, LoadSpec, RequestRecord, Target, run_load, run_paired
 from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.policy import GPU_METRICS, AgreementPolicy, CanaryPolicy, GateRule, Policy
+from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.triton.client import TritonServer
 from modelship.triton.gpu import GpuEvidence, GpuSample, canary_gpu_evidence, fleet_target
@@ -72,7 +73,6 @@ from tasks.sequential import SequentialCanary, SequentialConfig, SequentialDecis
 if TYPE_CHECKING:  # tasks.gates imports scipy: loaded where the canary judges, not at import
     from tasks.gates import GateReport
 
-Progress = Callable[[str], None]
 
 BASELINE, CANDIDATE = "baseline", "candidate"
 _READY_POLL_S = 0.2
@@ -89,10 +89,6 @@ _COMPARATIVE_METRICS = frozenset({"agreement", "throughput_ratio", "server_laten
 
 #: ``CanaryResult.cleanup`` when ``run_canary(keep_loaded=True)`` left the versions loaded.
 KEPT_LOADED = "kept loaded"
-
-
-def _quiet(_: str) -> None:
-    """The default progress sink: say nothing."""
 
 
 # --------------------------------------------------------------------------- results
@@ -918,7 +914,7 @@ def _report_dir(settings: Settings, model: str, candidate: int) -> Path:
 @in_canary_slot  # one canary at a time on the canary Triton (issue 18; owner: locks)
 def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: str,
                candidate: int, baseline: int | None,
-               progress: Progress = _quiet, report_dir: Path | None = None,
+               progress: Progress = quiet, report_dir: Path | None = None,
                keep_loaded: bool = False) -> CanaryResult:
     """Run the canary of ``candidate`` against ``baseline`` and judge it with the gates.
 

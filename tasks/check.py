@@ -9,7 +9,6 @@ production keeps serving whatever it served.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +19,10 @@ from modelship.clients import Clients
 from modelship.errors import ModelshipError, PreflightError, UsageError
 from modelship.jsonable import jsonable
 from modelship.policy import Policy
+from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.signing import key_bytes
 from tasks.record import NextStep, StageRecorder
-
-Progress = Callable[[str], None]
 
 
 @dataclass
@@ -135,7 +133,7 @@ def run_check(
     stage: bool = False,
     allow_breaking_changes: bool = False,
     dry_run: bool = False,
-    progress: Progress = lambda _: None,
+    progress: Progress = quiet,
 ) -> CheckReport:
     """Run the artifact gate on one candidate; raise the first stage's error."""
     from model_registry.client import PRODUCTION_ALIAS
@@ -240,7 +238,7 @@ def run_check(
 
 
 def stage_checked(settings: Settings, clients: Clients, policy: Policy, report: CheckReport,
-                  *, dry_run: bool = False, progress: Progress = lambda _: None) -> None:
+                  *, dry_run: bool = False, progress: Progress = quiet) -> None:
     """Stage a candidate that passed :func:`run_check` (``report.staged`` says what was
     done); with ``dry_run`` only the staging plan is computed."""
     from tasks import stage as staging

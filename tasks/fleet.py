@@ -34,6 +34,7 @@ from modelship.ledger import (
     served_before,
 )
 from modelship.policy import Policy
+from modelship.progress import Progress, quiet
 from modelship.repository import manifest_key, staged_config
 from modelship.settings import Settings
 from modelship.signals import stop_signal
@@ -44,12 +45,6 @@ from tasks.evidence import read_candidate_digest, require_evidence
 from tasks.record import ReleaseJournal
 from tasks.stage import prune_versions
 from tasks.swap import fleet_status
-
-Progress = Callable[[str], None]
-
-
-def _quiet(_: str) -> None:
-    """The default progress sink: say nothing."""
 
 
 def require_fleet(clients: Clients) -> None:
@@ -68,7 +63,7 @@ def ledger_of(clients: Clients) -> Ledger:
 
 def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model: str,
                   target: int, dry_run: bool = False, converge: bool = False,
-                  progress: Progress = _quiet,
+                  progress: Progress = quiet,
                   footprint_bytes: int | None = None,
                   footprint_detail: str | None = None) -> dict[str, Any]:
     """The fleet swap itself (DESIGN §4); the caller holds the model's release lock.
@@ -106,7 +101,7 @@ def recorded_footprint_for(records: list[ReleaseRecord], digest: dict[str, Any],
 
 
 def undo_swap(settings: Settings, clients: Clients, policy: Policy, *, model: str,
-              previous: int | None, progress: Progress = _quiet) -> dict[str, Any]:
+              previous: int | None, progress: Progress = quiet) -> dict[str, Any]:
     """Put every reachable replica back on ``previous`` (the bake's rollback); on a first
     release, back on nothing (:func:`withdraw`)."""
     if previous is None:
@@ -121,7 +116,7 @@ def undo_swap(settings: Settings, clients: Clients, policy: Policy, *, model: st
 
 
 def withdraw(settings: Settings, clients: Clients, *, model: str,
-             progress: Progress = _quiet) -> dict[str, Any]:
+             progress: Progress = quiet) -> dict[str, Any]:
     """Undo a first release: no replica serves ``model``, and its production pin is gone,
     so reconcile (and a restarted replica) cannot load the withdrawn version back."""
     from modelship.repository import CONFIG_NAME, model_prefix
@@ -178,7 +173,7 @@ class FleetEffects:
     MLflow configured, the alias and tag steps have nothing to keep true)."""
 
     def __init__(self, settings: Settings, clients: Clients, policy: Policy, *, model: str,
-                 progress: Progress = _quiet) -> None:
+                 progress: Progress = quiet) -> None:
         self.settings, self.clients, self.policy = settings, clients, policy
         self.model, self.progress = model, progress
 
@@ -221,7 +216,7 @@ def observer(settings: Settings, clients: Clients,
 
 
 def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model: str,
-                  by: str, progress: Progress = _quiet) -> dict[str, Any]:
+                  by: str, progress: Progress = quiet) -> dict[str, Any]:
     """Before anything else, under the model's lock: finish or undo what dead or
     incomplete releases of ``model`` left (:func:`tasks.recovery.recover`), and unload
     what dead runs left on the canary.
@@ -251,7 +246,7 @@ def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model
 
 def end_release(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,
                 exc: BaseException | None, *, write: Callable[[ReleaseRecord], object],
-                progress: Progress = _quiet) -> recovery.Ending:
+                progress: Progress = quiet) -> recovery.Ending:
     """Every way out of a fleet change that wrote its intent: reach released or undone
     (:func:`tasks.recovery.close`), end and write the record, and say what happened.
 
@@ -295,7 +290,7 @@ def end_release(settings: Settings, clients: Clients, policy: Policy, record: Re
 
 
 def repair_noop(settings: Settings, clients: Clients, policy: Policy, *, model: str,
-                version: int, release_id: str, progress: Progress = _quiet) -> list[str]:
+                version: int, release_id: str, progress: Progress = quiet) -> list[str]:
     """A no-op's truth, made whole: ``version`` serves on every replica, so the pin, its
     release tag and the aliases are brought to say so (``previous`` from the ledger).
 
@@ -388,7 +383,7 @@ def aliases_now(clients: Clients, model: str) -> dict[str, int] | None:
 
 
 def journal_for(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,
-                progress: Progress = _quiet) -> ReleaseJournal:
+                progress: Progress = quiet) -> ReleaseJournal:
     """The journal of a fleet change outside promote: the same ledger record, stage entries
     and Slack thread as a release (the null notifier when Slack is off)."""
     return ReleaseJournal(record, ledger_of(clients), notifier_for(clients, settings, policy),
@@ -424,7 +419,7 @@ def begin_change(settings: Settings, journal: ReleaseJournal, clients: Clients, 
 
 
 def swap_evidence(ledger: Ledger, *, model: str, digest: dict[str, Any], serving: int | None,
-                  force: bool, progress: Progress = _quiet
+                  force: bool, progress: Progress = quiet
                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ledger's evidence for swapping to ``digest`` (a passing canary against
     ``serving``, a version that served before, or ``force``) and the canary-measured GPU

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from modelship.errors import ModelshipError, StagingError
+from modelship.progress import Progress, quiet
 from modelship.repository import CONFIG_NAME, model_prefix, read_verified
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
@@ -40,13 +41,8 @@ from tasks.swap import PIN_SIGNATURE_METADATA, apply_config, observe_fleet, pin_
 __all__ = ["Pin", "ReconcilePlan", "ReconcileStep", "pinned_models", "plan_reconcile",
            "read_pin", "reconcile", "reconcile_stack", "watch"]
 
-Progress = Callable[[str], None]
 Lock = Callable[[str], AbstractContextManager[Any]]
 StepAction = Literal["ok", "load", "skip"]
-
-
-def _quiet(_: str) -> None:
-    """The default progress sink: say nothing."""
 
 
 @dataclass(frozen=True)
@@ -234,7 +230,7 @@ def reconcile(
     dry_run: bool = False,
     lock: Lock | None = None,
     recover: Callable[[str], dict[str, Any]] | None = None,
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
 ) -> dict[str, Any]:
     """Bring every reachable replica to each pinned model's production; report changes.
 
@@ -329,7 +325,7 @@ def watch(
             sleep(interval_s)
 
 
-def reconcile_stack(state: dict[str, Any], *, progress: Progress = _quiet,
+def reconcile_stack(state: dict[str, Any], *, progress: Progress = quiet,
                     timeout_s: float = 120.0) -> dict[str, Any]:
     """The embedded stack's ready hook (``manager.up(on_ready=...)``): reconcile its replicas.
 

@@ -21,15 +21,10 @@ from typing import Any, Generic, TypeVar
 
 from modelship.errors import ModelshipError
 from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
+from modelship.progress import Progress, quiet
 from modelship.signals import exit_code_for, stop_signal
 from modelship.slack import blocks
 from modelship.slack.notifier import Notifier, NullNotifier
-
-Progress = Callable[[str], None]
-
-
-def _quiet(_: str) -> None:
-    """The default progress sink: say nothing."""
 
 NextStep = Callable[[ModelshipError], str]
 E = TypeVar("E")
@@ -143,7 +138,7 @@ class ReleaseJournal(StageRecorder[StageEntry]):
     """
 
     def __init__(self, record: ReleaseRecord, ledger: Ledger | None, notifier: Notifier,
-                 progress: Progress = _quiet) -> None:
+                 progress: Progress = quiet) -> None:
         self.record = record
         self.ledger = ledger
         self.progress = progress

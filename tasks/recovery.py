@@ -44,6 +44,7 @@ from model_registry.client import PREVIOUS_ALIAS, PRODUCTION_ALIAS
 from modelship.errors import InfrastructureError, ModelshipError, ReleaseIncomplete
 from modelship.ledger import RELEASE_ID_TAG, ReleaseRecord, now_iso, sort_newest_first
 from modelship.procinfo import process_start_ticks
+from modelship.progress import Progress, quiet
 from modelship.signals import deferred, exit_code_for, stop_signal
 
 __all__ = ["KEEP", "UNKNOWN", "Closing", "Decision", "Effects", "FleetTo", "SetAlias",
@@ -52,7 +53,6 @@ __all__ = ["KEEP", "UNKNOWN", "Closing", "Decision", "Effects", "FleetTo", "SetA
            "decide", "intent_of", "loaded_models", "mark_found", "recover", "repair_target",
            "steps_to", "unfinished", "unload_leftovers"]
 
-Progress = Callable[[str], None]
 Goal = Literal["released", "undone", "nothing"]
 
 #: A value that could not be observed (its server is down): every step that would set it
@@ -61,10 +61,6 @@ UNKNOWN = "unknown"
 #: A target alias that is left as it is.
 KEEP = "keep"
 FLEET_KINDS = ("promote", "swap", "rollback")
-
-
-def _quiet(_: str) -> None:
-    """The default progress sink: say nothing."""
 
 
 # --------------------------------------------------------------------------------------
@@ -354,7 +350,7 @@ def _perform(effects: Effects, step: Step) -> None:
 
 
 def carry_out(decision: Decision, effects: Effects, *,
-              progress: Progress = _quiet) -> Ending:
+              progress: Progress = quiet) -> Ending:
     """Perform the decision's steps in order; the first failure stops them.
 
     Any Exception of a step (a vendor error included) is caught here: the record then
@@ -420,7 +416,7 @@ def closing_for(record: ReleaseRecord, exc: BaseException | None) -> Closing:
 
 def close(record: ReleaseRecord, closing: Closing, *, observe: Callable[[ReleaseRecord], Seen],
           effects: Effects, write: Callable[[ReleaseRecord], object],
-          progress: Progress = _quiet) -> Ending:
+          progress: Progress = quiet) -> Ending:
     """End the caller's own release on its way out: reach the closing's goal from what is
     seen, end the record and write it, with SIGINT/SIGTERM held back meanwhile.
 
@@ -506,7 +502,7 @@ def mark_found(record: ReleaseRecord, by: str) -> None:
 
 
 def recover(ledger: Any, model: str, *, by: str, observe: Callable[[ReleaseRecord], Seen],
-            effects: Effects, progress: Progress = _quiet) -> dict[str, Any]:
+            effects: Effects, progress: Progress = quiet) -> dict[str, Any]:
     """Finish or undo every unfinished record of ``model``; the caller holds the lock.
 
     Unfinished: ``running`` with its process gone (:func:`dead_runs`) or ``incomplete``.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from modelship.errors import StagingError, UsageError
 from modelship.policy import StagingPolicy
+from modelship.progress import Progress, quiet
 from modelship.repository import (
     CONFIG_NAME,
     DEFAULT_BLOB_PREFIX,
@@ -64,12 +65,7 @@ PROBE_ROWS = 4  # golden rows recorded with their outputs in the manifest
 MAX_PARALLEL_FILES = 4
 
 
-Progress = Callable[[str], None]
 ActionKind = Literal["upload", "copy", "skip", "delete"]
-
-
-def _quiet(_: str) -> None:
-    """The default progress sink: say nothing."""
 
 
 # --------------------------------------------------------------------------------------
@@ -460,7 +456,7 @@ def stage_version(
     signing_key: bytes,
     probe: GoldenProbe | None = None,
     blob_prefix: str = DEFAULT_BLOB_PREFIX,
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
 ) -> StagedVersion:
     """Publish one model version into the Triton repository; idempotent.
 
@@ -648,7 +644,7 @@ def prune_versions(
     repository_prefix: str,
     keep: int,
     protect: set[int],
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
 ) -> list[int]:
     """Delete the oldest version folders beyond ``keep``, never a protected one.
 

@@ -53,6 +53,7 @@ from modelship.errors import (
 )
 from modelship.ledger import ReleaseRecord, same_candidate, sort_newest_first
 from modelship.policy import GpuPolicy, SwapPolicy
+from modelship.progress import Progress, quiet
 from modelship.repository import (
     CONFIG_NAME,
     SHA256_METADATA,
@@ -99,7 +100,6 @@ __all__ = ["PIN_SIGNATURE_METADATA", "Fault", "Observed", "PhaseReport", "Progre
            "RecordedFootprint", "SwapReport", "apply_config", "fleet_status", "observe_fleet",
            "pin_signature", "ready_versions", "recorded_footprint", "swap_fleet"]
 
-Progress = Callable[[str], None]
 Fault = Callable[[str, str], None]
 
 POLL_INTERVAL_S = 0.05
@@ -109,10 +109,6 @@ JOIN_GRACE_S = 2.0
 # A replica whose probes cannot connect for this long has failed its phase (it died or was
 # restarted): the abort starts within seconds, not at the phase deadline.
 UNREACHABLE_GRACE_S = 2.0
-
-
-def _quiet(_: str) -> None:
-    """The default progress sink: say nothing."""
 
 
 # --------------------------------------------------------------------------------------
@@ -699,7 +695,7 @@ def swap_fleet(
     probe_feed: dict[str, np.ndarray],
     probe_outputs: list[str],
     signing_key: bytes,
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
     http_timeout_s: float = 10.0,
     fault: Fault | None = None,
     dry_run: bool = False,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from modelship.errors import ModelshipError, StackError, UsageError
+from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.stack import components as c
 from modelship.stack.keys import (
@@ -49,7 +50,6 @@ from modelship.stack.state import (
     write_state,
 )
 
-Progress = Callable[[str], None]
 #: Runs after the stack (or a restarted part of it) is ready, before ``up`` returns: the
 #: CLI passes one that reconciles the replicas to the recorded production
 #: (:func:`tasks.reconcile.reconcile`), so a restarted replica serves production before
@@ -95,10 +95,6 @@ def manifest_signing_key(home: Path) -> str:
     key = generate_key()
     _private_file(path, key + "\n")
     return key
-
-
-def _quiet(_: str) -> None:
-    return None
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
@@ -168,7 +164,7 @@ def up(
     *,
     replicas: int = 2,
     base_port: int | None = None,
-    progress: Progress = _quiet,
+    progress: Progress = quiet,
     on_ready: ReadyHook | None = None,
 ) -> tuple[dict[str, Any], StartupReport]:
     """Start the stack, or confirm it is already running (idempotent).
@@ -584,7 +580,7 @@ def _s3_bucket_ready(endpoint: str, bucket: str, access_key: str, secret_key: st
     return True
 
 
-def down(settings: Settings, *, progress: Progress = _quiet) -> dict[str, Any]:
+def down(settings: Settings, *, progress: Progress = quiet) -> dict[str, Any]:
     """Stop every process ``up`` started (by PID, with its process group) and nothing else."""
     state = read_state(settings.stack_file)
     if state is None:
