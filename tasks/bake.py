@@ -103,7 +103,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -130,7 +130,6 @@ from modelship.triton.metrics import (
 from tasks.blocks import HIGH_LAG1, diagnose, lag1, long_run_variance, overdispersion
 
 Outcome = Literal["passed", "held", "breach", "infrastructure"]
-Fault = Callable[[int], None]
 
 ERROR_BETS: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.5, 0.9)
 """The error rule's bets, as ``λ·b`` (the share of the capital staked on one window's
@@ -811,23 +810,18 @@ class BakeReport:
 
 def watch(replicas: Sequence[TritonServer], *, model: str, version: int,
           payload: Mapping[str, np.ndarray], policy: BakePolicy, baseline: Baseline,
-          timeout_s: float, progress: Progress = quiet, fault: Fault | None = None
-          ) -> BakeReport:
+          timeout_s: float, progress: Progress = quiet) -> BakeReport:
     """Watch ``version`` on the fleet for ``bake.duration_s``; stop at the first breach.
 
     Args:
         baseline: The reference (:func:`measure_reference`), or None for a first release
             (the latency rules are then off; errors are judged).
-        fault: Test hook, called with the window index before each window (a test sends
-            poisoned traffic or kills a replica there).
     """
     started = time.monotonic()
     reference = as_reference(baseline)
     windows: list[Window] = []
     count = total_windows(policy)
     for index in range(count):
-        if fault is not None:
-            fault(index)
         seconds = min(policy.window_s, policy.duration_s - index * policy.window_s)
         window = measure_window(replicas, index=index, model=model, version=version,
                                 payload=payload, policy=policy, seconds=seconds,

@@ -96,11 +96,10 @@ from modelship.triton.swap_plan import (
 )
 from modelship.triton.target import render_for_servers
 
-__all__ = ["PIN_SIGNATURE_METADATA", "Fault", "Observed", "PhaseReport", "Progress",
+__all__ = ["PIN_SIGNATURE_METADATA", "Observed", "PhaseReport", "Progress",
            "RecordedFootprint", "SwapReport", "apply_config", "fleet_status", "observe_fleet",
            "pin_signature", "ready_versions", "recorded_footprint", "swap_fleet"]
 
-Fault = Callable[[str, str], None]
 
 POLL_INTERVAL_S = 0.05
 # Extra wait for a replica's thread past the phase deadline: its own checks end at the
@@ -357,7 +356,7 @@ class _Probe:
 
 
 def _run_phase_on(server: TritonServer, phase: Phase, *, model: str, swap_start: float,
-                  deadline: float, probe: _Probe, fault: Fault | None,
+                  deadline: float, probe: _Probe,
                   cancel: threading.Event | None = None) -> _Outcome:
     """Load the phase's config on one replica and check it serves the expected version.
 
@@ -379,8 +378,6 @@ def _run_phase_on(server: TritonServer, phase: Phase, *, model: str, swap_start:
         return _Outcome(ok, reason, now - swap_start, now - began, answered_at)
 
     try:
-        if fault is not None:
-            fault(server.name, phase.name)
         if phase.config is None:
             if time.monotonic() > deadline:
                 return outcome(False, "deadline passed before the unload was sent")
@@ -436,7 +433,7 @@ def _run_phase_on(server: TritonServer, phase: Phase, *, model: str, swap_start:
             time.sleep(POLL_INTERVAL_S)
     except ModelshipError as exc:
         return outcome(False, exc.message)
-    except Exception as exc:  # noqa: BLE001 - a fault hook or a client bug fails this replica
+    except Exception as exc:  # noqa: BLE001 - a client bug fails this replica, not the swap
         return outcome(False, f"{type(exc).__name__}: {exc}")
     finally:
         inference.close()
@@ -455,14 +452,13 @@ def apply_config(server: TritonServer, *, model: str, config: ModelConfig, versi
     probe = _Probe({}, [], probe_timeout_s, golden=golden, target=version)
     start = time.monotonic()
     outcome = _run_phase_on(server, phase, model=model, swap_start=start,
-                            deadline=start + timeout_s, probe=probe, fault=None)
+                            deadline=start + timeout_s, probe=probe)
     return outcome.ok, outcome.reason, outcome.seconds
 
 
 def _run_phase(servers: dict[str, TritonServer], names: Sequence[str], phase: Phase, *,
                model: str, swap_start: float, policy: SwapPolicy,
-               probe: _Probe, fault: Fault | None,
-               stop_on_failure: bool = True) -> dict[str, _Outcome]:
+               probe: _Probe, stop_on_failure: bool = True) -> dict[str, _Outcome]:
     """Run a phase on the named replicas in parallel; a replica past the deadline fails.
 
     With ``stop_on_failure`` (forward phases), the first failure stops the others: they
@@ -476,7 +472,7 @@ def _run_phase(servers: dict[str, TritonServer], names: Sequence[str], phase: Ph
     futures: dict[str, Future[_Outcome]] = {
         name: pool.submit(_run_phase_on, servers[name], phase, model=model,
                           swap_start=swap_start, deadline=deadline, probe=probe,
-                          fault=fault, cancel=cancel if stop_on_failure else None)
+                          cancel=cancel if stop_on_failure else None)
         for name in names
     }
     pending: set[Future[_Outcome]] = set(futures.values())
@@ -697,7 +693,6 @@ def swap_fleet(
     signing_key: bytes,
     progress: Progress = quiet,
     http_timeout_s: float = 10.0,
-    fault: Fault | None = None,
     dry_run: bool = False,
     converge: bool = False,
     gpu: GpuPolicy | None = None,
@@ -725,8 +720,6 @@ def swap_fleet(
         progress: Receives one human line per step.
         http_timeout_s: Upper bound of one probe request, in s (the policy's
             ``probe_timeout_s`` applies when lower).
-        fault: Test hook, called as ``fault(replica, phase)`` before each replica's phase;
-            raising fails that replica's phase (fault injection for the abort path).
         converge: Repair a mixed fleet (a crashed coordinator left replicas on different
             versions or configs, or some are unreachable) instead of refusing it: every
             reachable replica gets C's full production config and must answer the golden
@@ -832,7 +825,7 @@ def swap_fleet(
     probe = _Probe(probe_feed, probe_outputs, min(policy.probe_timeout_s, http_timeout_s),
                    golden=read.verified.probe, target=target)
     run = _execute(plan, servers, report, model=model, swap_start=swap_start, policy=policy,
-                   probe=probe, fault=fault, progress=progress)
+                   probe=probe, progress=progress)
 
     states = replica_states(run)
     report.final_states = _states_dict(states)
@@ -869,7 +862,7 @@ def swap_fleet(
 
 def _outcome_of(future: Future[_Outcome], swap_start: float) -> _Outcome:
     """A finished replica's outcome; one that raised (any exception, a BaseException from
-    a fault hook included) failed its phase."""
+    the replica's client included) failed its phase."""
     error = None if future.cancelled() else future.exception()
     if future.cancelled() or error is not None:
         at = time.monotonic() - swap_start
@@ -880,7 +873,7 @@ def _outcome_of(future: Future[_Outcome], swap_start: float) -> _Outcome:
 
 def _execute(plan: SwapPlan, servers: dict[str, TritonServer], report: SwapReport, *,
              model: str, swap_start: float, policy: SwapPolicy, probe: _Probe,
-             fault: Fault | None, progress: Progress) -> SwapRun:
+             progress: Progress) -> SwapRun:
     """Walk the plan's run: ask next_action, perform it, record every outcome.
 
     Any way out of a forward phase (an exception of any type, SIGINT, SIGTERM, a Prefect
@@ -891,7 +884,7 @@ def _execute(plan: SwapPlan, servers: dict[str, TritonServer], report: SwapRepor
     box = [start(plan)]  # the run as last recorded, for the abort
     try:
         return _walk(box, plan, servers, report, model=model, swap_start=swap_start,
-                     policy=policy, probe=probe, fault=fault, progress=progress)
+                     policy=policy, probe=probe, progress=progress)
     except BaseException as exc:
         run = box[0]
         why = f"stopped: {type(exc).__name__}: {exc}".rstrip(": ")
@@ -905,7 +898,7 @@ def _execute(plan: SwapPlan, servers: dict[str, TritonServer], report: SwapRepor
             box[0] = run
             if isinstance(next_action(run), AbortPhase):
                 _walk(box, plan, servers, report, model=model, swap_start=swap_start,
-                      policy=policy, probe=probe, fault=None, progress=progress)
+                      policy=policy, probe=probe, progress=progress)
             report.aborted = True
             report.reason = why
         raise
@@ -913,7 +906,7 @@ def _execute(plan: SwapPlan, servers: dict[str, TritonServer], report: SwapRepor
 
 def _walk(box: list[SwapRun], plan: SwapPlan, servers: dict[str, TritonServer],
           report: SwapReport, *, model: str, swap_start: float, policy: SwapPolicy,
-          probe: _Probe, fault: Fault | None, progress: Progress) -> SwapRun:
+          probe: _Probe, progress: Progress) -> SwapRun:
     """Perform next_action until the run is done or aborted. ``box[0]`` is the run as
     last recorded (read by the abort when an exception cuts the walk short)."""
     while True:
@@ -926,7 +919,7 @@ def _walk(box: list[SwapRun], plan: SwapPlan, servers: dict[str, TritonServer],
         began = time.monotonic()
         outcomes = _run_phase(servers, action.replicas, phase, model=model,
                               swap_start=swap_start, policy=policy, probe=probe,
-                              fault=fault, stop_on_failure=isinstance(action, RunPhase))
+                              stop_on_failure=isinstance(action, RunPhase))
         report.phases.append(PhaseReport(
             phase.name, began - swap_start, time.monotonic() - began,
             {name: {"ok": o.ok, "reason": o.reason, "seconds": round(o.seconds, 3)}

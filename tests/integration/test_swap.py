@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from modelship.triton.infer import TritonInference
 from modelship.triton.model_config import from_pbtxt, to_json, to_pbtxt, with_versions
 from tasks.swap import SwapReport, fleet_status, swap_fleet
 from tests import models
+from tests.faulty_replica import BeforeLoad, faulty, first_load_of
 
 pytestmark = pytest.mark.integration
 
@@ -67,21 +68,32 @@ def fleet(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def swap(fleet: Fleet, target: int, *, pause_batching: bool = True,
-         fault: Callable[[str, str], None] | None = None, deadline_s: float = 60,
+         before_load: BeforeLoad | None = None, deadline_s: float = 60,
          pause_mode: str = "separate", converge: bool = False) -> SwapReport:
     lines: list[str] = []
     try:
-        return swap_fleet(fleet.replicas, model=MODEL, target=target, storage=fleet.storage,
-                          repository_prefix=fleet.settings.repository_prefix,
-                          policy=SwapPolicy(pause_batching=pause_batching, deadline_s=deadline_s,
-                                            probe_timeout_s=min(5.0, deadline_s / 2),
-                                            pause_mode=pause_mode),  # type: ignore[arg-type]
-                          probe_feed=FEED, probe_outputs=OUTPUTS, progress=lines.append,
-                          signing_key=key_bytes(fleet.settings.manifest_signing_key),
-                          http_timeout_s=fleet.settings.http_timeout_s, fault=fault,
-                          converge=converge)
+        with faulty(fleet.replicas, before_load) as replicas:
+            return swap_fleet(replicas, model=MODEL, target=target, storage=fleet.storage,
+                              repository_prefix=fleet.settings.repository_prefix,
+                              policy=SwapPolicy(pause_batching=pause_batching,
+                                                deadline_s=deadline_s,
+                                                probe_timeout_s=min(5.0, deadline_s / 2),
+                                                pause_mode=pause_mode),  # type: ignore[arg-type]
+                              probe_feed=FEED, probe_outputs=OUTPUTS, progress=lines.append,
+                              signing_key=key_bytes(fleet.settings.manifest_signing_key),
+                              http_timeout_s=fleet.settings.http_timeout_s,
+                              converge=converge)
     finally:
         print("\n".join(lines))
+
+
+def assert_skew_bounded(report: SwapReport, *, deadline_s: float) -> None:
+    """The skew is the spread of the replicas' first answers as C, each answer fell inside
+    the swap, and the spread is within one phase deadline (a later replica aborts)."""
+    answered = list(report.timeline.values())
+    assert answered and all(0 < t <= report.total_s for t in answered), report.timeline
+    assert report.skew_ms == pytest.approx((max(answered) - min(answered)) * 1000)
+    assert report.skew_ms <= deadline_s * 1000
 
 
 def answers(server: TritonServer) -> str:
@@ -179,7 +191,7 @@ def test_first_deploy_serves_v1_on_every_replica(fleet: Fleet) -> None:
     assert report.kind == "first_deploy" and not report.aborted
     assert [p.name for p in report.phases] == ["deploy"]
     assert set(report.timeline) == {s.name for s in fleet.replicas}
-    assert report.skew_ms is not None and report.skew_ms >= 0
+    assert_skew_bounded(report, deadline_s=60)
     assert_serves(fleet, v1)
 
 
@@ -198,7 +210,7 @@ def test_swap_v1_to_v2_under_load_fails_no_request_and_never_goes_back(
     assert load.stale(v1, v2) == []
     assert load.summary()["by_answer"].get(str(v2), 0) > 0
     assert set(report.timeline) == {s.name for s in fleet.replicas}
-    assert report.skew_ms is not None
+    assert_skew_bounded(report, deadline_s=60)
     assert {s["version"] for s in report.final_states.values()} == {v2}
     assert_serves(fleet, v2)
 
@@ -286,12 +298,12 @@ def test_a_switch_failing_on_one_replica_aborts_every_replica_back_to_v1(
     swap(fleet, v1)
     victim = fleet.replicas[1].name
 
-    def fault(replica: str, phase: str) -> None:
-        if replica == victim and phase == "switch":
+    def fault(replica: str) -> None:
+        if replica == victim:
             raise RuntimeError("injected: replica lost its GPU")
 
     with LoadLog(fleet.replicas) as load, pytest.raises(SwapAborted) as info:
-        swap(fleet, v2, fault=fault)
+        swap(fleet, v2, before_load=first_load_of(v2, fault))
     print("load:", load.summary())
     error = info.value
     report = error.details["report"]
@@ -307,23 +319,25 @@ def test_a_switch_failing_on_one_replica_aborts_every_replica_back_to_v1(
 
 def test_a_replica_past_the_deadline_aborts_and_its_late_thread_changes_nothing(
         fleet: Fleet) -> None:
+    """The victim's switch load is held in flight past the deadline, then lands: the
+    phase fails naming the deadline, and the abort leaves every replica on v1."""
     v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
     swap(fleet, v1)
     victim = fleet.replicas[0].name
     deadline_s = 5.0
 
-    def fault(replica: str, phase: str) -> None:
-        if replica == victim and phase == "switch":
-            time.sleep(deadline_s + 1)  # a replica that hangs past the deadline
+    def fault(replica: str) -> None:
+        if replica == victim:
+            time.sleep(deadline_s + 0.5)  # a load that hangs past the deadline
 
     with pytest.raises(SwapAborted) as info:
-        swap(fleet, v2, fault=fault, deadline_s=deadline_s)
+        swap(fleet, v2, before_load=first_load_of(v2, fault), deadline_s=deadline_s)
     report = info.value.details["report"]
     switch = next(p for p in report["phases"] if p["name"] == "switch")
     assert not switch["replicas"][victim]["ok"]
     assert "deadline" in switch["replicas"][victim]["reason"]
     assert {s["version"] for s in report["final_states"].values()} == {v1}
-    time.sleep(1.5)  # the victim's thread has woken up by now: it must not have loaded v2
+    time.sleep(1.5)  # the victim's late load has landed by now: the abort came after it
     assert_serves(fleet, v1)
 
 
@@ -387,9 +401,9 @@ def test_other_bytes_under_the_right_version_fail_the_golden_probe_and_abort(
     lock = threading.Lock()
     done: list[bool] = []
 
-    def fault(replica: str, phase: str) -> None:
+    def fault(replica: str) -> None:
         with lock:  # every replica waits until C's files hold P's bytes
-            if phase == "switch" and not done:
+            if not done:
                 for name in names:
                     fleet.storage.put_bytes(
                         f"{prefix}/{MODEL}/{v2}/{name}",
@@ -398,7 +412,7 @@ def test_other_bytes_under_the_right_version_fail_the_golden_probe_and_abort(
 
     try:
         with pytest.raises(SwapAborted) as info:
-            swap(fleet, v2, fault=fault)
+            swap(fleet, v2, before_load=first_load_of(v2, fault))
     finally:
         for name, (body, metadata) in originals.items():
             fleet.storage.put_bytes(f"{prefix}/{MODEL}/{v2}/{name}", body, metadata=metadata)

@@ -31,6 +31,7 @@ from modelship.triton.infer import TritonInference
 from tasks.swap import SwapReport, fleet_status, swap_fleet
 from tests import models
 from tests.conftest import RUNTIME_VENV
+from tests.faulty_replica import BeforeLoad, faulty, first_load_of
 
 pytestmark = pytest.mark.integration
 
@@ -86,14 +87,14 @@ def own_fleet(stack_settings: Settings,
     clients.close()
 
 
-def swap(fleet: OwnFleet, target: int, fault: object = None) -> SwapReport:
-    return swap_fleet(
-        fleet.replicas, model=MODEL, target=target, storage=fleet.storage,
-        repository_prefix=fleet.settings.repository_prefix,
-        policy=SwapPolicy(deadline_s=DEADLINE_S, probe_timeout_s=5.0),
-        probe_feed=FEED, probe_outputs=OUTPUTS,
-        signing_key=key_bytes(fleet.settings.manifest_signing_key),
-        fault=fault, progress=print)  # type: ignore[arg-type]
+def swap(fleet: OwnFleet, target: int, before_load: BeforeLoad | None = None) -> SwapReport:
+    with faulty(fleet.replicas, before_load) as replicas:
+        return swap_fleet(
+            replicas, model=MODEL, target=target, storage=fleet.storage,
+            repository_prefix=fleet.settings.repository_prefix,
+            policy=SwapPolicy(deadline_s=DEADLINE_S, probe_timeout_s=5.0),
+            probe_feed=FEED, probe_outputs=OUTPUTS,
+            signing_key=key_bytes(fleet.settings.manifest_signing_key), progress=print)
 
 
 class Load:
@@ -132,8 +133,8 @@ def test_a_replica_killed_as_the_switch_starts_aborts_within_seconds(
     victim_name, survivor_replica = own_fleet.replicas[0].name, own_fleet.replicas[1]
     killed: list[float] = []
 
-    def fault(replica: str, phase: str) -> None:
-        if replica == victim_name and phase == "switch" and not killed:
+    def fault(replica: str) -> None:
+        if replica == victim_name and not killed:
             os.kill(victim.process.pid, signal.SIGKILL)
             killed.append(time.monotonic())
 
@@ -142,7 +143,7 @@ def test_a_replica_killed_as_the_switch_starts_aborts_within_seconds(
     time.sleep(0.3)
     try:
         with pytest.raises(SwapAborted) as info:
-            swap(own_fleet, v2, fault=fault)
+            swap(own_fleet, v2, before_load=first_load_of(v2, fault))
         aborted_at = time.monotonic()
         time.sleep(0.5)
     finally:

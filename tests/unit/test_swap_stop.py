@@ -87,7 +87,7 @@ def _swap(replicas: list[FakeReplica], monkeypatch: pytest.MonkeyPatch) -> Any:
     run = swapping._execute(plan, {r.name: r for r in replicas}, report,  # type: ignore[misc]
                             model=MODEL, swap_start=time.monotonic(),
                             policy=SwapPolicy(deadline_s=10.0, probe_timeout_s=1.0),
-                            probe=probe, fault=None, progress=lines.append)
+                            probe=probe, progress=lines.append)
     return run, report, lines
 
 
