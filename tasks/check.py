@@ -9,6 +9,7 @@ production keeps serving whatever it served.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 from modelship.candidate import ExportedModel, GoldenInputs, ResolvedVersion
 from modelship.clients import Clients
-from modelship.errors import ModelshipError, PreflightError, UsageError
+from modelship.errors import ModelshipError, PreflightError, UsageError, ValidationFailed
 from modelship.jsonable import jsonable
 from modelship.policy import Policy
 from modelship.progress import Progress, quiet
@@ -249,6 +250,14 @@ def stage_checked(settings: Settings, clients: Clients, policy: Policy, report: 
             or golden_info is None or report.config_pbtxt is None:
         raise UsageError("stage_checked needs a report from a passed check",
                          hint="run the check first")
+    validation, problems = check_outcomes(report.checks)
+    if problems:
+        raise ValidationFailed(
+            f"{report.model} v{resolved.version} is not staged: not every check recorded a "
+            f"pass ({'; '.join(problems)})",
+            hint="a check without a recorded pass counts as failed; run `modelship check` "
+                 "again and read its report",
+            stage="stage", checks=problems)
     graph, feed, outputs = exported.spec, report.feed, report.outputs
     model = report.model
     if dry_run:
@@ -271,8 +280,7 @@ def stage_checked(settings: Settings, clients: Clients, policy: Policy, report: 
                 "onnx_opset": exported.opset,
                 "golden_source": golden_info.source,
                 "parity": exported.parity,
-                "validation": {k: v.get("success", True) if isinstance(v, dict) else v
-                               for k, v in report.checks.items()},
+                "validation": validation,
                 "inputs": [t.__dict__ for t in graph.inputs],
                 "outputs": [t.__dict__ for t in graph.outputs],
             }
@@ -286,6 +294,37 @@ def stage_checked(settings: Settings, clients: Clients, policy: Policy, report: 
             report.staged = staged.to_dict()
             entry.update(bytes_uploaded=staged.bytes_uploaded,
                          already_staged=staged.already_staged)
+
+
+#: The checks :func:`run_check` records in ``report.checks``; staging needs each passed.
+REQUIRED_CHECKS = ("inputs", "outputs", "trial_load")
+
+
+def check_outcomes(checks: Mapping[str, object]) -> tuple[dict[str, bool], list[str]]:
+    """Each recorded check's outcome, failing closed (pure).
+
+    A check passed only when its result says ``"success": True``. A result without that
+    key or with another value, and a required check with no result at all, count as
+    failed; the second value says why, one line each (empty when all passed).
+    """
+    outcomes: dict[str, bool] = {}
+    problems: list[str] = []
+    for name in dict.fromkeys((*REQUIRED_CHECKS, *checks)):
+        problem = _check_problem(checks.get(name))
+        outcomes[name] = problem is None
+        if problem is not None:
+            problems.append(f"{name}: {problem}")
+    return outcomes, problems
+
+
+def _check_problem(result: object) -> str | None:
+    if result is None:
+        return "no result was recorded"
+    if not isinstance(result, Mapping) or "success" not in result:
+        return "its result says nothing of success"
+    if result["success"] is not True:
+        return f"its result says success={result['success']!r}"
+    return None
 
 
 def _signature_columns(signature: dict[str, Any] | None) -> list[dict[str, Any]] | None:

@@ -127,7 +127,8 @@ def trial_load(
                 hint="the Triton config does not match the graph (dtypes, dims, reshape)",
                 stage="trial_load", outputs=report,
             )
-        return {"scratch_model": name, "server": canary.name, "load_s": round(load_s, 3),
+        return {"success": True, "scratch_model": name, "server": canary.name,
+                "load_s": round(load_s, 3),
                 "rows": int(len(next(iter(feed.values())))), "outputs": report}
     finally:
         if loaded:
