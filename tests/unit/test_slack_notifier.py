@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -58,10 +59,14 @@ def test_null_notifier_returns_no_thread() -> None:
     assert notifier.post("hello", blocks=[{"type": "divider"}], thread_ts="1.000001") is None
 
 
-def test_slack_notifier_satisfies_the_protocol() -> None:
+@pytest.mark.parametrize("cls", [SlackNotifier, NullNotifier])
+@pytest.mark.parametrize("method", ["post", "update", "upload"])
+def test_every_notifier_has_the_protocols_signatures(cls: type, method: str) -> None:
+    # the annotations were the only check (mypy); a drifted keyword breaks callers at run time
+    assert inspect.signature(getattr(cls, method)) == inspect.signature(getattr(Notifier, method))
     client = SlackClient("http://127.0.0.1:9", "xoxb-x", timeout_s=0.25)
-    notifier: Notifier = SlackNotifier(client, "#releases")
-    assert isinstance(notifier, SlackNotifier)
+    notifier = SlackNotifier(client, "#releases") if cls is SlackNotifier else NullNotifier()
+    assert notifier.channel == ("#releases" if cls is SlackNotifier else None)
 
 
 @pytest.mark.parametrize(
