@@ -17,7 +17,8 @@ key path (``policies/fraud.yaml: unknown key 'gates.0.mxa'``).
     ├── export          ExportPolicy         opsets, parity tolerances, golden rows
     ├── validation      ValidationPolicy     input expectations, output checks, class mix
     ├── canary          CanaryPolicy         load shape, windows, agreement
-    ├── gates           list[GateRule]       the rules the canary is judged by
+    ├── gates           list[GateRule]       the rules the canary is judged by, one class
+    │                                        per test (a union discriminated on ``test``)
     ├── approval        ApprovalPolicy       required, approvers, timeout
     ├── swap            SwapPolicy           pause_batching, deadline
     ├── staging         StagingPolicy        retention, multipart sizes
@@ -32,15 +33,19 @@ from __future__ import annotations
 import difflib
 import json
 import types
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -61,7 +66,13 @@ __all__ = [
     "ColumnExpectation",
     "DynamicBatchingPolicy",
     "ExportPolicy",
+    "ExactRateRule",
     "GateRule",
+    "GateTest",
+    "MannWhitneyRule",
+    "QuantileRule",
+    "ServerRatioRule",
+    "ThresholdRule",
     "GpuPolicy",
     "InputExpectations",
     "InstanceGroupPolicy",
@@ -77,6 +88,8 @@ __all__ = [
     "ValidationPolicy",
     "WarmupPolicy",
     "default_gates",
+    "gate_rule",
+    "infer_test",
     "load_policy",
     "policy_for",
     "policy_reference_markdown",
@@ -604,6 +617,7 @@ GPU_METRICS: tuple[str, ...] = (
 them are skipped with a note (never failed); judged by ``threshold`` only."""
 
 GateTest = Literal["mann_whitney", "quantile", "server_ratio", "exact_rate", "threshold"]
+"""The tests a gate rule can name; each is one class below, with only its own keys."""
 
 TYPICAL_LATENCY_METRICS: tuple[str, ...] = ("latency_p50_ms", "latency_mean_ms")
 """Latency metrics that describe a typical request: Mann-Whitney's domain."""
@@ -611,195 +625,20 @@ TYPICAL_LATENCY_METRICS: tuple[str, ...] = ("latency_p50_ms", "latency_mean_ms")
 TAIL_LATENCY_METRICS: tuple[str, ...] = ("latency_p90_ms", "latency_p95_ms", "latency_p99_ms")
 """Tail percentiles: judged by the quantile test, which looks at the percentile named."""
 
-_TEST_FIELDS: dict[str, tuple[str, ...]] = {
-    "mann_whitney": ("max_increase_pct", "min_effect_ms"),
-    "quantile": ("max_increase_pct", "min_effect_ms"),
-    "server_ratio": ("max_increase_pct",),
-    "exact_rate": ("max_rate",),
-    "threshold": ("min", "max"),
-}
+_ALPHA_TEXT = (
+    "False-fail rate of this rule at its boundary (the candidate exactly at the tolerance or "
+    "budget). The rules' α add up to the family-wise rate of the rule set (Bonferroni; 5% for "
+    "the default set), shown in the gate report; with `canary.sequential` it is split between "
+    "the watch and the fixed test, spent once. Float in (0, 0.5). Default 0.05."
+)
 
 
-class GateRule(_Section):
-    """One canary gate; :mod:`tasks.gates` turns it into a verdict.
+def infer_test(data: Mapping[str, Any]) -> GateTest:
+    """The test a rule means when it names none: from its bounds first, then its metric.
 
-    Four tests exist, each testing the statistic its metric names:
-
-    - ``mann_whitney``: typical latency (``latency_p50_ms``, ``latency_mean_ms``). A
-      one-sided Mann-Whitney U test on the per-request latencies, candidate against the
-      baseline run at the same time and scaled by the tolerance ``max(max_increase_pct% of
-      the baseline's metric, min_effect_ms)``; the Hodges-Lehmann ratio is reported.
-    - ``quantile``: tail latency (``latency_p90_ms``, ``latency_p95_ms``,
-      ``latency_p99_ms``). The candidate's percentile against the baseline's times the same
-      tolerance, with a pooled-quantile exceedance test (Fisher's exact test); a tail-only
-      regression fails it. ``mann_whitney`` on a tail percentile is read as ``quantile``.
-    - ``server_ratio``: ``server_latency_ratio`` only. Triton's queue + compute µs per
-      request of the candidate over the baseline's, per metrics interval (the canary scrapes
-      every second), with a one-sided t-test on the log ratios against ``1 +
-      max_increase_pct/100``: client overhead cannot dilute a server-side regression.
-    - ``exact_rate``: ``error_rate`` only. H0 "the candidate's error rate ≤ ``max_rate``",
-      exact binomial test: a candidate within its budget fails at most α of the time at any
-      sample size, and it stays correct with zero errors.
-    - ``threshold``: the metric's point value must be ``>= min`` and/or ``<= max``.
-
-    When ``test`` is omitted it follows from the bounds given (``min``/``max``: threshold,
-    ``max_increase_pct``: mann_whitney or quantile by metric, ``max_rate``: exact_rate),
-    else from the metric.
+    Only an omitted ``test`` is inferred; a stated one is never changed (a rule whose keys
+    or metric do not fit its test is refused).
     """
-
-    name: str = Field(
-        min_length=1,
-        description="Unique rule name, shown in reports. Required.",
-    )
-    metric: str = Field(
-        description="What is measured: one of " + ", ".join(f"`{m}`" for m in KNOWN_METRICS)
-        + ". Required.",
-    )
-    test: GateTest | None = Field(
-        default=None,
-        description="`mann_whitney` (typical latency: `latency_p50_ms`, `latency_mean_ms`), "
-        "`quantile` (tail latency: `latency_p90_ms`, `latency_p95_ms`, `latency_p99_ms`; "
-        "`mann_whitney` on these is read as `quantile`), `server_ratio` "
-        "(`server_latency_ratio`, per-interval t-test), `exact_rate` (`error_rate`) or "
-        "`threshold`. Default: inferred from the bounds given, else from the metric.",
-    )
-    min: float | None = Field(
-        default=None,
-        description="threshold: lowest passing value (inclusive). Number or `null`. At least "
-        "one of `min`/`max` is required. Default `null`.",
-    )
-    max: float | None = Field(
-        default=None,
-        description="threshold: highest passing value (inclusive). Number or `null`. "
-        "Default `null`.",
-    )
-    max_increase_pct: float | None = Field(
-        default=None,
-        gt=0,
-        description="mann_whitney, quantile and server_ratio: tolerated slowdown, in percent "
-        "of the baseline's metric (its p50 or mean for mann_whitney, the named percentile for "
-        "quantile, Triton's queue + compute time for server_ratio); the candidate fails when "
-        "its metric is significantly beyond the baseline's × (1 + tolerance). Float > 0; "
-        "required for these tests.",
-    )
-    min_effect_ms: float | None = Field(
-        default=None,
-        ge=0,
-        description="mann_whitney and quantile: tolerance floor in ms; a slowdown of the "
-        "metric below it never fails, however significant. Float ≥ 0 or `null` (no floor). "
-        "Default `null`.",
-    )
-    max_rate: float | None = Field(
-        default=None,
-        ge=0,
-        le=1,
-        description="exact_rate: highest tolerated error rate, a fraction in [0, 1] "
-        "(0.001 = 0.1%). Required for exact_rate.",
-    )
-    dry_run: bool = Field(
-        default=False,
-        description="Report the verdict but never block the release. `true` or `false`. "
-        "Default `false`.",
-    )
-    alpha: float = Field(
-        default=0.05,
-        gt=0,
-        lt=0.5,
-        description="False-fail rate of this rule at its boundary (the candidate exactly at "
-        "the tolerance or budget). The rules' α add up to the family-wise rate of the rule "
-        "set (Bonferroni; 5% for the default set), shown in the gate report; with "
-        "`canary.sequential` it is split between the watch and the fixed test, spent once. "
-        "Float in (0, 0.5). Default 0.05.",
-    )
-    power: float = Field(
-        default=0.8,
-        gt=0,
-        lt=1,
-        description="Probability of detecting a true violation of size `effect`; the canary "
-        "sizes its load from it. Float in (0, 1). Default 0.8.",
-    )
-    effect: float | None = Field(
-        default=None,
-        gt=0,
-        description="Smallest violation *beyond the bound* the canary must detect with "
-        "`power`: percentage points above `max_increase_pct` for mann_whitney and quantile, "
-        "a rate above `max_rate` for exact_rate. Float > 0 or `null` (the bound itself; 0.001 when "
-        "`max_rate` is 0). Unused by threshold. Default `null`.",
-    )
-
-    @field_validator("metric")
-    @classmethod
-    def _known_metric(cls, metric: str) -> str:
-        if metric not in KNOWN_METRICS:
-            close = difflib.get_close_matches(metric, list(KNOWN_METRICS), n=1)
-            guess = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ValueError(
-                f"unknown metric '{metric}'{guess}; known metrics are " + ", ".join(KNOWN_METRICS)
-            )
-        return metric
-
-    @model_validator(mode="after")
-    def _coherent(self) -> GateRule:
-        test = self.test or _infer_test(self.model_dump())
-        for other, names in _TEST_FIELDS.items():
-            if other == test:
-                continue
-            stray = [n for n in names
-                     if n not in _TEST_FIELDS[test] and getattr(self, n) is not None]
-            if stray:
-                raise ValueError(
-                    f"rule '{self.name}': {', '.join(stray)} do not apply to test '{test}' "
-                    f"(they belong to '{other}')"
-                )
-        if test == "threshold":
-            if self.min is None and self.max is None:
-                raise ValueError(
-                    f"threshold rule '{self.name}' needs at least one of min or max"
-                )
-            if self.min is not None and self.max is not None and self.min > self.max:
-                raise ValueError(f"rule '{self.name}': min {self.min} is greater than max "
-                                 f"{self.max}")
-        elif test == "server_ratio":
-            if self.metric != "server_latency_ratio":
-                raise ValueError(f"rule '{self.name}': server_ratio compares Triton's own time "
-                                 "per request, so the metric must be 'server_latency_ratio', "
-                                 f"not '{self.metric}'")
-            if self.max_increase_pct is None:
-                raise ValueError(f"server_ratio rule '{self.name}' needs max_increase_pct")
-        elif test in ("mann_whitney", "quantile"):
-            allowed = TYPICAL_LATENCY_METRICS if test == "mann_whitney" else TAIL_LATENCY_METRICS
-            if self.metric not in allowed:
-                raise ValueError(
-                    f"rule '{self.name}': {test} compares latencies, so the metric must "
-                    f"be one of {', '.join(allowed)}, not '{self.metric}'"
-                )
-            if self.max_increase_pct is None:
-                raise ValueError(f"{test} rule '{self.name}' needs max_increase_pct")
-        else:
-            if self.metric != "error_rate":
-                raise ValueError(
-                    f"rule '{self.name}': exact_rate tests an error rate, so the metric must be "
-                    f"'error_rate', not '{self.metric}'"
-                )
-            if self.max_rate is None:
-                raise ValueError(f"exact_rate rule '{self.name}' needs max_rate")
-        return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fill_test(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("test") is None and "metric" in data:
-            return {**data, "test": _infer_test(data)}
-        if isinstance(data, dict) and data.get("test") == "mann_whitney" \
-                and data.get("metric") in TAIL_LATENCY_METRICS:
-            # Mann-Whitney cannot see a tail-only regression: a rule on a tail percentile
-            # is judged by the test of that percentile (older policies said mann_whitney).
-            return {**data, "test": "quantile"}
-        return data
-
-
-def _infer_test(data: dict[str, Any]) -> GateTest:
-    """The test a rule means when it names none: from its bounds first, then its metric."""
     if data.get("min") is not None or data.get("max") is not None:
         return "threshold"
     if data.get("metric") in TAIL_LATENCY_METRICS:
@@ -817,6 +656,332 @@ def _infer_test(data: dict[str, Any]) -> GateTest:
     return "threshold"
 
 
+_infer_test = infer_test
+"""The old private name: ``bench/judge.py`` runs ``tasks/gates.py`` as it was at an older
+commit, which imports it."""
+
+
+def _test_for_metric(metric: str) -> GateTest:
+    """The test that judges ``metric`` when a rule gives only its metric."""
+    return infer_test({"metric": metric})
+
+
+class _RuleBase(_Section):
+    """What every gate rule has. Subclasses narrow ``metric`` and fix ``test``."""
+
+    TEST: ClassVar[GateTest]
+    METRICS: ClassVar[tuple[str, ...]] = ()
+    """The metrics this test takes (empty: every known metric)."""
+    PURPOSE: ClassVar[str] = ""
+    """Why the test takes only :attr:`METRICS`, for the refusal of another metric."""
+    BOUNDS: ClassVar[tuple[str, ...]] = ()
+    """The keys that bound this rule (its tolerance or budget), for plans and messages."""
+
+    name: str = Field(
+        min_length=1,
+        description="Unique rule name, shown in reports. Required.",
+    )
+    metric: str = Field(
+        description="What is measured: one of " + ", ".join(f"`{m}`" for m in KNOWN_METRICS)
+        + "; each test takes only its own (see below). Required.",
+    )
+    test: GateTest = Field(
+        description="The test that judges the rule: `mann_whitney` (typical latency as a test "
+        "of stochastic order, not of the median: is a random candidate request slower than a "
+        "random baseline one × (1 + tolerance)?), `quantile` (a tail percentile against the "
+        "baseline's), `server_ratio` (Triton's own time per request against the baseline's), "
+        "`exact_rate` (the error rate against a budget) or `threshold` (a value against "
+        "`min`/`max`). Each takes only its own keys and metrics (below): a rule with a key or "
+        "metric of another test is refused (exit 2, naming the key), never read as another "
+        "test. Default: inferred when omitted, from the bounds given (`min`/`max`: threshold), "
+        "else from the metric (tail percentiles: quantile, `server_latency_ratio`: "
+        "server_ratio), else from the other bounds (`max_increase_pct`: mann_whitney, "
+        "`max_rate`: exact_rate), else from the metric (typical latency: mann_whitney, "
+        "`error_rate`: exact_rate, others: threshold).",
+    )
+    dry_run: bool = Field(
+        default=False,
+        description="Report the verdict but never block the release. `true` or `false`. "
+        "Default `false`.",
+    )
+
+    @field_validator("metric", mode="before")
+    @classmethod
+    def _metric_fits(cls, metric: Any) -> Any:
+        if not isinstance(metric, str):
+            return metric  # the type error names the key
+        if metric not in KNOWN_METRICS:
+            close = difflib.get_close_matches(metric, list(KNOWN_METRICS), n=1)
+            guess = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(
+                f"unknown metric '{metric}'{guess}; known metrics are " + ", ".join(KNOWN_METRICS)
+            )
+        if cls.METRICS and metric not in cls.METRICS:
+            fits = _test_for_metric(metric)
+            instead = (
+                f"write `test: {fits}` (the test of {metric}; it takes "
+                f"{', '.join(_RULES[fits].BOUNDS)})" if fits != "threshold" else
+                f"for a bound on the value of {metric} write `test: threshold` with `min` "
+                "and/or `max`"
+            )
+            raise ValueError(
+                f"{cls.TEST} {cls.PURPOSE}, so its metric is "
+                f"{' or '.join(repr(m) for m in cls.METRICS)}, not '{metric}'; {instead}"
+            )
+        return metric
+
+    def bounds(self) -> dict[str, float | None]:
+        """This rule's bounds by key (``max_rate``, ``min``/``max``, ...), for plans."""
+        return {key: getattr(self, key) for key in self.BOUNDS}
+
+
+class _StatisticalRule(_RuleBase):
+    """A rule judged by a test at level ``alpha``."""
+
+    alpha: float = Field(default=0.05, gt=0, lt=0.5, description=_ALPHA_TEXT)
+
+
+class _PlannedRule(_StatisticalRule):
+    """A statistical rule the canary sizes its load for."""
+
+    power: float = Field(
+        default=0.8,
+        gt=0,
+        lt=1,
+        description="Probability of detecting a true violation of size `effect`; the canary "
+        "sizes its load from it. Float in (0, 1). Default 0.8.",
+    )
+
+
+class _LatencyRule(_PlannedRule):
+    """A client-latency rule against the baseline, with a relative tolerance and a floor."""
+
+    BOUNDS: ClassVar[tuple[str, ...]] = ("max_increase_pct", "min_effect_ms")
+
+    max_increase_pct: float = Field(
+        gt=0,
+        description="Tolerated slowdown, in percent of the baseline's metric; the candidate "
+        "fails when it is significantly beyond the baseline × (1 + tolerance). Float > 0. "
+        "Required.",
+    )
+    min_effect_ms: float | None = Field(
+        default=None,
+        ge=0,
+        description="Tolerance floor in ms: the tolerance is max(`max_increase_pct`% of the "
+        "baseline's metric, this), so a slowdown below it never fails, however significant. "
+        "Float ≥ 0 or `null` (no floor). Default `null`.",
+    )
+    effect: float | None = Field(
+        default=None,
+        gt=0,
+        description="Smallest violation *beyond the tolerance* the canary must detect with "
+        "`power`, in percentage points above `max_increase_pct`. Float > 0 or `null` (the "
+        "tolerance itself). Default `null`.",
+    )
+
+
+class MannWhitneyRule(_LatencyRule):
+    """``mann_whitney``: typical latency as a test of **stochastic order**, not of the median.
+
+    H0 "a random request of the candidate is no slower than a random one of the baseline ×
+    (1 + tolerance)", ``P(C > r·P) ≤ ½``: a one-sided Mann-Whitney U test per time block and
+    on the whole run, with the tolerance ``max(max_increase_pct% of the baseline's metric,
+    min_effect_ms)``; the Hodges-Lehmann ratio is reported. It compares whole distributions,
+    so a tail-only regression barely moves it: it takes ``latency_p50_ms`` and
+    ``latency_mean_ms`` only (a tail percentile is a :class:`QuantileRule`).
+    """
+
+    TEST: ClassVar[GateTest] = "mann_whitney"
+    METRICS: ClassVar[tuple[str, ...]] = TYPICAL_LATENCY_METRICS
+    PURPOSE: ClassVar[str] = (
+        "tests stochastic order (is a random candidate request slower than a random "
+        "baseline one?), which a tail-only regression hardly moves"
+    )
+
+    metric: Literal["latency_p50_ms", "latency_mean_ms"] = Field(
+        description="`latency_p50_ms` or `latency_mean_ms` (typical latency). Required.",
+    )
+    test: Literal["mann_whitney"] = Field(
+        default="mann_whitney",
+        description="`mann_whitney`: typical latency as a test of stochastic order (not a "
+        "median test): H0 \"a random candidate request is no slower than a random baseline "
+        "request × (1 + tolerance)\".",
+    )
+
+
+class QuantileRule(_LatencyRule):
+    """``quantile``: a tail percentile (p90/p95/p99) against the baseline's, scaled.
+
+    The candidate's percentile against the baseline's × (1 + tolerance), with the
+    pooled-quantile exceedance test per time block and on the whole run (Fisher's exact
+    test): a tail-only regression fails it, a body-only one does not.
+    """
+
+    TEST: ClassVar[GateTest] = "quantile"
+    METRICS: ClassVar[tuple[str, ...]] = TAIL_LATENCY_METRICS
+    PURPOSE: ClassVar[str] = "tests the tail percentile it names"
+
+    metric: Literal["latency_p90_ms", "latency_p95_ms", "latency_p99_ms"] = Field(
+        description="`latency_p90_ms`, `latency_p95_ms` or `latency_p99_ms` (tail latency). "
+        "Required.",
+    )
+    test: Literal["quantile"] = Field(
+        default="quantile",
+        description="`quantile`: the candidate's tail percentile against the baseline's × "
+        "(1 + tolerance) (pooled-quantile exceedance test).",
+    )
+
+
+class ServerRatioRule(_StatisticalRule):
+    """``server_ratio``: Triton's own queue + compute µs per request, candidate over baseline.
+
+    Per metrics interval (the canary scrapes every second), a one-sided t-test on the log
+    ratios against ``1 + max_increase_pct/100``: client overhead cannot dilute a
+    server-side regression.
+    """
+
+    TEST: ClassVar[GateTest] = "server_ratio"
+    METRICS: ClassVar[tuple[str, ...]] = ("server_latency_ratio",)
+    PURPOSE: ClassVar[str] = "compares Triton's own time per request of the two versions"
+    BOUNDS: ClassVar[tuple[str, ...]] = ("max_increase_pct",)
+
+    metric: Literal["server_latency_ratio"] = Field(
+        description="`server_latency_ratio`. Required.",
+    )
+    test: Literal["server_ratio"] = Field(
+        default="server_ratio",
+        description="`server_ratio`: Triton's queue + compute time per request, candidate "
+        "over baseline, per metrics interval (t-test on the log ratios).",
+    )
+    max_increase_pct: float = Field(
+        gt=0,
+        description="Tolerated slowdown of Triton's queue + compute time per request, in "
+        "percent of the baseline's: the rule fails when the ratio is significantly above "
+        "1 + this / 100. Float > 0. Required.",
+    )
+
+
+class ExactRateRule(_PlannedRule):
+    """``exact_rate``: H0 "the candidate's error rate ≤ ``max_rate``", exact binomial test.
+
+    A candidate within its budget fails at most α of the time at any sample size, and the
+    test stays correct with zero errors.
+    """
+
+    TEST: ClassVar[GateTest] = "exact_rate"
+    METRICS: ClassVar[tuple[str, ...]] = ("error_rate",)
+    PURPOSE: ClassVar[str] = "tests an error rate (failed requests against a budget)"
+    BOUNDS: ClassVar[tuple[str, ...]] = ("max_rate",)
+
+    metric: Literal["error_rate"] = Field(description="`error_rate`. Required.")
+    test: Literal["exact_rate"] = Field(
+        default="exact_rate",
+        description="`exact_rate`: the candidate's error rate against its budget (exact "
+        "binomial test, correct with zero errors).",
+    )
+    max_rate: float = Field(
+        ge=0,
+        le=1,
+        description="Highest tolerated error rate, a fraction in [0, 1] (0.001 = 0.1%). "
+        "Required.",
+    )
+    effect: float | None = Field(
+        default=None,
+        gt=0,
+        description="Smallest violation *beyond the budget* the canary must detect with "
+        "`power`: a rate above `max_rate`. Float > 0 or `null` (`max_rate` itself; 0.001 "
+        "when `max_rate` is 0). Default `null`.",
+    )
+
+
+class ThresholdRule(_RuleBase):
+    """``threshold``: the metric's point value must be ``>= min`` and/or ``<= max``.
+
+    Deterministic: no α, no power, nothing to size.
+    """
+
+    TEST: ClassVar[GateTest] = "threshold"
+    BOUNDS: ClassVar[tuple[str, ...]] = ("min", "max")
+
+    metric: str = Field(
+        description="Any metric: " + ", ".join(f"`{m}`" for m in KNOWN_METRICS) + ". Required.",
+    )
+    test: Literal["threshold"] = Field(
+        default="threshold",
+        description="`threshold`: the metric's value against `min` and/or `max`; any metric.",
+    )
+    min: float | None = Field(
+        default=None,
+        description="Lowest passing value (inclusive). Number or `null`. At least one of "
+        "`min`/`max` is required. Default `null`.",
+    )
+    max: float | None = Field(
+        default=None,
+        description="Highest passing value (inclusive). Number or `null`. Default `null`.",
+    )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> ThresholdRule:
+        if self.min is None and self.max is None:
+            raise ValueError("a threshold rule needs at least one of min or max")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min:g} is greater than max {self.max:g}")
+        return self
+
+
+_RULES: dict[str, type[_RuleBase]] = {
+    rule.TEST: rule
+    for rule in (MannWhitneyRule, QuantileRule, ServerRatioRule, ExactRateRule, ThresholdRule)
+}
+"""Each test's rule class, by the value of ``test``."""
+
+
+def _rule_test(value: Any) -> str | None:
+    """The discriminator of :data:`GateRule`: the stated ``test``, or the inferred one."""
+    if isinstance(value, _RuleBase):
+        return value.test
+    if not isinstance(value, Mapping):
+        return None
+    test = value.get("test")
+    if test is None:
+        return infer_test(value)
+    return test if isinstance(test, str) and test in _RULES else None
+
+
+GateRule: TypeAlias = Annotated[
+    Annotated[MannWhitneyRule, Tag("mann_whitney")]
+    | Annotated[QuantileRule, Tag("quantile")]
+    | Annotated[ServerRatioRule, Tag("server_ratio")]
+    | Annotated[ExactRateRule, Tag("exact_rate")]
+    | Annotated[ThresholdRule, Tag("threshold")],
+    Discriminator(
+        _rule_test,
+        custom_error_type="gate_test",
+        custom_error_message="test must be one of " + ", ".join(get_args(GateTest)),
+    ),
+]
+"""One canary gate, a union discriminated on ``test``; :mod:`tasks.gates` turns it into a
+verdict. Each variant holds only its own keys, so a rule that mixes tests is refused with
+the key named (a ``mann_whitney`` rule on ``latency_p99_ms`` is refused with a pointer to
+``quantile``, never rewritten). When ``test`` is omitted it is inferred (:func:`infer_test`).
+"""
+
+_RULE_UNION: Any = get_args(GateRule)[0]
+"""The union inside :data:`GateRule`, as the schema walkers meet it."""
+
+_GATE_RULE: TypeAdapter[GateRule] = TypeAdapter(GateRule)
+
+
+def gate_rule(data: Mapping[str, Any] | None = None, /, **fields: Any) -> GateRule:
+    """One gate rule from a mapping and/or keywords, validated like a policy file's.
+
+    Raises:
+        pydantic.ValidationError: the rule is incoherent (a key or metric of another test,
+            a missing bound) or a value is out of range.
+    """
+    return _GATE_RULE.validate_python({**(data or {}), **fields})
+
+
 FAMILY_ALPHA = 0.05
 """The family-wise false-fail rate of the default rule set: a candidate at the boundary of
 every default rule at once fails some rule with probability ≤ 5% (Bonferroni: the rules' α
@@ -830,25 +995,23 @@ def default_gates() -> list[GateRule]:
     """The documented default rule set (DESIGN §2.6), family-wise α = :data:`FAMILY_ALPHA`.
 
     Typical latency (p50, a test of stochastic order) and tail latency (p99, quantile test)
-    each within 10% of the baseline at α = 0.01, sized to catch +25% on the p50 and +50% on
-    the p99 with power 0.95; errors within a 0.1% budget at α = 0.02; agreement ≥ 98%
-    (deterministic: no α); and Triton's own queue + compute time within 10% of the
-    baseline's at α = 0.01, so client overhead cannot dilute a server-side regression. The
-    α add up to 5%: a candidate exactly at every tolerance at once fails ≤ 5% of the time,
-    an identical one much less.
+    each within 10% of the baseline at α = 0.01, sized to catch +25% on the p50 with power
+    0.95 and +40% on the p99 (tail only, the p50 unchanged) with power 0.90; errors within
+    a 0.1% budget at α = 0.02; agreement ≥ 98% (deterministic: no α); and Triton's own
+    queue + compute time within 10% of the baseline's at α = 0.01, so client overhead
+    cannot dilute a server-side regression. The α add up to 5%: a candidate exactly at
+    every tolerance at once fails ≤ 5% of the time, an identical one much less.
     """
     return [
-        GateRule(name="latency_p50", metric="latency_p50_ms", test="mann_whitney",
-                 max_increase_pct=10.0, min_effect_ms=0.05, alpha=0.01, power=0.95,
-                 effect=15.0),
-        GateRule(name="latency_p99", metric="latency_p99_ms", test="quantile",
-                 max_increase_pct=10.0, min_effect_ms=0.5, alpha=0.01, power=0.95,
-                 effect=40.0),
-        GateRule(name="error_rate", metric="error_rate", test="exact_rate", max_rate=0.001,
-                 alpha=0.02, power=0.95, effect=0.004),
-        GateRule(name="agreement", metric="agreement", test="threshold", min=0.98),
-        GateRule(name="server_latency", metric="server_latency_ratio", test="server_ratio",
-                 max_increase_pct=10.0, alpha=0.01),
+        MannWhitneyRule(name="latency_p50", metric="latency_p50_ms", max_increase_pct=10.0,
+                        min_effect_ms=0.05, alpha=0.01, power=0.95, effect=15.0),
+        QuantileRule(name="latency_p99", metric="latency_p99_ms", max_increase_pct=10.0,
+                     min_effect_ms=0.5, alpha=0.01, power=0.90, effect=30.0),
+        ExactRateRule(name="error_rate", metric="error_rate", max_rate=0.001, alpha=0.02,
+                      power=0.95, effect=0.004),
+        ThresholdRule(name="agreement", metric="agreement", min=0.98),
+        ServerRatioRule(name="server_latency", metric="server_latency_ratio",
+                        max_increase_pct=10.0, alpha=0.01),
     ]
 
 
@@ -1241,7 +1404,7 @@ def load_policy(path: Path) -> Policy:
     try:
         return Policy.model_validate(data)
     except ValidationError as exc:
-        raise _policy_error(path, exc) from exc
+        raise _policy_error(path, exc, data) from exc
 
 
 def policy_for(model: str, policies_dir: Path, explicit: Path | None = None) -> Policy:
@@ -1297,45 +1460,105 @@ def _unwrap(tp: Any) -> Any:
             return tp
 
 
-def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    """The section model found at a key path, or None when the path leaves the schema."""
+def _locate(loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], type[BaseModel] | None]:
+    """A pydantic error location as the key path a user writes, and the section model there.
+
+    Pydantic puts the chosen test of a gate rule into the path (``gates.2.quantile.metric``);
+    the key path drops it (``gates.2.metric``) and the model is that test's rule class. The
+    model is None when the path ends on a value or leaves the schema.
+    """
     tp: Any = Policy
+    keys: list[int | str] = []
     for part in loc:
-        tp = _unwrap(tp)
+        tp = _unwrap(tp) if tp is not None else None
+        if tp is _RULE_UNION:
+            tp = _RULES.get(part) if isinstance(part, str) else None
+            if tp is not None:
+                continue
+        keys.append(part)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
             field = tp.model_fields.get(part) if isinstance(part, str) else None
-            if field is None:
-                return None
-            tp = field.annotation
+            tp = field.annotation if field is not None else None
         elif get_origin(tp) is list and isinstance(part, int):
             tp = get_args(tp)[0]
         elif get_origin(tp) is dict:
             tp = get_args(tp)[1]
         else:
-            return None
-    tp = _unwrap(tp)
-    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+            tp = None
+    tp = _unwrap(tp) if tp is not None else None
+    return tuple(keys), tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
-def _policy_error(path: Path, exc: ValidationError) -> PolicyError:
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The section model found at a (pydantic) location, or None when it leaves the schema."""
+    return _locate(loc)[1]
+
+
+def _rule_named_test(data: Any, keys: tuple[int | str, ...]) -> bool:
+    """Whether the gate rule at ``keys`` (``("gates", i, ...)``) states its ``test``."""
+    rules = data.get("gates") if isinstance(data, Mapping) else None
+    if len(keys) < 2 or not isinstance(rules, list) or not isinstance(keys[1], int) \
+            or not 0 <= keys[1] < len(rules) or not isinstance(rules[keys[1]], Mapping):
+        return True
+    return rules[keys[1]].get("test") is not None
+
+
+def _rule_problem(err: Any, keys: tuple[int | str, ...], rule: type[_RuleBase] | None,
+                  data: Any) -> tuple[str, str, str] | None:
+    """Key, problem and hint of an error only gate rules have, else None."""
+    key = _dotted(keys)
+    if err["type"] == "gate_test":
+        given = err.get("input")
+        if not isinstance(given, Mapping):
+            return (key, f"'{key}': a gate rule is a mapping of keys (name, metric, test, ...), "
+                    f"got {_yaml_kind(given)}",
+                    "see policies/README.md for the keys of a gate rule")
+        tests = list(get_args(GateTest))
+        close = difflib.get_close_matches(str(given.get("test")), tests, n=1)
+        guess = f" (did you mean '{close[0]}'?)" if close else ""
+        return (f"{key}.test", f"'{key}.test': unknown test "
+                f"{json.dumps(given.get('test'), default=str)}{guess}",
+                f"write one of: {', '.join(tests)}")
+    if rule is None:
+        return None
+    inferred = "" if _rule_named_test(data, keys) else \
+        f" (the rule names no test, so its keys made it {rule.TEST})"
+    name = str(keys[-1])
+    owners = [t for t, cls in _RULES.items() if name in cls.model_fields and cls is not rule]
+    if err["type"] == "extra_forbidden" and owners:
+        return (key, f"'{key}' does not apply to a {rule.TEST} rule{inferred}: {name} is a key of "
+                f"{' and '.join(owners)}",
+                f"drop '{name}', or write `test: {owners[0]}` if that is the test you mean "
+                f"(a {rule.TEST} rule takes: {', '.join(rule.model_fields)})")
+    if err["type"] == "value_error" and name == "metric":
+        return (key, f"'{key}': {err['msg'].removeprefix('Value error, ')}{inferred}",
+                f"'{key}': {rule.model_fields['metric'].description}")
+    return None
+
+
+def _policy_error(path: Path, exc: ValidationError, data: Any = None) -> PolicyError:
     problems: list[str] = []
     hints: list[str] = []
     details: list[dict[str, Any]] = []
     for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
+        raw = tuple(err["loc"])
+        loc, _ = _locate(raw)
         key = _dotted(loc)
-        if err["type"] == "extra_forbidden":
+        owner = _model_at(raw[:-1]) if raw else None
+        rule = owner if isinstance(owner, type) and issubclass(owner, _RuleBase) else None
+        special = _rule_problem(err, loc, rule, data)
+        if special is not None:
+            key, problem, hint = special
+        elif err["type"] == "extra_forbidden":
             parent, name = loc[:-1], str(loc[-1])
-            section = _model_at(parent)
-            known = sorted(section.model_fields) if section else []
+            known = sorted(owner.model_fields) if owner else []
             close = difflib.get_close_matches(name, known, n=1)
             problem = f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else "")
             where = f"under '{_dotted(parent)}'" if parent else "at the top level"
             hint = f"known keys {where} are: {', '.join(known)}" if known else ""
         elif err["type"] == "missing":
-            problem = f"missing key '{key}'"
-            section = _model_at(loc[:-1])
-            field = section.model_fields.get(str(loc[-1])) if section else None
+            problem = f"missing key '{key}'" + (f" (a {rule.TEST} rule needs it)" if rule else "")
+            field = owner.model_fields.get(str(loc[-1])) if owner else None
             hint = field.description or "" if field else ""
         else:
             custom = err["type"] == "value_error"
@@ -1343,16 +1566,15 @@ def _policy_error(path: Path, exc: ValidationError) -> PolicyError:
             shown = json.dumps(err.get("input"), default=str)
             if len(shown) > 60:
                 shown = shown[:57] + "..."
-            if not loc or _model_at(loc) is not None:
+            if not raw or _model_at(raw) is not None:
                 # A rule across several keys of one section (or list item) was broken.
                 problem = f"{key or 'policy'}: {msg}"
                 hint = f"see policies/README.md for the keys of '{key or 'policy'}'"
             else:
                 problem = f"'{key}': {msg}" + ("" if custom else f" (got {shown})")
-                section = _model_at(loc[:-1])
                 field = None
-                if section is not None and isinstance(loc[-1], str):
-                    field = section.model_fields.get(loc[-1])
+                if owner is not None and isinstance(loc[-1], str):
+                    field = owner.model_fields.get(loc[-1])
                 hint = f"'{key}': {field.description}" if field and field.description else ""
         problems.append(problem)
         if hint and hint not in hints:
@@ -1370,6 +1592,45 @@ def _policy_error(path: Path, exc: ValidationError) -> PolicyError:
 # reference documentation
 
 
+def _reference_row(key: str, field: Any, shown: str | None = None) -> str:
+    if shown is None and field.is_required():
+        shown = "required"
+    elif shown is None:
+        default = field.get_default(call_default_factory=True)
+        listed = isinstance(default, list) and default
+        shown = "see below" if listed and isinstance(default[0], BaseModel) else \
+            f"`{json.dumps(default)}`"
+    text = (field.description or "").replace("|", "\\|")
+    return f"| `{key}` | {shown} | {text} |"
+
+
+def _rule_reference_rows(prefix: str) -> list[str]:
+    """The keys of a gate rule: the common ones once, then each test's own, a key shared by
+    several tests with the same meaning in one row that names them."""
+    common = ("name", "test", "dry_run")
+    rows = [_reference_row(f"{prefix}{name}", _RuleBase.model_fields[name],
+                           "inferred" if name == "test" else None) for name in common]
+    grouped: dict[tuple[str, str], tuple[Any, list[str]]] = {}
+    for test, rule in _RULES.items():
+        for name, field in rule.model_fields.items():
+            if name not in common:
+                grouped.setdefault((name, field.description or ""), (field, []))[1].append(test)
+    for (name, _), (field, tests) in grouped.items():
+        row = _reference_row(f"{prefix}{name}", field)
+        which = ", ".join(f"`{t}`" for t in tests)
+        rows.append(row.replace(f"| `{prefix}{name}` |", f"| `{prefix}{name}` ({which}) |", 1))
+    return rows
+
+
+def _rule_yaml(rule: GateRule) -> dict[str, Any]:
+    """A rule as a policy file would say it: name, metric and test, then what differs from
+    the defaults."""
+    given = rule.model_dump(exclude_defaults=True)
+    first = {"name": rule.name, "metric": rule.metric, "test": rule.test,
+             **{k: given[k] for k in rule.BOUNDS if k in given}}
+    return {**first, **{k: v for k, v in given.items() if k not in first}}
+
+
 def policy_reference_markdown() -> str:
     """The key reference of ``policies/README.md``, generated so it cannot drift from the code."""
     lines = ["| Key | Default | Meaning and accepted values |", "|---|---|---|"]
@@ -1381,30 +1642,21 @@ def policy_reference_markdown() -> str:
             if isinstance(tp, type) and issubclass(tp, BaseModel):
                 walk(tp, f"{key}.")
                 continue
-            if field.is_required():
-                shown = "required"
-            else:
-                default = field.get_default(call_default_factory=True)
-                listed = isinstance(default, list) and default
-                if listed and isinstance(default[0], BaseModel):
-                    shown = "see below"
-                else:
-                    shown = f"`{json.dumps(default)}`"
-            text = (field.description or "").replace("|", "\\|")
-            lines.append(f"| `{key}` | {shown} | {text} |")
-            item = get_args(tp)[0] if get_origin(tp) is list else None
+            lines.append(_reference_row(key, field))
+            item = _unwrap(get_args(tp)[0]) if get_origin(tp) is list else None
             value = get_args(tp)[1] if get_origin(tp) is dict else None
-            if isinstance(item, type) and issubclass(item, BaseModel):
+            if item is _RULE_UNION:
+                lines.extend(_rule_reference_rows(f"{key}[]."))
+            elif isinstance(item, type) and issubclass(item, BaseModel):
                 walk(item, f"{key}[].")
             if isinstance(value, type) and issubclass(value, BaseModel):
                 walk(value, f"{key}.<name>.")
 
     walk(Policy, "")
-    gates = [rule.model_dump(exclude_defaults=True) for rule in default_gates()]
     lines += ["", "Default `gates`:", "", "```yaml", "gates:"]
-    for rule in gates:
+    for rule in default_gates():
         first = True
-        for k, v in rule.items():
+        for k, v in _rule_yaml(rule).items():
             lines.append(f"  {'- ' if first else '  '}{k}: {json.dumps(v)}")
             first = False
     lines.append("```")

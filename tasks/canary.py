@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from statistics import NormalDist
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
@@ -60,7 +60,16 @@ from modelship.clients import Clients
 from modelship.errors import GatesInconclusive, InfrastructureError, ModelshipError, UsageError
 from modelship.loadgen import LoadReport, LoadSpec, RequestRecord, Target, run_load, run_paired
 from modelship.measurements import ArmMeasurements, CanarySnapshot
-from modelship.policy import GPU_METRICS, AgreementPolicy, CanaryPolicy, GateRule, Policy
+from modelship.policy import (
+    GPU_METRICS,
+    AgreementPolicy,
+    CanaryPolicy,
+    ExactRateRule,
+    GateRule,
+    MannWhitneyRule,
+    Policy,
+    QuantileRule,
+)
 from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.triton.client import TritonServer
@@ -423,7 +432,7 @@ _QUANTILES = {"latency_p50_ms": 0.5, "latency_mean_ms": 0.5, "latency_p90_ms": 0
               "latency_p95_ms": 0.95, "latency_p99_ms": 0.99}
 
 
-def watched(rule: GateRule) -> bool:
+def watched(rule: GateRule) -> TypeGuard[MannWhitneyRule | QuantileRule | ExactRateRule]:
     """Whether the sequential watch judges a rule too (blocking latency and error rules)."""
     return not rule.dry_run and rule.test in ("mann_whitney", "quantile", "exact_rate")
 

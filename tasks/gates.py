@@ -80,7 +80,16 @@ from modelship.measurements import (
     MeasurementError,
     check_latency,
 )
-from modelship.policy import GPU_METRICS, LATENCY_METRICS, GateRule, _infer_test
+from modelship.policy import (
+    GPU_METRICS,
+    LATENCY_METRICS,
+    ExactRateRule,
+    GateRule,
+    MannWhitneyRule,
+    QuantileRule,
+    ServerRatioRule,
+    ThresholdRule,
+)
 from tasks.blocks import (
     MIN_BLOCKS,
     BlockDiagnostics,
@@ -303,8 +312,7 @@ def family_alpha(rules: Iterable[GateRule]) -> float | None:
     is spent once. Threshold rules are deterministic and spend nothing. None when no rule
     is statistical.
     """
-    alphas = [r.alpha for r in rules
-              if not r.dry_run and (r.test or _infer_test(r.model_dump())) in _STATISTICAL]
+    alphas = [r.alpha for r in rules if not r.dry_run and not isinstance(r, ThresholdRule)]
     return round(sum(alphas), 12) if alphas else None
 
 
@@ -406,15 +414,15 @@ MIN_EVIDENCE = 100
 """Answered requests per version below which not even a failure is judged."""
 
 
-def _dispatch(snapshot: CanarySnapshot, rule: GateRule, test: str, min_samples: int, *,
+def _dispatch(snapshot: CanarySnapshot, rule: GateRule, min_samples: int, *,
               tail_reference: int = MIN_TAIL_REFERENCE) -> RuleResult:
-    if test == "mann_whitney":
+    if rule.test == "mann_whitney":
         return _judge_latency(snapshot, rule, min_samples)
-    if test == "quantile":
+    if rule.test == "quantile":
         return _judge_quantile(snapshot, rule, min_samples, tail_reference=tail_reference)
-    if test == "server_ratio":
+    if rule.test == "server_ratio":
         return _judge_server_ratio(snapshot, rule, min_samples)
-    if test == "exact_rate":
+    if rule.test == "exact_rate":
         return _judge_rate(snapshot, rule, min_samples)
     return _judge_threshold(snapshot, rule, min_samples)
 
@@ -441,7 +449,7 @@ def judge(snapshot: CanarySnapshot, rule: GateRule, *, min_samples: int) -> Rule
         rule: One gate of the policy.
         min_samples: Samples per version below which the verdict is inconclusive.
     """
-    test = rule.test or _infer_test(rule.model_dump())
+    test = rule.test
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             # Degenerate input (empty, constant) is handled explicitly below; a stray
@@ -452,11 +460,11 @@ def judge(snapshot: CanarySnapshot, rule: GateRule, *, min_samples: int) -> Rule
                 if broken:
                     return _result(rule, test, Verdict.ERROR, None, None, "", None, None,
                                    (0, None), f"{rule.name}: {broken}")
-            result = _dispatch(snapshot, rule, test, min_samples)
+            result = _dispatch(snapshot, rule, min_samples)
             if result.verdict is Verdict.INCONCLUSIVE and test in _STATISTICAL \
                     and min_samples > MIN_EVIDENCE:
                 try:
-                    short = _dispatch(snapshot, rule, test, MIN_EVIDENCE, tail_reference=0)
+                    short = _dispatch(snapshot, rule, MIN_EVIDENCE, tail_reference=0)
                 except Exception:  # noqa: BLE001 - too little for the test: the plan's verdict
                     return result
                 return _fail_short(result, short)
@@ -525,7 +533,8 @@ def metric_value(snapshot: CanarySnapshot, metric: str, *,
     raise ValueError(f"unknown metric {metric!r}")
 
 
-def _judge_threshold(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:
+def _judge_threshold(snapshot: CanarySnapshot, rule: ThresholdRule,
+                     min_samples: int) -> RuleResult:
     """Point value within ``[min, max]``, both inclusive: exactly at a bound passes."""
     parts = ([f"≥ {_fmt(rule.metric, rule.min)}"] if rule.min is not None else []) + \
         ([f"≤ {_fmt(rule.metric, rule.max)}"] if rule.max is not None else [])
@@ -568,7 +577,8 @@ def _agreement_hint(snapshot: CanarySnapshot) -> str:
             "policy)")
 
 
-def _latency_prologue(snapshot: CanarySnapshot, rule: GateRule, test: str, min_samples: int
+def _latency_prologue(snapshot: CanarySnapshot, rule: MannWhitneyRule | QuantileRule, test: str,
+                      min_samples: int
                       ) -> RuleResult | tuple[np.ndarray, np.ndarray, float, float]:
     """Shared checks of the comparative latency tests: a result when they cannot run.
 
@@ -608,13 +618,14 @@ def _latency_prologue(snapshot: CanarySnapshot, rule: GateRule, test: str, min_s
             1.0 + tol_ms / base_value)
 
 
-def _tol_text(rule: GateRule) -> str:
+def _tol_text(rule: MannWhitneyRule | QuantileRule) -> str:
     pct = float(rule.max_increase_pct or 0.0)
     floor = float(rule.min_effect_ms or 0.0)
     return f"max({pct:g}%, {floor:g} ms)" if floor else f"{pct:g}%"
 
 
-def _judge_latency(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:
+def _judge_latency(snapshot: CanarySnapshot, rule: MannWhitneyRule,
+                   min_samples: int) -> RuleResult:
     """Typical latency (p50 or mean): a test of stochastic order beyond a tolerance.
 
     The tolerance is ``tol = max(max_increase_pct % of P's metric, min_effect_ms)`` in ms,
@@ -732,7 +743,7 @@ def quantile_interval(sample: np.ndarray, q: float, confidence: float) -> tuple[
     return low, high
 
 
-def _judge_quantile(snapshot: CanarySnapshot, rule: GateRule, min_samples: int, *,
+def _judge_quantile(snapshot: CanarySnapshot, rule: QuantileRule, min_samples: int, *,
                     tail_reference: int = MIN_TAIL_REFERENCE) -> RuleResult:
     """A tail percentile (p90/p95/p99): the candidate's pXX against the baseline's, scaled.
 
@@ -856,7 +867,7 @@ def server_interval_ratios(snapshot: CanarySnapshot) -> np.ndarray:
     return np.asarray(ratios, dtype=float)
 
 
-def _judge_server_ratio(snapshot: CanarySnapshot, rule: GateRule,
+def _judge_server_ratio(snapshot: CanarySnapshot, rule: ServerRatioRule,
                         min_samples: int) -> RuleResult:
     """Triton's own time per request: the candidate's against the baseline's, per interval.
 
@@ -919,7 +930,7 @@ def _judge_server_ratio(snapshot: CanarySnapshot, rule: GateRule,
                   f"inside Triton than the tolerance: {how} ≥ α={rule.alpha:g}", p, details)
 
 
-def _judge_rate(snapshot: CanarySnapshot, rule: GateRule, min_samples: int) -> RuleResult:
+def _judge_rate(snapshot: CanarySnapshot, rule: ExactRateRule, min_samples: int) -> RuleResult:
     """Error rate against its budget; exact, so it stays correct with zero errors.
 
     With C's ``k`` errors in ``n`` requests, P's ``k0`` in ``n0`` and ``b = max_rate``, the
@@ -1194,12 +1205,12 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
     Raises:
         MeasurementError: ``baseline_latency_ms`` holds non-finite or negative values.
     """
-    test = rule.test or _infer_test(rule.model_dump())
-    if test not in ("mann_whitney", "quantile", "exact_rate"):
+    if not isinstance(rule, MannWhitneyRule | QuantileRule | ExactRateRule):
         return max(min_samples, 1)
+    test = rule.test
     za = float(stats.norm.ppf(1 - rule.alpha))
     zb = float(stats.norm.ppf(rule.power))
-    if test in ("mann_whitney", "quantile"):
+    if isinstance(rule, MannWhitneyRule | QuantileRule):
         pct = float(rule.max_increase_pct or 0.0)
         effect = float(rule.effect if rule.effect is not None else pct)
         lat = None
@@ -1249,7 +1260,7 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
     return max(min_samples, 1)
 
 
-def _block_plan(n: int, rule: GateRule) -> int:
+def _block_plan(n: int, rule: MannWhitneyRule | QuantileRule) -> int:
     """A plan for independent requests, grown for the test actually run: a latency rule's
     p-value is the larger of its whole-run test's and its batch-means test's, so it needs
     :func:`tasks.blocks.design_effect` times the requests at the blocks it will have."""
@@ -1265,8 +1276,7 @@ def tail_reference_floor(rule: GateRule) -> int:
     """Requests per version a quantile rule needs so that the baseline puts at least
     :data:`MIN_TAIL_REFERENCE` of them above its quantile (3100 for p99, 620 for p95); 1 for
     other rules."""
-    test = rule.test or _infer_test(rule.model_dump())
-    if test != "quantile":
+    if rule.test != "quantile":
         return 1
     q = _PERCENTILES.get(rule.metric, 50.0) / 100.0
     return int(math.ceil((MIN_TAIL_REFERENCE + 1) / (1.0 - q)))

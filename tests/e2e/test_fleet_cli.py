@@ -196,7 +196,7 @@ def test_canary_cli_judges_against_production_and_writes_the_report(
         "gates": [
             {"name": "errors", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
             {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.999},
-            {"name": "p99", "metric": "latency_p99_ms", "test": "mann_whitney",
+            {"name": "p99", "metric": "latency_p99_ms", "test": "quantile",
              "max_increase_pct": 50.0, "min_effect_ms": 2.0, "dry_run": True},
         ]})
     done = run_cli("canary", MODEL, "--version", str(v2), "--policy", str(policy), "--json",

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from modelship.measurements import ArmMeasurements, CanarySnapshot
-from modelship.policy import GateRule, default_gates
+from modelship.policy import default_gates, gate_rule
 from tasks.canary import shared_errors, spend_alpha, tail_reference_refusal, watched
 from tasks.gates import evaluate, family_alpha
 
-P99 = GateRule(name="latency_p99", metric="latency_p99_ms", max_increase_pct=10.0)
-ERR = GateRule(name="error_rate", metric="error_rate", max_rate=0.001)
+P99 = gate_rule(name="latency_p99", metric="latency_p99_ms", max_increase_pct=10.0)
+ERR = gate_rule(name="error_rate", metric="error_rate", max_rate=0.001)
 
 
 def snapshot(n: int, *, scale: float = 1.0, errors: int = 0) -> CanarySnapshot:

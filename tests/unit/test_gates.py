@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from modelship.measurements import ArmMeasurements, CanarySnapshot
-from modelship.policy import GateRule, default_gates
+from modelship.policy import GateRule, default_gates, gate_rule
 from tasks.gates import (
     GateReport,
     RuleResult,
@@ -77,7 +78,7 @@ def tsnap(candidate: ArmMeasurements, baseline: ArmMeasurements | None = None
 
 
 def rule(**kw: Any) -> GateRule:
-    return GateRule(name=kw.pop("name", "r"), **kw)
+    return gate_rule(name=kw.pop("name", "r"), **kw)
 
 
 # --------------------------------------------------------------------------------------
@@ -363,8 +364,9 @@ def test_typical_rule_reports_the_shift_and_the_bound() -> None:
         assert part in result.message, (part, result.message)
 
 
-def test_old_policies_saying_mann_whitney_on_p99_get_the_quantile_test() -> None:
-    assert rule(test="mann_whitney", **P99).test == "quantile"
+def test_mann_whitney_on_p99_is_refused_naming_quantile_never_rewritten() -> None:
+    with pytest.raises(ValidationError, match="test: quantile"):
+        rule(test="mann_whitney", **P99)
     assert rule(**P99).test == "quantile" and rule(**P50).test == "mann_whitney"
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from modelship.errors import PreflightError
 from modelship.measurements import ArmMeasurements, CanarySnapshot
-from modelship.policy import GPU_METRICS, GateRule, TritonPolicy
+from modelship.policy import GPU_METRICS, TritonPolicy, gate_rule
 from modelship.settings import TritonEndpoint
 from modelship.triton.client import TritonServer
 from modelship.triton.gpu import (
@@ -73,14 +73,14 @@ def snapshot(gpu: Mapping[str, float | None] | None, *, baseline: bool = True,
 # --------------------------------------------------------------------------- gates
 
 
-GROWTH = GateRule(name="gpu_growth", metric="gpu_memory_growth_pct", max=25.0)
+GROWTH = gate_rule(name="gpu_growth", metric="gpu_memory_growth_pct", max=25.0)
 
 
 def test_gpu_metrics_are_known_to_policies_and_produced_by_the_evidence() -> None:
     assert tuple(evidence().metrics()) == GPU_METRICS
     assert GROWTH.test == "threshold"
     with pytest.raises(ValueError, match="exact_rate tests an error rate"):
-        GateRule(name="x", metric="gpu_utilization", test="exact_rate", max_rate=0.1)
+        gate_rule(name="x", metric="gpu_utilization", test="exact_rate", max_rate=0.1)
 
 
 @pytest.mark.parametrize(("growth", "verdict"), [
@@ -111,7 +111,7 @@ def test_gpu_rules_do_not_wait_for_latency_samples() -> None:
     gpu = {"gpu_memory_growth_pct": 10.0, "gpu_memory_candidate_bytes": 1.0,
            "gpu_utilization": 0.2}
     assert judge(snapshot(gpu, n=5), GROWTH, min_samples=100).verdict == Verdict.PASSED
-    rule = GateRule(name="util", metric="gpu_utilization", max=0.9)
+    rule = gate_rule(name="util", metric="gpu_utilization", max=0.9)
     result = judge(snapshot(gpu, n=5), rule, min_samples=100)
     assert result.verdict == Verdict.PASSED and "20%" in result.message
 
@@ -119,7 +119,7 @@ def test_gpu_rules_do_not_wait_for_latency_samples() -> None:
 def test_measured_evidence_gates_end_to_end() -> None:
     """The recorded canary grows C by +20% over P: a 10% limit fails, a 25% one passes."""
     gpu = evidence().metrics()
-    tight = GateRule(name="tight", metric="gpu_memory_growth_pct", max=10.0)
+    tight = gate_rule(name="tight", metric="gpu_memory_growth_pct", max=10.0)
     report = evaluate(snapshot(gpu), [GROWTH, tight], min_samples=100)
     verdicts = {r.rule: r.verdict for r in report.results}
     assert verdicts == {"gpu_growth": Verdict.PASSED, "tight": Verdict.FAILED}
@@ -130,8 +130,8 @@ def test_measured_evidence_gates_end_to_end() -> None:
 
 
 def test_cpu_canary_skips_gpu_rules_and_gpu_canary_keeps_them() -> None:
-    latency = GateRule(name="p50", metric="latency_p50_ms", max_increase_pct=10.0)
-    util = GateRule(name="util", metric="gpu_utilization", max=0.95)
+    latency = gate_rule(name="p50", metric="latency_p50_ms", max_increase_pct=10.0)
+    util = gate_rule(name="util", metric="gpu_utilization", max=0.95)
     rules = [latency, GROWTH, util]
     assert gpu_rules_skipped(rules, on_gpu=False) == ["gpu_growth", "util"]
     assert gpu_rules_skipped(rules, on_gpu=True) == []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from modelship.errors import PolicyError, UsageError
-from modelship.policy import FAMILY_ALPHA, GateRule, Policy, default_gates, load_policy
+from modelship.policy import FAMILY_ALPHA, Policy, default_gates, gate_rule, load_policy
 
 
 @pytest.mark.parametrize(
@@ -19,6 +19,18 @@ from modelship.policy import FAMILY_ALPHA, GateRule, Policy, default_gates, load
          "gates.0.max_rate"),
         ("gates:\n  - name: p\n    metric: latency_p50_ms\n    max_increase_pct: .inf\n",
          "gates.0.max_increase_pct"),
+        ("gates:\n  - name: q\n    metric: latency_p99_ms\n    max_increase_pct: 10\n"
+         "    min_effect_ms: .nan\n", "gates.0.min_effect_ms"),
+        ("gates:\n  - name: q\n    metric: latency_p99_ms\n    max_increase_pct: 10\n"
+         "    effect: .inf\n", "gates.0.effect"),
+        ("gates:\n  - name: s\n    metric: server_latency_ratio\n    max_increase_pct: .nan\n",
+         "gates.0.max_increase_pct"),
+        ("gates:\n  - name: e\n    metric: error_rate\n    max_rate: 0.01\n    effect: .nan\n",
+         "gates.0.effect"),
+        ("gates:\n  - name: e\n    metric: error_rate\n    max_rate: 0.01\n    alpha: .nan\n",
+         "gates.0.alpha"),
+        ("gates:\n  - name: e\n    metric: error_rate\n    max_rate: 0.01\n    power: .nan\n",
+         "gates.0.power"),
         ("canary:\n  max_duration_s: .inf\n", "canary.max_duration_s"),
         ("canary:\n  rate_rps: -.inf\n", "canary.rate_rps"),
         ("bake:\n  duration_s: .nan\n", "bake.duration_s"),
@@ -35,10 +47,10 @@ def test_nan_and_infinity_are_refused_naming_the_key(tmp_path: Path, text: str,
 
 
 def test_finite_numbers_still_load() -> None:
-    rule = GateRule(name="a", metric="agreement", min=0.98)
-    assert rule.min == 0.98
+    rule = gate_rule(name="a", metric="agreement", min=0.98)
+    assert rule.test == "threshold" and rule.min == 0.98
     with pytest.raises(ValueError, match="finite"):
-        GateRule(name="a", metric="agreement", min=float("nan"))
+        gate_rule(name="a", metric="agreement", min=float("nan"))
 
 
 def test_the_default_rule_set_spends_the_stated_family_alpha() -> None:

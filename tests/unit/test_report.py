@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from modelship.measurements import ArmMeasurements, CanarySnapshot
-from modelship.policy import GateRule
+from modelship.policy import gate_rule
 from tasks.gates import GateReport, evaluate
 from tasks.report import (
     agreement_line,
@@ -26,10 +26,10 @@ from tasks.report import (
 )
 
 RULES = [
-    GateRule(name="latency_p99", metric="latency_p99_ms", max_increase_pct=10.0,
+    gate_rule(name="latency_p99", metric="latency_p99_ms", max_increase_pct=10.0,
              min_effect_ms=0.5),
-    GateRule(name="error_rate", metric="error_rate", max_rate=0.01),
-    GateRule(name="agreement", metric="agreement", min=0.98),
+    gate_rule(name="error_rate", metric="error_rate", max_rate=0.01),
+    gate_rule(name="agreement", metric="agreement", min=0.98),
 ]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,7 +10,7 @@ from scipy import special, stats
 
 from bench.traffic_models import ar1_latency, bursty_errors, standard_latency
 from modelship.measurements import MeasurementError
-from modelship.policy import GateRule, default_gates
+from modelship.policy import default_gates, gate_rule
 from tasks.canary import sequential_config, spend_alpha
 from tasks.gates import family_alpha
 from tasks.sequential import (
@@ -134,14 +134,14 @@ def test_the_watch_takes_each_rules_effect_power_and_alpha_share() -> None:
     config = sequential_config(gates)
     by_name = {r.name: r for r in config.watch_rules()}
     assert set(by_name) == {"latency_p50", "latency_p99", "error_rate"}
-    assert by_name["latency_p99"].quantile == 0.99 and by_name["latency_p99"].effect == 40.0
+    assert by_name["latency_p99"].quantile == 0.99 and by_name["latency_p99"].effect == 30.0
     assert by_name["error_rate"].alpha == pytest.approx(0.004)  # a fifth of its 0.02
     assert by_name["latency_p50"].power == 0.95
     fixed = spend_alpha(gates)
     # The family-wise α is spent once: the watch's shares plus the fixed tests' α.
     assert config.alpha + (family_alpha(fixed) or 0.0) == pytest.approx(family_alpha(gates))
-    assert [r.alpha for r in fixed if r.name == "agreement"] == [0.05]  # not watched
-    dry = GateRule(name="p95", metric="latency_p95_ms", max_increase_pct=5.0, dry_run=True)
+    assert [r for r in fixed if r.name == "agreement"] == [gates[3]]  # not watched: unchanged
+    dry = gate_rule(name="p95", metric="latency_p95_ms", max_increase_pct=5.0, dry_run=True)
     assert "p95" not in {r.name for r in sequential_config([*gates, dry]).watch_rules()}
 
 
