@@ -58,6 +58,7 @@ import numpy as np
 
 from modelship.clients import Clients
 from modelship.errors import GatesInconclusive, InfrastructureError, ModelshipError, UsageError
+from modelship.jsonable import jsonable
 from modelship.loadgen import LoadReport, LoadSpec, RequestRecord, Target, run_load, run_paired
 from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.policy import (
@@ -153,27 +154,14 @@ class CanaryResult:
             "verdict": self.verdict,
             "gates": self.gate_report.to_dict(),
             "skipped_rules": self.skipped_rules,
-            "snapshot": _jsonable(self.snapshot.to_dict()),
+            "snapshot": jsonable(self.snapshot.to_dict()),
             "load": self.load,
             "report": self.report_paths,
             "cleanup": self.cleanup,
             "seconds": round(self.seconds, 3),
-            "gpu": _jsonable(self.gpu.to_dict()) if self.gpu is not None else None,
+            "gpu": jsonable(self.gpu.to_dict()) if self.gpu is not None else None,
             "candidate_bytes": self.candidate_bytes,
         }
-
-
-def _jsonable(value: Any) -> Any:
-    """NaN and infinities become None: JSON has no NaN, and no data is never a number."""
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float | np.floating):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
 
 
 # --------------------------------------------------------------------------- agreement (pure)
@@ -726,7 +714,7 @@ def _server_side(before: Scrape | None, after: Scrape | None, model: str,
             notes.append(f"Triton's counters of {model}/{version} restarted during the load "
                          f"({', '.join(change.resets)}); server-side figures cover only the "
                          "time since the restart")
-        out[arm] = _jsonable(change.to_dict())
+        out[arm] = jsonable(change.to_dict())
     return out
 
 

@@ -74,6 +74,7 @@ from typing import Any
 import numpy as np
 from scipy import special, stats
 
+from modelship.jsonable import jsonable
 from modelship.measurements import (
     ArmMeasurements,
     CanarySnapshot,
@@ -224,7 +225,7 @@ class RuleResult:
             "threshold_value": _finite(self.threshold_value), "p_value": _finite(self.p_value),
             "samples": {"candidate": self.samples[0], "baseline": self.samples[1]},
             "dry_run": self.dry_run, "message": self.message,
-            "details": {k: _jsonable(v) for k, v in self.details.items()},
+            "details": jsonable(self.details),
         }
 
 
@@ -1671,13 +1672,3 @@ def _fmt(metric: str, value: float | None) -> str:
 
 def _finite(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float | np.floating):
-        return _finite(float(value))
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
