@@ -59,7 +59,6 @@ for the test that actually runs: the block design effect of :mod:`tasks.blocks`,
 test at the pooled split) and passes ``max(plan, policy floor)`` as ``min_samples`` to
 :func:`evaluate`. Sequential, always-valid versions of these tests live in
 :mod:`tasks.sequential`.
-
 """
 
 from __future__ import annotations
@@ -1238,7 +1237,6 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
             if not floors:
                 return int(min(max(n_q, 1), _MAX_PLAN))
             return int(min(max(n_q, min_samples, tail_reference_floor(rule)), _MAX_PLAN))
-
         if lat is not None and lat.size >= 2:
             p = _prob_greater(np.log(lat), delta)
         else:
