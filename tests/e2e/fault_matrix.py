@@ -1,5 +1,13 @@
 """The fault matrix: every way a release can stop ends in one true, converged state.
 
+**Not collected yet** (the name does not start with ``test_``; ``pytest
+tests/e2e/fault_matrix.py`` runs it). Green on the tree with issue 18's fixes, session 18
+(load 4-20 on 2 cores): sigkill-check, sigkill-swap, sigterm-bake, sigint-swap,
+mlflow-record, s3-swap, s3-bake, prefect-bake; sigkill-stage, sigkill-canary and
+sigterm-approval failed on harness/oracle/product faults fixed since (40bb268, 8e717ce) and
+were not re-run; the other cells were not reached. To enable it: run it whole, and ``git
+mv`` it over ``tests/e2e/test_crash.py`` (its kill points are all cells here).
+
 Each cell is one fault at one stage of a real ``modelship promote`` (DESIGN §2 item 10;
 issue 18 item 6):
 
