@@ -70,9 +70,14 @@ lint: install
 # Files go out in collection order, the long end-to-end files first (xdist's default sends
 # the files with the most tests first, which leaves a 10-minute e2e file for the end).
 # --durations=25 prints where the time went.
+# The canary's latency tests run alone afterwards: they measure latency, and the other
+# worker's promotions make it bursty (lag-1 autocorrelation 0.59 measured), so the block
+# test, which is built to discount exactly that, no longer shows a 2.5x p99 at 3100 requests.
 PYTEST := $(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
+ALONE := tests/integration/test_canary.py
 test: install lint
-	$(PYTEST) --durations=25
+	$(PYTEST) --durations=25 --ignore=$(ALONE)
+	$(BIN)/pytest -q -p no:cacheprovider --durations=5 $(ALONE)
 
 # Lint and the unit tests only: the quick loop while editing.
 test-fast: install lint
