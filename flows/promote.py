@@ -213,7 +213,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                     entry.details.update(baseline.to_dict())
             lock.check()
             # the intent, before the first change of the fleet; from here every way out
-            # ends released or undone (flows.fleet.end_release)
+            # ends released or undone (tasks.fleet.end_release)
             record.intent = release_intent(from_version=serving, to_version=version,
                                            aliases=fleet.aliases_now(clients, model),
                                            release_id=record.id)

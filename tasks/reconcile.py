@@ -247,7 +247,7 @@ def reconcile(
             reconciled (the release lock, so a reconcile never races a swap).
         recover: ``recover(model)``, called under that lock before anything else:
             finishes or undoes what dead or incomplete releases of the model left
-            (:func:`flows.fleet.recover_model`), so the pin read next is the truth; what
+            (:func:`tasks.fleet.recover_model`), so the pin read next is the truth; what
             it did is reported as ``recovered``. Skipped on a dry run.
         progress: Receives one human line per step.
 

@@ -13,7 +13,7 @@ A release is true when every source says the same version (DESIGN §2 item 10):
 sources could not be read) and returns a :class:`Truth`: every disagreement with the
 command that repairs it, a release in progress (not an error), and the version that
 should serve with the source that says so. Reading the sources is the caller's job
-(``flows.fleet.status_report``); nothing here does I/O.
+(``tasks.status.status_report``); nothing here does I/O.
 
 What should serve is decided by the ledger first: the newest record that changed the
 fleet (released or noop: its ``to_version``; rolled back, or failed after it touched the
