@@ -630,37 +630,71 @@ def lint(
     def add(rule: str, message: str, hint: str, severity: Severity = "error") -> None:
         findings.append(LintFinding(rule, message, hint, severity))
 
-    name = cfg.name or "<unnamed>"
+    scope = _LintScope(cfg, target, version_dirs, graph_rank)
+    for check in _LINT_RULES:
+        check(scope, add)
+    return findings
+
+
+@dataclass(frozen=True)
+class _LintScope:
+    """What one :func:`lint` run checks: the config, its target and the facts from outside
+    the config (the repository's folders, the graph's ranks) when the caller has them."""
+
+    cfg: ModelConfig
+    target: Target
+    version_dirs: Sequence[str] | None
+    graph_rank: Mapping[str, int] | None
+
+
+#: ``add(rule, message, hint, severity="error")``: records one finding.
+_Add = Callable[..., None]
+
+
+def _lint_backend(scope: _LintScope, add: _Add) -> None:
+    """``backend``."""
+    cfg = scope.cfg
     if not cfg.backend and not cfg.platform:
-        add("backend", f"model '{name}' names no backend", "set backend: \"onnxruntime\"")
+        add("backend", f"model '{cfg.name or '<unnamed>'}' names no backend",
+            "set backend: \"onnxruntime\"")
+
+
+def _lint_batching(scope: _LintScope, add: _Add) -> None:
+    """``max-batch-size``, ``batching-needs-max-batch-size``, ``preferred-batch-size``."""
+    cfg = scope.cfg
     mbs = cfg.max_batch_size
     if mbs < 0:
         add("max-batch-size", f"max_batch_size is {mbs}", "use 0 (no batching) or a positive size")
-    if cfg.HasField("dynamic_batching"):
-        if mbs <= 0:
-            add(
-                "batching-needs-max-batch-size",
-                f"dynamic_batching is on but max_batch_size is {mbs}; Triton accepts this and "
-                "then every request fails",
-                "set triton.max_batch_size > 0, or disable triton.dynamic_batching",
-            )
-        else:
-            bad = [n for n in cfg.dynamic_batching.preferred_batch_size if not 0 < n <= mbs]
-            if bad:
-                add(
-                    "preferred-batch-size",
-                    f"preferred_batch_size {bad} outside 1..max_batch_size ({mbs})",
-                    "make every triton.dynamic_batching.preferred_batch_sizes entry between 1 "
-                    "and max_batch_size",
-                )
+    if not cfg.HasField("dynamic_batching"):
+        return
+    if mbs <= 0:
+        add(
+            "batching-needs-max-batch-size",
+            f"dynamic_batching is on but max_batch_size is {mbs}; Triton accepts this and "
+            "then every request fails",
+            "set triton.max_batch_size > 0, or disable triton.dynamic_batching",
+        )
+        return
+    bad = [n for n in cfg.dynamic_batching.preferred_batch_size if not 0 < n <= mbs]
+    if bad:
+        add(
+            "preferred-batch-size",
+            f"preferred_batch_size {bad} outside 1..max_batch_size ({mbs})",
+            "make every triton.dynamic_batching.preferred_batch_sizes entry between 1 "
+            "and max_batch_size",
+        )
+
+
+def _lint_io_names(scope: _LintScope, add: _Add) -> None:
+    """``io-declared``, ``unique-names``."""
+    cfg = scope.cfg
     if not cfg.input or not cfg.output:
         add(
             "io-declared",
-            f"model '{name}' declares {len(cfg.input)} inputs and {len(cfg.output)} outputs",
+            f"model '{cfg.name or '<unnamed>'}' declares {len(cfg.input)} inputs and "
+            f"{len(cfg.output)} outputs",
             "render the config from the ONNX graph so every input and output is listed",
         )
-    tensors: list[tuple[str, Any]] = [("input", t) for t in cfg.input]
-    tensors += [("output", t) for t in cfg.output]
     for role, group in (("input", cfg.input), ("output", cfg.output)):
         names = [t.name for t in group]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -670,6 +704,13 @@ def lint(
                 f"{role} names repeated: {dupes}",
                 f"give each {role} its graph name once",
             )
+
+
+def _lint_tensors(scope: _LintScope, add: _Add) -> None:
+    """``data-type``, ``dims-empty``, ``dims-value``, then the rank rules, tensor by tensor."""
+    cfg = scope.cfg
+    tensors: list[tuple[str, Any]] = [("input", t) for t in cfg.input]
+    tensors += [("output", t) for t in cfg.output]
     for role, t in tensors:
         if t.data_type == model_config_pb2.TYPE_INVALID:
             add(
@@ -691,33 +732,43 @@ def lint(
                 f"{role} '{t.name}' has dims {dims}",
                 "make each dim > 0, or -1 for a variable dim",
             )
-        if graph_rank is not None and t.name in graph_rank:
-            rank = graph_rank[t.name]
-            expected = rank - 1 if mbs > 0 else rank
-            if len(dims) != expected:
-                if mbs > 0 and len(dims) == rank:
-                    add(
-                        "batch-dim-included",
-                        f"{role} '{t.name}' dims {dims} include the batch dimension "
-                        f"(graph rank {rank}, max_batch_size {mbs})",
-                        f"drop the leading dim: dims {dims[1:]}",
-                    )
-                else:
-                    add(
-                        "rank-mismatch",
-                        f"{role} '{t.name}' has {len(dims)} dims but the graph tensor has rank "
-                        f"{rank} (expected {expected} with max_batch_size {mbs})",
-                        "render the dims from the graph shape",
-                    )
-    for group in cfg.instance_group:
+        if scope.graph_rank is not None and t.name in scope.graph_rank:
+            _lint_rank(f"{role} '{t.name}'", dims, scope.graph_rank[t.name],
+                       cfg.max_batch_size, add)
+
+
+def _lint_rank(where: str, dims: list[int], rank: int, mbs: int, add: _Add) -> None:
+    """``batch-dim-included`` / ``rank-mismatch``: dims against the graph tensor's rank."""
+    expected = rank - 1 if mbs > 0 else rank
+    if len(dims) == expected:
+        return
+    if mbs > 0 and len(dims) == rank:
+        add(
+            "batch-dim-included",
+            f"{where} dims {dims} include the batch dimension "
+            f"(graph rank {rank}, max_batch_size {mbs})",
+            f"drop the leading dim: dims {dims[1:]}",
+        )
+    else:
+        add(
+            "rank-mismatch",
+            f"{where} has {len(dims)} dims but the graph tensor has rank "
+            f"{rank} (expected {expected} with max_batch_size {mbs})",
+            "render the dims from the graph shape",
+        )
+
+
+def _lint_instances(scope: _LintScope, add: _Add) -> None:
+    """``instance-kind``, ``instance-gpus``."""
+    for group in scope.cfg.instance_group:
         kind = group.kind
-        if target == "cpu" and kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
+        if scope.target == "cpu" and kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
             add(
                 "instance-kind",
                 "instance_group KIND_GPU on a cpu target: the model cannot load",
                 "use triton.instance_group.kind 'auto' or 'cpu', or target 'gpu'",
             )
-        elif target == "gpu" and kind == model_config_pb2.ModelInstanceGroup.KIND_CPU:
+        elif scope.target == "gpu" and kind == model_config_pb2.ModelInstanceGroup.KIND_CPU:
             add(
                 "instance-kind",
                 "instance_group KIND_CPU on a gpu target: the model runs on the CPU",
@@ -729,29 +780,11 @@ def lint(
         if kind == model_config_pb2.ModelInstanceGroup.KIND_CPU and group.gpus:
             add("instance-gpus", f"instance_group KIND_CPU lists gpus {list(group.gpus)}",
                 "drop triton.instance_group.gpus, or serve on GPU instances")
-    _lint_gpu(cfg, add)
-    if version_dirs is not None:
-        bad_dirs = sorted(d for d in version_dirs if not _VERSION_DIR.match(d))
-        if bad_dirs:
-            add(
-                "version-dirs",
-                f"version folders {bad_dirs} are not positive integers; Triton ignores them",
-                "name each version folder by its MLflow version number, e.g. '2'",
-            )
-        present = {int(d) for d in version_dirs if _VERSION_DIR.match(d)}
-        if cfg.version_policy.WhichOneof("policy_choice") == "specific":
-            missing = sorted(set(cfg.version_policy.specific.versions) - present)
-            if missing:
-                add(
-                    "version-dirs",
-                    f"version_policy names versions {missing} that have no folder",
-                    "stage those versions first, or serve the versions that exist",
-                )
-    return findings
 
 
-def _lint_gpu(cfg: ModelConfig, add: Callable[..., None]) -> None:
-    """The ``accelerator`` and ``warmup`` rules of :func:`lint`."""
+def _lint_accelerators(scope: _LintScope, add: _Add) -> None:
+    """``accelerator``."""
+    cfg = scope.cfg
     accelerators = cfg.optimization.execution_accelerators.gpu_execution_accelerator
     on_gpu = any(g.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
                  for g in cfg.instance_group)
@@ -772,6 +805,11 @@ def _lint_gpu(cfg: ModelConfig, add: Callable[..., None]) -> None:
         if workspace is not None and not (workspace.isdigit() and int(workspace) > 0):
             add("accelerator", f"TensorRT max_workspace_size_bytes '{workspace}'",
                 "give a positive number of bytes")
+
+
+def _lint_warmup(scope: _LintScope, add: _Add) -> None:
+    """``warmup``."""
+    cfg = scope.cfg
     mbs = cfg.max_batch_size
     inputs = {t.name: t for t in cfg.input}
     for sample in cfg.model_warmup:
@@ -801,6 +839,37 @@ def _lint_gpu(cfg: ModelConfig, add: Callable[..., None]) -> None:
             if entry.WhichOneof("input_data_type") is None:
                 add("warmup", f"{where} input '{name}' has no data",
                     "set zero_data, random_data or input_data_file")
+
+
+def _lint_version_dirs(scope: _LintScope, add: _Add) -> None:
+    """``version-dirs``."""
+    if scope.version_dirs is None:
+        return
+    version_dirs = scope.version_dirs
+    bad_dirs = sorted(d for d in version_dirs if not _VERSION_DIR.match(d))
+    if bad_dirs:
+        add(
+            "version-dirs",
+            f"version folders {bad_dirs} are not positive integers; Triton ignores them",
+            "name each version folder by its MLflow version number, e.g. '2'",
+        )
+    present = {int(d) for d in version_dirs if _VERSION_DIR.match(d)}
+    policy = scope.cfg.version_policy
+    if policy.WhichOneof("policy_choice") == "specific":
+        missing = sorted(set(policy.specific.versions) - present)
+        if missing:
+            add(
+                "version-dirs",
+                f"version_policy names versions {missing} that have no folder",
+                "stage those versions first, or serve the versions that exist",
+            )
+
+
+#: The rules of :func:`lint`, in the order their findings are listed.
+_LINT_RULES: tuple[Callable[[_LintScope, _Add], None], ...] = (
+    _lint_backend, _lint_batching, _lint_io_names, _lint_tensors, _lint_instances,
+    _lint_accelerators, _lint_warmup, _lint_version_dirs,
+)
 
 
 def assert_lint_clean(findings: Sequence[LintFinding], *, model: str | None = None) -> None:
