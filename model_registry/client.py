@@ -20,8 +20,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from modelship.candidate import ResolvedVersion
-from modelship.errors import InfrastructureError, ModelNotFound, Unreachable, UsageError
-from modelship.faults import DEFAULT_RETRY, RetryPolicy, call_with_retries, is_transient, reason
+from modelship.errors import (
+    InfrastructureError,
+    ModelNotFound,
+    ModelshipError,
+    Unreachable,
+    UsageError,
+)
+from modelship.faults import (
+    DEFAULT_RETRY,
+    Breaker,
+    RetryPolicy,
+    call_with_retries,
+    is_transient,
+    reason,
+)
 from modelship.http import expect_ok
 
 if TYPE_CHECKING:
@@ -65,6 +78,8 @@ class RegistryClient:
         self.tracking_uri = tracking_uri.rstrip("/")
         self.timeout_s = timeout_s
         self.retry = retry
+        #: A hung MLflow is waited on once per cooldown, not once per call.
+        self.breaker = Breaker("MLflow")
 
     def ping(self) -> None:
         """Raise Unreachable/InfrastructureError unless ``/health`` answers 200."""
@@ -77,7 +92,14 @@ class RegistryClient:
             with self._mlflow(action) as client:
                 return body(client)
 
-        return call_with_retries(attempt, policy=self.retry)
+        self.breaker.check(action)
+        try:
+            result = call_with_retries(attempt, policy=self.retry)
+        except ModelshipError as exc:
+            self.breaker.failed(exc, exc)
+            raise
+        self.breaker.succeeded()
+        return result
 
     @contextmanager
     def _mlflow(self, action: str = "answer") -> Iterator[MlflowClient]:

@@ -266,6 +266,80 @@ def call_with_retries(call: Callable[[], T], *, policy: RetryPolicy = DEFAULT_RE
             sleep(wait)
 
 
+#: Class names (anywhere in an error's chain) that mean "the server took the connection or
+#: the request and did not answer in time": a hung server, not a dead one.
+TIMEOUT_CLASSES = frozenset({
+    "builtins.TimeoutError", "requests.exceptions.Timeout", "urllib3.exceptions.TimeoutError",
+    "botocore.exceptions.ReadTimeoutError", "botocore.exceptions.ConnectTimeoutError",
+    "httpx.TimeoutException",
+})
+
+
+#: urllib3 derives its "could not connect" (a refused connection too) from its connect
+#: timeout: that one is a timeout only when its own cause says so.
+_NOT_A_TIMEOUT = "urllib3.exceptions.NewConnectionError"
+
+
+def is_timeout(exc: BaseException | None) -> bool:
+    """Whether an error, or one it was raised from, is a timeout (:data:`TIMEOUT_CLASSES`)."""
+    for error in chain(exc):
+        names = _names(error)
+        if _NOT_A_TIMEOUT not in names and names & TIMEOUT_CLASSES:
+            return True
+    return False
+
+
+@dataclass
+class Breaker:
+    """Stop waiting on a dependency that stopped answering, for a while (a circuit breaker).
+
+    Retries bound one call; a command makes many. Against a hung server (it takes the
+    connection and never answers) each call spends its whole timeout and retry budget, so
+    a command that needs ten calls would hang for ten budgets. Once a call has spent its
+    retries on timeouts, the breaker opens: the next calls to that dependency fail at once
+    with the same error (marked ``retried``, so no outer layer retries it) until
+    ``cooldown_s`` has passed; then one call may try again. A refused connection (a dead
+    server) fails fast by itself and does not open it.
+
+    Attributes:
+        what: The dependency, for the message (``"MLflow"``, ``"S3"``).
+        cooldown_s: How long calls fail fast after the dependency timed out, in seconds.
+        clock: Monotonic seconds (a fake one in tests).
+    """
+
+    what: str
+    cooldown_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+    _opened_at: float | None = None
+    _cause: ModelshipError | None = None
+
+    def check(self, action: str | None = None) -> None:
+        """Raise :class:`Unreachable` at once while open (``action`` names the call it
+        stops, when the caller knows it); do nothing while closed."""
+        if self._opened_at is None or self._cause is None:
+            return
+        waited = self.clock() - self._opened_at
+        if waited >= self.cooldown_s:
+            return  # half-open: this call may try; its outcome closes or reopens it
+        cause = self._cause
+        asked = f"{self.what} was not asked to {action}: it" if action else self.what
+        raise Unreachable(
+            f"{asked} did not answer {waited:.0f} s ago ({reason(cause)}), so it is not "
+            f"waited on again for {self.cooldown_s - waited:.0f} s",
+            hint=cause.hint, **{**cause.details, "retried": cause.details.get("retried") or 1,
+                                "breaker_open": True, "transient": True})
+
+    def succeeded(self) -> None:
+        """A call was answered: close the breaker."""
+        self._opened_at, self._cause = None, None
+
+    def failed(self, exc: BaseException, error: ModelshipError) -> None:
+        """A call failed after its retries with ``exc`` (what the library raised), reported
+        as ``error``: a timeout opens the breaker, anything else leaves it as it is."""
+        if is_timeout(exc):
+            self._opened_at, self._cause = self.clock(), error
+
+
 def already_retried(exc: BaseException | None) -> bool:
     """Whether a call-level retry loop already spent its tries on this error."""
     return isinstance(exc, ModelshipError) and bool(exc.details.get("retried"))

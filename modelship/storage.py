@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelship.errors import CredentialsRejected, StorageError, Unreachable
-from modelship.faults import is_transient, reason
+from modelship.faults import Breaker, is_transient, reason
 
 if TYPE_CHECKING:
     from boto3.s3.transfer import TransferConfig
@@ -67,9 +67,14 @@ class S3Storage:
         self._threshold = multipart_threshold_bytes
         self._chunk = multipart_chunk_bytes
         self._client: S3Client | None = None
+        #: A hung endpoint is waited on once per cooldown, not once per call
+        #: (:class:`modelship.faults.Breaker`); any answer closes it again.
+        self.breaker = Breaker("S3")
 
     @property
     def client(self) -> S3Client:
+        """The boto3 client; raises at once while the endpoint is known to be hung."""
+        self.breaker.check()
         if self._client is None:
             import boto3
             from botocore.config import Config
@@ -88,7 +93,12 @@ class S3Storage:
                     signature_version="s3v4",
                 ),
             )
+            self._client.meta.events.register("after-call.s3", self._answered)
         return self._client
+
+    def _answered(self, **_: Any) -> None:
+        """botocore's after-call event: the endpoint answered (an error answer too)."""
+        self.breaker.succeeded()
 
     def _translate(self, exc: Exception, action: str) -> Exception:
         from botocore.exceptions import (
@@ -100,15 +110,20 @@ class S3Storage:
         )
 
         transient = is_transient(exc)
+        if isinstance(exc, Unreachable) and exc.details.get("breaker_open"):
+            return Unreachable(f"S3 endpoint {self.endpoint} was not asked to {action}: "
+                               f"{exc.message}", hint=exc.hint, **exc.details)
         if (transient and not isinstance(exc, ClientError)) or isinstance(
                 exc, EndpointConnectionError | ConnectionClosedError | ReadTimeoutError):
-            return Unreachable(
+            unreachable = Unreachable(
                 f"S3 endpoint {self.endpoint} did not answer while trying to {action} "
                 f"({reason(exc)})",
                 hint="check that the S3 server is running (`modelship doctor`) and "
                 "MODELSHIP_S3_ENDPOINT is right",
                 endpoint=self.endpoint, transient=True, retried=S3_ATTEMPTS,
             )
+            self.breaker.failed(exc, unreachable)
+            return unreachable
         if isinstance(exc, NoCredentialsError):
             return StorageError(
                 f"no S3 credentials are configured for {self.endpoint}",
