@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from modelship.errors import PreflightError
 from modelship.triton.model_config import (
@@ -315,11 +315,7 @@ def plan_swap(
                               pause_batching=pause_batching,
                               candidate_verified=candidate_verified,
                               candidate_problem=candidate_problem)
-    if isinstance(target, bool) or target < 1:
-        problems.append(f"target version {target!r} is not a Triton version (an integer >= 1)")
-    if candidate_config.name and candidate_config.name != model:
-        problems.append(f"the candidate's config names model {candidate_config.name!r}, "
-                        f"not {model!r}")
+    problems += _candidate_problems(model, target, candidate_config)
     names = tuple(r.name for r in replicas)
     served = {r.ready_versions for r in replicas}
     candidate_digest = serving_digest(candidate_config)
@@ -327,21 +323,14 @@ def plan_swap(
             {r.serving_digest for r in replicas} == {candidate_digest}:
         return SwapPlan(model, "noop", names, target, target, pause_batching)
 
-    if not candidate_verified:
-        why = f": {candidate_problem}" if candidate_problem else ""
-        problems.append(f"candidate {model}/{target} did not verify against its manifest{why}")
+    problems += _verification_problems(model, target, candidate_verified, candidate_problem)
     current = next(iter(served)) if len(served) == 1 else ()
     from_version = current[0] if len(current) == 1 else None
     if from_version is not None and production_config is None:
         problems.append(f"the production config of {model}/{from_version} is unknown (no "
                         "live config was read)")
     if problems:
-        raise PreflightError(
-            f"swap of {model} to v{target} refused before changing anything: "
-            + "; ".join(problems),
-            hint=_refusal_hint(model, target, problems, candidate_verified),
-            model=model, target=target, problems=problems,
-        )
+        _refuse("swap", model, target, problems, candidate_verified)
 
     production_c = with_versions(candidate_config, [target])
     if from_version is None:
@@ -352,33 +341,68 @@ def plan_swap(
 
     assert production_config is not None  # checked above
     production_p = with_versions(production_config, [from_version])
-    if pause_batching and pause_at_switch:
-        phases: tuple[Phase, ...] = (
-            Phase(SWITCH, without_dynamic_batching(production_c), target, probe=True),
-            Phase(RESUME, production_c, target, probe=False),
-        )
-    elif pause_batching:
-        phases = (
-            Phase(PAUSE, without_dynamic_batching(production_p), from_version, probe=False),
-            Phase(SWITCH, without_dynamic_batching(production_c), target, probe=True),
-            Phase(RESUME, production_c, target, probe=False),
-        )
-    else:
-        phases = (Phase(SWITCH, production_c, target, probe=True),)
+    phases = _swap_phases(production_c, production_p, from_version, target,
+                          pause_batching=pause_batching, pause_at_switch=pause_at_switch)
     abort = Phase(ABORT, production_p, from_version, probe=True)
     return SwapPlan(model, "swap", names, from_version, target, pause_batching, phases, abort)
 
 
-def _plan_converge(model: str, replicas: Sequence[ReplicaView], *, target: int,
-                   candidate_config: ModelConfig, pause_batching: bool,
-                   candidate_verified: bool, candidate_problem: str | None) -> SwapPlan:
-    """The plan for a mixed fleet: every reachable replica to C's production config."""
+def _swap_phases(production_c: ModelConfig, production_p: ModelConfig, from_version: int,
+                 target: int, *, pause_batching: bool, pause_at_switch: bool
+                 ) -> tuple[Phase, ...]:
+    """The forward phases P -> C: with paused batching, C comes up without it and batching
+    resumes once every replica answers as C (P pauses first unless ``pause_at_switch``)."""
+    if pause_batching and pause_at_switch:
+        return (
+            Phase(SWITCH, without_dynamic_batching(production_c), target, probe=True),
+            Phase(RESUME, production_c, target, probe=False),
+        )
+    if pause_batching:
+        return (
+            Phase(PAUSE, without_dynamic_batching(production_p), from_version, probe=False),
+            Phase(SWITCH, without_dynamic_batching(production_c), target, probe=True),
+            Phase(RESUME, production_c, target, probe=False),
+        )
+    return (Phase(SWITCH, production_c, target, probe=True),)
+
+
+def _candidate_problems(model: str, target: int, candidate_config: ModelConfig) -> list[str]:
+    """What is wrong with the target itself, whatever the fleet serves."""
     problems = []
     if isinstance(target, bool) or target < 1:
         problems.append(f"target version {target!r} is not a Triton version (an integer >= 1)")
     if candidate_config.name and candidate_config.name != model:
         problems.append(f"the candidate's config names model {candidate_config.name!r}, "
                         f"not {model!r}")
+    return problems
+
+
+def _verification_problems(model: str, target: int, candidate_verified: bool,
+                           candidate_problem: str | None) -> list[str]:
+    """The candidate's staged files did not match its manifest: checked only when there
+    is something to do (a noop serves nothing new)."""
+    if candidate_verified:
+        return []
+    why = f": {candidate_problem}" if candidate_problem else ""
+    return [f"candidate {model}/{target} did not verify against its manifest{why}"]
+
+
+def _refuse(action: str, model: str, target: int, problems: list[str],
+            candidate_verified: bool) -> NoReturn:
+    """Refuse the plan before anything changes, listing every problem in one message."""
+    raise PreflightError(
+        f"{action} of {model} to v{target} refused before changing anything: "
+        + "; ".join(problems),
+        hint=_refusal_hint(model, target, problems, candidate_verified),
+        model=model, target=target, problems=problems,
+    )
+
+
+def _plan_converge(model: str, replicas: Sequence[ReplicaView], *, target: int,
+                   candidate_config: ModelConfig, pause_batching: bool,
+                   candidate_verified: bool, candidate_problem: str | None) -> SwapPlan:
+    """The plan for a mixed fleet: every reachable replica to C's production config."""
+    problems = _candidate_problems(model, target, candidate_config)
     reachable = [r for r in replicas if r.live]
     names = tuple(r.name for r in reachable)
     skipped = tuple(r.name for r in replicas if not r.live)
@@ -390,16 +414,9 @@ def _plan_converge(model: str, replicas: Sequence[ReplicaView], *, target: int,
                             r.serving_digest == candidate_digest for r in reachable):
         return SwapPlan(model, "noop", names, target, target, pause_batching,
                         skipped=skipped, mixed=mixed)
-    if not candidate_verified:
-        why = f": {candidate_problem}" if candidate_problem else ""
-        problems.append(f"candidate {model}/{target} did not verify against its manifest{why}")
+    problems += _verification_problems(model, target, candidate_verified, candidate_problem)
     if problems:
-        raise PreflightError(
-            f"converge of {model} to v{target} refused before changing anything: "
-            + "; ".join(problems),
-            hint=_refusal_hint(model, target, problems, candidate_verified),
-            model=model, target=target, problems=problems,
-        )
+        _refuse("converge", model, target, problems, candidate_verified)
     production_c = with_versions(candidate_config, [target])
     return SwapPlan(model, "converge", names, None, target, pause_batching,
                     (Phase(CONVERGE, production_c, target, probe=True),),
