@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TextIO
 
 import typer
 
@@ -276,76 +280,98 @@ def reconcile(model: Annotated[str | None, typer.Argument(
               dry_run: DryRunOpt = False, as_json: JsonOpt = False) -> None:
     """Bring every reachable replica back to the production recorded in the repository (a
     replica that restarted empty, or one a crashed swap left behind). Verified bytes only."""
-    import json
-    import os
-    import sys
-
-    from modelship.locks import release_lock
-    from modelship.policy import policy_for
-    from modelship.signing import key_bytes
-    from tasks import fleet
-    from tasks import reconcile as reconciling
+    from tasks import reconcile as reconciling  # lazy: a command imports its tasks when run
 
     def arguments(settings: Any, clients: Any) -> dict[str, Any]:
-        if not clients.replicas or clients.storage is None:
-            from modelship.errors import UsageError
-
-            raise UsageError("reconcile needs the Triton replicas and the S3 repository",
-                             hint="run `modelship stack up` or set MODELSHIP_TRITON_REPLICAS "
-                             "and MODELSHIP_S3_ENDPOINT")
-        return {"storage": clients.storage, "repository_prefix": settings.repository_prefix,
-                "signing_key": key_bytes(settings.manifest_signing_key), "model": model,
-                "timeout_s": settings.control_timeout_s,
-                "probe_timeout_s": settings.http_timeout_s, "dry_run": dry_run,
-                "lock": lambda name: release_lock(name, storage=clients.storage,
-                                                  home=settings.home, kind="reconcile"),
-                # first, under that lock: finish or undo dead and incomplete releases
-                "recover": lambda name: fleet.recover_model(
-                    settings, clients, policy_for(name, settings.policies_dir, None),
-                    model=name, by=f"reconcile-{os.getpid()}", progress=progress),
-                "progress": progress}
-
-    def render(doc: dict[str, Any]) -> str:
-        rows = [(m["model"], f"v{m['version']}" if m.get("version") is not None else "-",
-                 r.get("replica", "-"), r.get("action", "-"), r.get("reason") or "")
-                for m in doc["models"] for r in (m.get("replicas") or [{}])]
-        failed = [f"{m['model']}: {m['error']}" + (f" ({m['hint']})" if m.get("hint") else "")
-                  for m in doc["models"] if m.get("error")]
-        if doc.get("dry_run"):
-            loads = sum(r.get("action") == "load" for m in doc["models"]
-                        for r in m.get("replicas") or [])
-            summary = f"dry run: would load {loads} replica(s); nothing was changed"
-        else:
-            summary = f"changed {doc['changed']} replica(s)"
-        head = table(["model", "production", "replica", "action", "reason"], rows) if rows \
-            else "no model has a production pin yet: nothing to reconcile"
-        return "\n".join([head, *failed, summary])
-
-    def code(doc: dict[str, Any]) -> int:
-        if doc["ok"]:
-            return 0
-        return max((int(m.get("exit_code") or 1) for m in doc["models"] if not m["ok"]),
-                   default=1)
+        return _reconcile_arguments(settings, clients, model=model, dry_run=dry_run)
 
     if not watch:
         finish(run_reporting(lambda: with_clients(lambda settings, clients: reconciling.reconcile(
             clients.replicas, **arguments(settings, clients))),
-            as_json=as_json, render=render, to_json=lambda d: d, exit_code=code))
+            as_json=as_json, render=_render_reconcile, to_json=lambda d: d,
+            exit_code=_reconcile_exit_code))
 
     stdout = sys.stdout  # run_reporting sends stdout to stderr while the body runs
+    finish(run_reporting(
+        lambda: with_clients(lambda settings, clients: _print_rounds(
+            lambda: reconciling.watch(clients.replicas, interval_s=interval,
+                                      **arguments(settings, clients)),
+            as_json=as_json, stdout=stdout)),
+        as_json=False, render=lambda _: "", to_json=lambda d: d,
+        exit_code=lambda last: last))
 
-    def rounds(settings: Any, clients: Any) -> int:
-        last = 0
-        try:
-            for doc in reconciling.watch(clients.replicas, interval_s=interval,
-                                         **arguments(settings, clients)):
-                print(json.dumps(doc) if as_json else render(doc), file=stdout, flush=True)
-                last = code(doc)
-        except KeyboardInterrupt:
-            progress("reconcile --watch stopped")
-        return last
 
-    finish(run_reporting(lambda: with_clients(rounds), as_json=False,
-                         render=lambda _: "", to_json=lambda d: d,
-                         exit_code=lambda last: last))
+def _reconcile_arguments(settings: Any, clients: Any, *, model: str | None,
+                         dry_run: bool) -> dict[str, Any]:
+    """The keyword arguments of a reconcile (one round, or ``--watch``), from the wiring.
+
+    Raises:
+        UsageError: the replicas or the S3 repository are not configured.
+    """
+    # lazy: a command imports what it needs when it runs, so the CLI starts fast
+    from modelship.errors import UsageError
+    from modelship.locks import release_lock
+    from modelship.policy import policy_for
+    from modelship.signing import key_bytes
+    from tasks import fleet
+
+    if not clients.replicas or clients.storage is None:
+        raise UsageError("reconcile needs the Triton replicas and the S3 repository",
+                         hint="run `modelship stack up` or set MODELSHIP_TRITON_REPLICAS "
+                         "and MODELSHIP_S3_ENDPOINT")
+    return {"storage": clients.storage, "repository_prefix": settings.repository_prefix,
+            "signing_key": key_bytes(settings.manifest_signing_key), "model": model,
+            "timeout_s": settings.control_timeout_s,
+            "probe_timeout_s": settings.http_timeout_s, "dry_run": dry_run,
+            "lock": lambda name: release_lock(name, storage=clients.storage,
+                                              home=settings.home, kind="reconcile"),
+            # first, under that lock: finish or undo dead and incomplete releases
+            "recover": lambda name: fleet.recover_model(
+                settings, clients, policy_for(name, settings.policies_dir, None),
+                model=name, by=f"reconcile-{os.getpid()}", progress=progress),
+            "progress": progress}
+
+
+def _render_reconcile(doc: dict[str, Any]) -> str:
+    """One reconcile round for a person: a row per replica, the failures, a summary."""
+    rows = [(m["model"], f"v{m['version']}" if m.get("version") is not None else "-",
+             r.get("replica", "-"), r.get("action", "-"), r.get("reason") or "")
+            for m in doc["models"] for r in (m.get("replicas") or [{}])]
+    failed = [f"{m['model']}: {m['error']}" + (f" ({m['hint']})" if m.get("hint") else "")
+              for m in doc["models"] if m.get("error")]
+    if doc.get("dry_run"):
+        loads = sum(r.get("action") == "load" for m in doc["models"]
+                    for r in m.get("replicas") or [])
+        summary = f"dry run: would load {loads} replica(s); nothing was changed"
+    else:
+        summary = f"changed {doc['changed']} replica(s)"
+    head = table(["model", "production", "replica", "action", "reason"], rows) if rows \
+        else "no model has a production pin yet: nothing to reconcile"
+    return "\n".join([head, *failed, summary])
+
+
+def _reconcile_exit_code(doc: dict[str, Any]) -> int:
+    """0 when every model reconciled, else the worst failed model's exit code."""
+    if doc["ok"]:
+        return 0
+    return max((int(m.get("exit_code") or 1) for m in doc["models"] if not m["ok"]),
+               default=1)
+
+
+def _print_rounds(rounds: Callable[[], Iterable[dict[str, Any]]], *, as_json: bool,
+                  stdout: TextIO) -> int:
+    """Print each ``--watch`` round as it ends (a JSON line with --json) until Ctrl-C.
+
+    Returns:
+        The last round's exit code.
+    """
+    last = 0
+    try:
+        for doc in rounds():
+            print(json.dumps(doc) if as_json else _render_reconcile(doc), file=stdout,
+                  flush=True)
+            last = _reconcile_exit_code(doc)
+    except KeyboardInterrupt:
+        progress("reconcile --watch stopped")
+    return last
 
