@@ -461,16 +461,7 @@ def main() -> None:
                         help="HTTP transport before/after CPU comparison reps (0: skip)")
     args = parser.parse_args()
 
-    reference = "perf_analyzer"
-    setup_note: str
-    pa: PerfAnalyzer | None = None
-    try:
-        started = time.monotonic()
-        pa = ensure_perf_analyzer()
-        setup_note = f"{pa.how} (setup {time.monotonic() - started:.1f} s)"
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-        reference = "tritonclient sync client (perf_analyzer unavailable)"
-        setup_note = f"perf_analyzer could not be used: {exc}"
+    reference, setup_note, pa = _reference_tool()
     print(f"reference: {reference}\n{setup_note}", flush=True)
 
     onnx_bytes, x = _onnx_model()
@@ -479,74 +470,17 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="ms-bench-loadgen-") as tmp,
         tritonserver(Path(tmp), onnx_bytes) as server,
     ):
+        # Both tools want host:port, without a scheme.
+        urls = {"grpc": server.grpc_url, "http": server.http_url.removeprefix("http://")}
         for protocol in args.protocols:
-            # Both tools want host:port, without a scheme.
-            url = server.grpc_url if protocol == "grpc" else server.http_url.removeprefix("http://")
             for concurrency in args.concurrency:
                 for run in range(args.runs):
-                    # Alternate the order so neither tool always runs on a warmer server.
-                    order = ["reference", "ours"] if run % 2 == 0 else ["ours", "reference"]
-                    figures: dict[str, dict[str, Any]] = {}
-                    for who in order:
-                        if who == "ours":
-                            figures[who] = run_ours(url, protocol, concurrency, x)
-                        elif pa is not None:
-                            figures[who] = run_perf_analyzer(pa, url, protocol, concurrency)
-                        else:
-                            figures[who] = run_sync_client(url, protocol, concurrency, x)
-                        print(
-                            f"  {protocol} c={concurrency} run {run + 1} {who}: "
-                            f"{figures[who]['throughput_rps']:.0f} req/s",
-                            flush=True,
-                        )
-                    ratio = (
-                        figures["ours"]["throughput_rps"] / figures["reference"]["throughput_rps"]
-                    )
-                    results.append(
-                        {
-                            "protocol": protocol,
-                            "concurrency": concurrency,
-                            "run": run + 1,
-                            "ratio": round(ratio, 3),
-                            **figures,
-                        }
-                    )
-        urls = {"grpc": server.grpc_url, "http": server.http_url.removeprefix("http://")}
+                    results.append(_run_pair(pa, urls[protocol], protocol, concurrency, run, x))
         ab = ({protocol: cpu_ab(protocol, urls[protocol], x, args.cpu_ab)
                for protocol in args.protocols} if args.cpu_ab > 0 else {})
 
-    def fmt(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    rows = []
-    for r in results:
-        for who in ("reference", "ours"):
-            lat = r[who]["latency_ms"]
-            rows.append(
-                (
-                    r["protocol"],
-                    r["concurrency"],
-                    r["run"],
-                    reference if who == "reference" else "modelship.loadgen",
-                    f"{r[who]['throughput_rps']:.0f}",
-                    fmt(lat["p50"]),
-                    fmt(lat["p95"]),
-                    fmt(lat["p99"]),
-                    r[who]["stable"],
-                    f"{r['ratio']:.2f}" if who == "ours" else "",
-                )
-            )
     worst = min(r["ratio"] for r in results)
-    cpu_runs: dict[str, list[float]] = {}
-    by_cell: dict[str, list[float]] = {}
-    for r in results:
-        cell = f"{r['protocol']} c={r['concurrency']}"
-        by_cell.setdefault(cell, []).append(r["ratio"])
-        if r["ours"].get("cpu_us_per_request") is not None:
-            cpu_runs.setdefault(cell, []).append(r["ours"]["cpu_us_per_request"])
-    cpu = {cell: round(float(np.median(v)), 1) for cell, v in cpu_runs.items()}
-    ratios = {cell: {"median": round(float(np.median(v)), 3), "min": min(v), "max": max(v),
-                     "runs": len(v)} for cell, v in by_cell.items()}
+    cpu, ratios = _summarise(results)
     worst_median = min(v["median"] for v in ratios.values())
     path = write_results(
         "loadgen",
@@ -572,21 +506,83 @@ def main() -> None:
             "results": results,
         },
     )
+    _print_report(reference, results, cpu, ratios, ab)
+    print(f"\nworst ratio {worst:.2f}, worst cell median {worst_median:.2f} (goal {GOAL_RATIO}, "
+          f"then {STRETCH_RATIO}); written to {path}")
+
+
+def _reference_tool() -> tuple[str, str, PerfAnalyzer | None]:
+    """The reference to compare with: perf_analyzer when it can be obtained and run, else
+    tritonclient's sync client. Returns its label, how it was set up, and perf_analyzer."""
+    try:
+        started = time.monotonic()
+        pa = ensure_perf_analyzer()
+        return "perf_analyzer", f"{pa.how} (setup {time.monotonic() - started:.1f} s)", pa
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        return ("tritonclient sync client (perf_analyzer unavailable)",
+                f"perf_analyzer could not be used: {exc}", None)
+
+
+def _run_pair(pa: PerfAnalyzer | None, url: str, protocol: str, concurrency: int, run: int,
+              x: np.ndarray) -> dict[str, Any]:
+    """One paired run, the reference and ours back-to-back, and their throughput ratio."""
+    # Alternate the order so neither tool always runs on a warmer server.
+    order = ["reference", "ours"] if run % 2 == 0 else ["ours", "reference"]
+    figures: dict[str, dict[str, Any]] = {}
+    for who in order:
+        if who == "ours":
+            figures[who] = run_ours(url, protocol, concurrency, x)
+        elif pa is not None:
+            figures[who] = run_perf_analyzer(pa, url, protocol, concurrency)
+        else:
+            figures[who] = run_sync_client(url, protocol, concurrency, x)
+        print(
+            f"  {protocol} c={concurrency} run {run + 1} {who}: "
+            f"{figures[who]['throughput_rps']:.0f} req/s",
+            flush=True,
+        )
+    ratio = figures["ours"]["throughput_rps"] / figures["reference"]["throughput_rps"]
+    return {"protocol": protocol, "concurrency": concurrency, "run": run + 1,
+            "ratio": round(ratio, 3), **figures}
+
+
+def _summarise(results: list[dict[str, Any]]
+               ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """Per cell (protocol and concurrency): our median CPU per request (µs), and the ratio's
+    median and range over the runs."""
+    cpu_runs: dict[str, list[float]] = {}
+    by_cell: dict[str, list[float]] = {}
+    for r in results:
+        cell = f"{r['protocol']} c={r['concurrency']}"
+        by_cell.setdefault(cell, []).append(r["ratio"])
+        if r["ours"].get("cpu_us_per_request") is not None:
+            cpu_runs.setdefault(cell, []).append(r["ours"]["cpu_us_per_request"])
+    cpu = {cell: round(float(np.median(v)), 1) for cell, v in cpu_runs.items()}
+    ratios = {cell: {"median": round(float(np.median(v)), 3), "min": min(v), "max": max(v),
+                     "runs": len(v)} for cell, v in by_cell.items()}
+    return cpu, ratios
+
+
+def _print_report(reference: str, results: list[dict[str, Any]], cpu: dict[str, float],
+                  ratios: dict[str, dict[str, Any]], ab: dict[str, Any]) -> None:
+    """The table of every run, then the CPU and ratio summaries."""
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = []
+    for r in results:
+        for who in ("reference", "ours"):
+            lat = r[who]["latency_ms"]
+            rows.append((r["protocol"], r["concurrency"], r["run"],
+                         reference if who == "reference" else "modelship.loadgen",
+                         f"{r[who]['throughput_rps']:.0f}", fmt(lat["p50"]), fmt(lat["p95"]),
+                         fmt(lat["p99"]), r[who]["stable"],
+                         f"{r['ratio']:.2f}" if who == "ours" else ""))
     print_table(
         f"load generators on one CPU tritonserver (batch 1; ratio = ours / "
         f"{reference.split(' ')[0]}, goal >= {GOAL_RATIO})",
-        [
-            "protocol",
-            "conc",
-            "run",
-            "tool",
-            "req/s",
-            "p50 ms",
-            "p95 ms",
-            "p99 ms",
-            "stable",
-            "ratio",
-        ],
+        ["protocol", "conc", "run", "tool", "req/s", "p50 ms", "p95 ms", "p99 ms", "stable",
+         "ratio"],
         rows,
     )
     print("client CPU per request (ours, median of runs): "
@@ -598,8 +594,6 @@ def main() -> None:
     for cell, figure in ratios.items():
         print(f"ratio {cell}: median {figure['median']:.2f}, range "
               f"[{figure['min']:.2f}, {figure['max']:.2f}] over {figure['runs']} runs")
-    print(f"\nworst ratio {worst:.2f}, worst cell median {worst_median:.2f} (goal {GOAL_RATIO}, "
-          f"then {STRETCH_RATIO}); written to {path}")
 
 
 if __name__ == "__main__":
