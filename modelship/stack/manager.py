@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +48,13 @@ from modelship.stack.state import (
     read_state,
     status_document,
     write_state,
+)
+from modelship.stack.triton_runtime import (
+    TritonRuntime,
+    find_triton_runtime,
+    prepare_backend_dir,
+    server_command,
+    server_env,
 )
 
 #: Runs after the stack (or a restarted part of it) is ready, before ``up`` returns: the
@@ -180,37 +187,83 @@ def up(
     if replicas < 1:
         raise UsageError(f"--replicas must be at least 1, got {replicas}",
                          hint="pass --replicas 1 or more (the canary comes on top)")
-    state_path = settings.stack_file
-    existing = read_state(state_path)
-    if existing is not None:
-        alive = _live_records(existing)
-        if alive and all(alive.values()):
-            wanted = len(existing.get("triton", {}).get("replicas", []))
-            if wanted != replicas:
-                raise StackError(
-                    f"a stack with {wanted} replica(s) is already running, not {replicas}",
-                    hint="run `modelship stack down` first to change the replica count",
-                )
-            progress("stack already running; reconciling the replicas")
-            report = StartupReport(already_running=True)
-            # idempotent: a replica restarted behind our back is brought to production
-            report.reconciled = _run_hook(on_ready, existing, progress)
-            return existing, report
-        if any(alive.values()):
-            dead = [name for name, ok in alive.items() if not ok]
-            if "commands" not in existing:  # written by an older modelship
-                raise StackError(
-                    f"the stack in {settings.home} is half up: {', '.join(dead)} not running",
-                    hint="run `modelship stack down` to stop the rest, then "
-                    "`modelship stack up`",
-                )
-            report = _restart(settings, existing, dead, progress)
-            report.reconciled = _run_hook(on_ready, existing, progress)
-            return existing, report
-        progress(f"removing stale state {state_path} (no process of it is running)")
-        state_path.unlink()
+    resumed = _resume_existing(settings, replicas, progress, on_ready)
+    if resumed is not None:
+        return resumed
 
     started = time.monotonic()
+    home = _prepare_home(settings, progress)
+    ports = _choose_ports(home.path, replicas + 1, base_port, progress)
+    binaries = _resolve_binaries(settings, home.path)
+    state = _initial_state(settings, home, ports, replicas)
+    startup = _Startup(settings, state, home, progress, started)
+    startup.start_all(ports, binaries)
+    report = startup.report
+    report.total_s = round(time.monotonic() - started, 2)
+    write_state(settings.stack_file, state)
+    startup.detach()
+    report.reconciled = _run_hook(on_ready, state, progress)
+    return state, report
+
+
+def _resume_existing(settings: Settings, replicas: int, progress: Progress,
+                     on_ready: ReadyHook | None
+                     ) -> tuple[dict[str, Any], StartupReport] | None:
+    """Confirm a running stack, or repair a half-up one; None when a fresh start is due.
+
+    A state file none of whose processes runs any more is removed (a fresh start follows).
+    """
+    state_path = settings.stack_file
+    existing = read_state(state_path)
+    if existing is None:
+        return None
+    alive = _live_records(existing)
+    if alive and all(alive.values()):
+        wanted = len(existing.get("triton", {}).get("replicas", []))
+        if wanted != replicas:
+            raise StackError(
+                f"a stack with {wanted} replica(s) is already running, not {replicas}",
+                hint="run `modelship stack down` first to change the replica count",
+            )
+        progress("stack already running; reconciling the replicas")
+        report = StartupReport(already_running=True)
+        # idempotent: a replica restarted behind our back is brought to production
+        report.reconciled = _run_hook(on_ready, existing, progress)
+        return existing, report
+    if any(alive.values()):
+        dead = [name for name, ok in alive.items() if not ok]
+        if "commands" not in existing:  # written by an older modelship
+            raise StackError(
+                f"the stack in {settings.home} is half up: {', '.join(dead)} not running",
+                hint="run `modelship stack down` to stop the rest, then "
+                "`modelship stack up`",
+            )
+        report = _restart(settings, existing, dead, progress)
+        report.reconciled = _run_hook(on_ready, existing, progress)
+        return existing, report
+    progress(f"removing stale state {state_path} (no process of it is running)")
+    state_path.unlink()
+    return None
+
+
+@dataclass(frozen=True)
+class _StackHome:
+    """The stack's private directories, and the keys made once per home and kept."""
+
+    path: Path
+    logs: Path
+    data: Path
+    seaweed_conf: Path
+    keys: dict[str, str]
+    signing_key: str
+
+
+def _prepare_home(settings: Settings, progress: Progress) -> _StackHome:
+    """Make the home's private (0700) directories and its keys, before any server starts.
+
+    MLflow webhooks whose secret no key of this home can decrypt are dropped, so MLflow
+    does not fail on them; their receiver registers them again.
+    """
     home = _private_dir(settings.home.resolve())
     logs, data = _private_dir(home / "logs"), _private_dir(home / "data")
     (data / "seaweedfs").mkdir(exist_ok=True)
@@ -225,24 +278,33 @@ def up(
     for url in drop_undecryptable_webhooks(data / "mlflow.db", keys["mlflow_webhook_key"]):
         progress(f"dropped the MLflow webhook to {url}: its secret was encrypted with a key "
                  "this home no longer has (the receiver registers it again)")
+    return _StackHome(path=home, logs=logs, data=data, seaweed_conf=seaweed_conf, keys=keys,
+                      signing_key=signing_key)
 
-    n_triton = replicas + 1
+
+@dataclass(frozen=True)
+class _StackPorts:
+    """Every loopback port of one stack, by the server that listens on it."""
+
+    seaweed: dict[str, int]
+    mlflow: int
+    prefect: int
+    slack: int
+    approvals: int
+    webhooks: int
+    #: (http, grpc, metrics) of each Triton: the replicas in order, the canary last
+    triton: list[tuple[int, ...]]
+
+
+def _choose_ports(home: Path, n_triton: int, base_port: int | None,
+                  progress: Progress) -> _StackPorts:
+    """Name the stack's ports and save them in the home for the next start.
+
+    Raises:
+        StackError: a port the stack needs is taken by another process.
+    """
     count = len(c.SEAWEED_PORT_NAMES) + 3 + 3 * n_triton
-    previous = saved_ports(home)
-    admin = c.SEAWEED_PORT_NAMES.index("admin")
-    kept = reusable_ports(previous, count=count, is_busy=port_open,
-                          derived=lambda p: [p[admin] + 10000]) if base_port is None else None
-    if kept is not None:
-        ports, approvals_port, webhooks_port = kept
-    else:
-        if previous.get("ports") and base_port is None:
-            progress("the ports of this home's last stack are taken or differ in number: "
-                     "using new ones (links recorded before point at the old ports)")
-        ports = _allocate_ports(count, base_port)
-        approvals_port = (free_ports(1, avoid=set(ports))[0] if base_port is None
-                          else _allocate_ports(1, base_port + len(ports))[0])
-        webhooks_port = (free_ports(1, avoid={*ports, approvals_port})[0] if base_port is None
-                         else _allocate_ports(1, base_port + len(ports) + 1)[0])
+    ports, approvals_port, webhooks_port = _port_numbers(home, count, base_port, progress)
     seaweed_ports = dict(zip(c.SEAWEED_PORT_NAMES, ports, strict=False))
     # SeaweedFS's built-in worker always dials the admin port + 10000, whatever the flag says.
     seaweed_ports["admin_grpc"] = seaweed_ports["admin"] + 10000
@@ -252,176 +314,237 @@ def up(
             hint="run `modelship stack up` again to pick other ports, or free that port",
         )
     rest = ports[len(c.SEAWEED_PORT_NAMES):]
-    mlflow_port, prefect_port, slack_port = rest[0], rest[1], rest[2]
-    triton_ports = [tuple(rest[3 + 3 * i: 6 + 3 * i]) for i in range(n_triton)]
     save_ports(home, {"ports": ports, "approvals": approvals_port, "webhooks": webhooks_port})
-
-    access_key, secret_key = keys["access_key"], keys["secret_key"]
-    bucket = settings.bucket
-    s3_endpoint = f"http://{LOOPBACK}:{seaweed_ports['s3']}"
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
-    venv_bin = _project_bin()
-
-    # Resolve binaries before starting anything, so a broken install fails cleanly.
-    from modelship.stack.triton_runtime import (
-        find_triton_runtime,
-        prepare_backend_dir,
-        server_command,
-        server_env,
+    return _StackPorts(
+        seaweed=seaweed_ports, mlflow=rest[0], prefect=rest[1], slack=rest[2],
+        approvals=approvals_port, webhooks=webhooks_port,
+        triton=[tuple(rest[3 + 3 * i: 6 + 3 * i]) for i in range(n_triton)],
     )
 
+
+def _port_numbers(home: Path, count: int, base_port: int | None,
+                  progress: Progress) -> tuple[list[int], int, int]:
+    """``count`` server ports plus the approvals and webhooks ports.
+
+    Without ``--base-port``, this home's last ports are kept when all are free, so links
+    recorded before (Slack buttons, webhooks) keep working; otherwise new ones are taken.
+    """
+    previous = saved_ports(home)
+    admin = c.SEAWEED_PORT_NAMES.index("admin")
+    kept = reusable_ports(previous, count=count, is_busy=port_open,
+                          derived=lambda p: [p[admin] + 10000]) if base_port is None else None
+    if kept is not None:
+        return kept
+    if previous.get("ports") and base_port is None:
+        progress("the ports of this home's last stack are taken or differ in number: "
+                 "using new ones (links recorded before point at the old ports)")
+    ports = _allocate_ports(count, base_port)
+    approvals_port = (free_ports(1, avoid=set(ports))[0] if base_port is None
+                      else _allocate_ports(1, base_port + len(ports))[0])
+    webhooks_port = (free_ports(1, avoid={*ports, approvals_port})[0] if base_port is None
+                     else _allocate_ports(1, base_port + len(ports) + 1)[0])
+    return ports, approvals_port, webhooks_port
+
+
+@dataclass(frozen=True)
+class _Binaries:
+    """What the servers run: resolved before anything starts, so a broken install fails
+    cleanly with nothing to stop."""
+
+    runtime: TritonRuntime
+    weed: Path
+    backend_dir: Path
+
+
+def _resolve_binaries(settings: Settings, home: Path) -> _Binaries:
     runtime = find_triton_runtime(settings.triton_runtime.resolve())
     weed = _weed_binary()
-    backend_dir = prepare_backend_dir(runtime, home / "triton-backends")
+    return _Binaries(runtime=runtime, weed=weed,
+                     backend_dir=prepare_backend_dir(runtime, home / "triton-backends"))
 
-    triton_names = [f"triton-{i}" for i in range(replicas)] + ["canary"]
-    endpoints = {
-        name: {"name": name, **c.endpoint_urls(*triton_ports[i])}
-        for i, name in enumerate(triton_names)
-    }
-    slack_token = keys["slack_token"]
-    state: dict[str, Any] = {
+
+def _initial_state(settings: Settings, home: _StackHome, ports: _StackPorts,
+                   replicas: int) -> dict[str, Any]:
+    """The state document before any process starts: every URL and credential a client
+    of the stack needs (``processes`` and ``commands`` fill in as servers start)."""
+    names = [f"triton-{i}" for i in range(replicas)] + ["canary"]
+    endpoints = [{"name": name, **c.endpoint_urls(*triton_ports)}
+                 for name, triton_ports in zip(names, ports.triton, strict=True)]
+    keys = home.keys
+    return {
         "version": STATE_VERSION,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "home": str(home),
-        "mlflow_uri": f"http://{LOOPBACK}:{mlflow_port}",
-        "s3_endpoint": s3_endpoint,
-        "bucket": bucket,
+        "home": str(home.path),
+        "mlflow_uri": f"http://{LOOPBACK}:{ports.mlflow}",
+        "s3_endpoint": f"http://{LOOPBACK}:{ports.seaweed['s3']}",
+        "bucket": settings.bucket,
         "repository_prefix": settings.repository_prefix,
-        "access_key": access_key,
-        "secret_key": secret_key,
+        "access_key": keys["access_key"],
+        "secret_key": keys["secret_key"],
         "region": settings.aws_region,
-        "prefect_api_url": f"http://{LOOPBACK}:{prefect_port}/api",
-        "slack_api_url": f"http://{LOOPBACK}:{slack_port}/api/",
-        "slack_token": slack_token,
+        "prefect_api_url": f"http://{LOOPBACK}:{ports.prefect}/api",
+        "slack_api_url": f"http://{LOOPBACK}:{ports.slack}/api/",
+        "slack_token": keys["slack_token"],
         "slack_signing_secret": keys["slack_signing_secret"],
-        "manifest_signing_key": signing_key,
-        "seaweedfs": {"filer": f"http://{LOOPBACK}:{seaweed_ports['filer']}"},
-        "approvals_url": f"http://{LOOPBACK}:{approvals_port}/slack/interactivity",
-        "webhooks_url": f"http://{LOOPBACK}:{webhooks_port}/mlflow/webhook",
+        "manifest_signing_key": home.signing_key,
+        "seaweedfs": {"filer": f"http://{LOOPBACK}:{ports.seaweed['filer']}"},
+        "approvals_url": f"http://{LOOPBACK}:{ports.approvals}/slack/interactivity",
+        "webhooks_url": f"http://{LOOPBACK}:{ports.webhooks}/mlflow/webhook",
         "mlflow_webhook_secret": keys["mlflow_webhook_secret"],
         "mlflow_webhook_key": keys["mlflow_webhook_key"],
-        "triton": {
-            "replicas": [endpoints[n] for n in triton_names[:-1]],
-            "canary": endpoints["canary"],
-        },
+        "triton": {"replicas": endpoints[:-1], "canary": endpoints[-1]},
         "processes": [],
         "commands": {},
     }
-    report = StartupReport()
-    lock = threading.Lock()
-    children: list[tuple[Any, ProcessRecord]] = []
 
-    def launch(name: str, argv: list[str], env: dict[str, str], ports_: list[int],
-               cwd: Path = home) -> tuple[Any, ProcessRecord]:
+
+def _triton_endpoints(state: dict[str, Any]) -> list[dict[str, str]]:
+    """The Triton endpoints of a state, in start order: the replicas, then the canary."""
+    triton = state["triton"]
+    return [*triton["replicas"], triton["canary"]]
+
+
+def _base_env() -> dict[str, str]:
+    """This process's environment without AWS_/MLFLOW_ variables: each server gets only
+    the stack's own credentials and endpoints."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
+
+
+_Child = tuple[Any, ProcessRecord]
+
+
+class _Startup:
+    """One fresh start of every server.
+
+    Each process is recorded in the state file the moment it starts, so ``down`` can
+    clean up even if ``up`` dies half-way; any failure (or Ctrl-C) stops all of them.
+    """
+
+    def __init__(self, settings: Settings, state: dict[str, Any], home: _StackHome,
+                 progress: Progress, started: float) -> None:
+        self.settings = settings
+        self.state = state
+        self.home = home
+        self.progress = progress
+        self.started = started
+        self.report = StartupReport()
+        self.base_env = _base_env()
+        self.children: list[_Child] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def start_all(self, ports: _StackPorts, binaries: _Binaries) -> None:
+        """Start every server and wait until all are ready, or stop them all and raise."""
+        try:
+            services = self._launch_services(ports, binaries.weed)
+            self._await_all(services, ports, binaries)
+        except BaseException:
+            self._stop_children()
+            self.settings.stack_file.unlink(missing_ok=True)
+            raise
+
+    def detach(self) -> None:
+        """Let the servers outlive this command: ``stack down`` stops them by PID."""
+        for proc, _ in self.children:
+            proc.returncode = 0
+
+    def _launch(self, name: str, argv: list[str], env: dict[str, str], ports: list[int],
+                cwd: Path | None = None) -> _Child:
+        cwd = self.home.path if cwd is None else cwd
         proc, record = start_process(
-            name, argv, env=env, log_path=logs / f"{name}.log", cwd=cwd, ports=ports_
+            name, argv, env=env, log_path=self.home.logs / f"{name}.log", cwd=cwd, ports=ports
         )
-        with lock:
-            children.append((proc, record))
-            state["processes"].append(record.to_dict())
+        with self._lock:
+            self.children.append((proc, record))
+            self.state["processes"].append(record.to_dict())
             # what `up` needs to restart it alone (no secret: those go in the environment)
-            state["commands"][name] = {"argv": list(argv), "cwd": str(cwd)}
-            write_state(state_path, state)  # so `down` can clean up even if `up` dies now
+            self.state["commands"][name] = {"argv": list(argv), "cwd": str(cwd)}
+            # so `down` can clean up even if `up` dies now
+            write_state(self.settings.stack_file, self.state)
         return proc, record
 
-    stopped: list[bool] = []
-
-    def stop_children() -> None:
-        if stopped:
+    def _stop_children(self) -> None:
+        if self._stopped:
             return
-        stopped.append(True)
-        progress("startup failed; stopping what was started")
-        for proc, record in children:
+        self._stopped = True
+        self.progress("startup failed; stopping what was started")
+        for proc, record in self.children:
             stop_process(record)
             reap(proc)
 
-    def await_ready(proc: Any, record: ProcessRecord, check: Callable[[], bool]) -> None:
-        waited = wait_ready(record, proc, check, deadline_s=READY_DEADLINE_S)
-        with lock:
-            report.ready_s[record.name] = round(time.monotonic() - started, 2)
-        progress(f"{record.name} ready ({waited:.1f} s)")
+    def _await_ready(self, proc: Any, record: ProcessRecord) -> None:
+        waited = wait_ready(record, proc, _component_check(record.name, self.state, record),
+                            deadline_s=READY_DEADLINE_S)
+        with self._lock:
+            self.report.ready_s[record.name] = round(time.monotonic() - self.started, 2)
+        self.progress(f"{record.name} ready ({waited:.1f} s)")
 
-    try:
-        progress(f"starting S3 (SeaweedFS) on {s3_endpoint}")
-        weed_proc = launch(
+    def _launch_services(self, ports: _StackPorts, weed: Path) -> dict[str, _Child]:
+        """Start every server but Triton (which needs S3 ready first), by name."""
+        state, home, data = self.state, self.home, self.home.data
+        base_env, venv_bin = self.base_env, _project_bin()
+        access_key, secret_key = state["access_key"], state["secret_key"]
+        bucket = state["bucket"]
+        self.progress(f"starting S3 (SeaweedFS) on {state['s3_endpoint']}")
+        weed_proc = self._launch(
             "seaweedfs",
             c.seaweed_command(weed, data_dir=data / "seaweedfs", bucket=bucket,
-                              ports=seaweed_ports),
+                              ports=ports.seaweed),
             c.seaweed_env(base_env, access_key=access_key, secret_key=secret_key),
-            list(seaweed_ports.values()),
-            cwd=seaweed_conf,  # weed reads ./security.toml: the filer's JWT keys
+            list(ports.seaweed.values()),
+            cwd=home.seaweed_conf,  # weed reads ./security.toml: the filer's JWT keys
         )
-        prefect_proc = launch(
+        prefect_proc = self._launch(
             "prefect",
-            c.prefect_command(venv_bin, port=prefect_port),
+            c.prefect_command(venv_bin, port=ports.prefect),
             c.prefect_env(base_env, prefect_home=data / "prefect", db_path=data / "prefect.db",
-                          port=prefect_port),
-            [prefect_port],
+                          port=ports.prefect),
+            [ports.prefect],
         )
         # MLflow touches S3 only when artifacts move, so it can boot while SeaweedFS does.
-        mlflow_proc = launch(
+        mlflow_proc = self._launch(
             "mlflow",
-            c.mlflow_command(venv_bin, db_path=data / "mlflow.db", port=mlflow_port,
+            c.mlflow_command(venv_bin, db_path=data / "mlflow.db", port=ports.mlflow,
                              bucket=bucket),
-            c.mlflow_env(base_env, s3_endpoint=s3_endpoint, access_key=access_key,
+            c.mlflow_env(base_env, s3_endpoint=state["s3_endpoint"], access_key=access_key,
                          webhook_key=state["mlflow_webhook_key"],
-                         secret_key=secret_key, region=settings.aws_region),
-            [mlflow_port],
+                         secret_key=secret_key, region=state["region"]),
+            [ports.mlflow],
         )
-        slack_proc = launch(
+        slack_proc = self._launch(
             "slack",
-            c.slack_emulator_command(port=slack_port, state_file=data / "slack.json",
+            c.slack_emulator_command(port=ports.slack, state_file=data / "slack.json",
                                      approvals_url=state["approvals_url"]),
-            c.slack_env(base_env, token=slack_token,
+            c.slack_env(base_env, token=state["slack_token"],
                         signing_secret=state["slack_signing_secret"]),
-            [slack_port],
+            [ports.slack],
         )
-        approvals_proc = launch(
+        approvals_proc = self._launch(
             "approvals",
-            c.approvals_command(venv_bin, port=approvals_port,
-                                audit_log=logs / "approvals-audit.jsonl"),
-            c.approvals_env(base_env, home=home), [approvals_port],
+            c.approvals_command(venv_bin, port=ports.approvals,
+                                audit_log=home.logs / "approvals-audit.jsonl"),
+            c.approvals_env(base_env, home=home.path), [ports.approvals],
         )
-        webhooks_proc = launch(
+        webhooks_proc = self._launch(
             "webhooks",
-            c.webhooks_command(port=webhooks_port, state_file=data / "webhook-deliveries.json"),
-            c.webhooks_env(base_env, home=home), [webhooks_port],
+            c.webhooks_command(port=ports.webhooks,
+                               state_file=data / "webhook-deliveries.json"),
+            c.webhooks_env(base_env, home=home.path), [ports.webhooks],
         )
+        return {"seaweedfs": weed_proc, "prefect": prefect_proc, "mlflow": mlflow_proc,
+                "slack": slack_proc, "approvals": approvals_proc, "webhooks": webhooks_proc}
 
-        def s3_ready() -> bool:
-            return _s3_bucket_ready(s3_endpoint, bucket, access_key, secret_key,
-                                    settings.aws_region, settings.repository_prefix)
-
-        with ThreadPoolExecutor(max_workers=n_triton + 4) as pool:
-            waits = [
-                pool.submit(await_ready, *prefect_proc,
-                            lambda: http_ok(f"{state['prefect_api_url']}/health")),
-                pool.submit(await_ready, *slack_proc,
-                            lambda: http_ok(f"http://{LOOPBACK}:{slack_port}/_emulator/health")),
-                pool.submit(await_ready, *approvals_proc,
-                            lambda: http_ok(f"http://{LOOPBACK}:{approvals_port}/health")),
-                pool.submit(await_ready, *webhooks_proc,
-                            lambda: http_ok(f"http://{LOOPBACK}:{webhooks_port}/health")),
-            ]
-            await_ready(*weed_proc, s3_ready)
-
-            waits.append(pool.submit(await_ready, *mlflow_proc,
-                                     lambda: http_ok(f"{state['mlflow_uri']}/health")))
-            env = server_env(runtime, base_env, s3_access_key=access_key,
-                             s3_secret_key=secret_key, s3_region=settings.aws_region)
-            repository = f"s3://{LOOPBACK}:{seaweed_ports['s3']}/{bucket}/" \
-                f"{settings.repository_prefix}"
-            for i, name in enumerate(triton_names):
-                http_p, grpc_p, metrics_p = triton_ports[i]
-                argv = server_command(runtime, backend_dir=backend_dir,
-                                      model_repository=repository, http_port=http_p,
-                                      grpc_port=grpc_p, metrics_port=metrics_p)
-                proc_rec = launch(name, argv, env, [http_p, grpc_p, metrics_p])
-                waits.append(pool.submit(
-                    await_ready, *proc_rec,
-                    _triton_ready_check(endpoints[name]["http"], grpc_p),
-                ))
+    def _await_all(self, services: dict[str, _Child], ports: _StackPorts,
+                   binaries: _Binaries) -> None:
+        """Wait for every server in parallel; MLflow's wait and Triton's start follow S3's
+        readiness (Triton loads its repository from S3)."""
+        with ThreadPoolExecutor(max_workers=len(ports.triton) + 4) as pool:
+            waits = [pool.submit(self._await_ready, *services[name])
+                     for name in ("prefect", "slack", "approvals", "webhooks")]
+            self._await_ready(*services["seaweedfs"])
+            waits.append(pool.submit(self._await_ready, *services["mlflow"]))
+            for triton in self._launch_tritons(ports, binaries):
+                waits.append(pool.submit(self._await_ready, *triton))
             try:
                 for future in waits:
                     future.result()
@@ -430,19 +553,22 @@ def up(
                 # their process gone and end at once, instead of `with` joining them for up
                 # to their whole deadline (long enough for a caller's timeout to SIGKILL us
                 # and orphan every server started so far).
-                stop_children()
+                self._stop_children()
                 raise
-    except BaseException:
-        stop_children()
-        state_path.unlink(missing_ok=True)
-        raise
-    report.total_s = round(time.monotonic() - started, 2)
-    write_state(state_path, state)
-    for proc, _ in children:
-        # Detach: the servers outlive this command; `stack down` stops them by PID.
-        proc.returncode = 0
-    report.reconciled = _run_hook(on_ready, state, progress)
-    return state, report
+
+    def _launch_tritons(self, ports: _StackPorts, binaries: _Binaries) -> Iterator[_Child]:
+        """Start each Triton (replicas, then the canary) on the S3 model repository."""
+        settings, state = self.settings, self.state
+        env = server_env(binaries.runtime, self.base_env, s3_access_key=state["access_key"],
+                         s3_secret_key=state["secret_key"], s3_region=settings.aws_region)
+        repository = f"s3://{LOOPBACK}:{ports.seaweed['s3']}/{settings.bucket}/" \
+            f"{settings.repository_prefix}"
+        for endpoint, (http_p, grpc_p, metrics_p) in zip(_triton_endpoints(state),
+                                                         ports.triton, strict=True):
+            argv = server_command(binaries.runtime, backend_dir=binaries.backend_dir,
+                                  model_repository=repository, http_port=http_p,
+                                  grpc_port=grpc_p, metrics_port=metrics_p)
+            yield self._launch(endpoint["name"], argv, env, [http_p, grpc_p, metrics_p])
 
 
 def _is_triton(name: str) -> bool:
@@ -463,7 +589,7 @@ def _run_hook(hook: ReadyHook | None, state: dict[str, Any],
 
 def _component_env(name: str, state: dict[str, Any], settings: Settings) -> dict[str, str]:
     """The environment a component was started with, rebuilt from the state (pure-ish)."""
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
+    base_env = _base_env()
     home = Path(state["home"])
     data = home / "data"
     keys = {"access_key": state["access_key"], "secret_key": state["secret_key"]}
@@ -485,8 +611,6 @@ def _component_env(name: str, state: dict[str, Any], settings: Settings) -> dict
         return c.approvals_env(base_env, home=home)
     if name == "webhooks":
         return c.webhooks_env(base_env, home=home)
-    from modelship.stack.triton_runtime import find_triton_runtime, server_env
-
     runtime = find_triton_runtime(settings.triton_runtime.resolve())
     return server_env(runtime, base_env, s3_access_key=state["access_key"],
                       s3_secret_key=state["secret_key"], s3_region=state["region"])
@@ -512,8 +636,7 @@ def _component_check(name: str, state: dict[str, Any], record: ProcessRecord
     if name == "approvals":
         root = str(state["approvals_url"]).removesuffix("/slack/interactivity")
         return lambda: http_ok(f"{root}/health")
-    triton = state["triton"]
-    endpoint = next(e for e in [*triton["replicas"], triton["canary"]] if e["name"] == name)
+    endpoint = next(e for e in _triton_endpoints(state) if e["name"] == name)
     grpc_port = int(endpoint["grpc"].rsplit(":", 1)[1])
     return _triton_ready_check(endpoint["http"], grpc_port)
 
