@@ -65,15 +65,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 from scipy import special, stats
 
-from modelship.jsonable import jsonable
 from modelship.measurements import (
     ArmMeasurements,
     CanarySnapshot,
@@ -103,6 +101,7 @@ from tasks.blocks import (
     overdispersion,
     quasi_binomial_sf,
 )
+from tasks.gate_report import GateReport, RuleResult, Verdict, combine
 
 __all__ = [
     "DEFAULT_LOG_SD",
@@ -150,127 +149,6 @@ is a guess (one or two requests decide it), so the rule refuses to judge."""
 
 _PERCENTILES = {"latency_p50_ms": 50.0, "latency_p90_ms": 90.0, "latency_p95_ms": 95.0,
                 "latency_p99_ms": 99.0}
-
-
-class Verdict(StrEnum):
-    """Outcome of one rule or of the whole gate stage (argo-rollouts' analysis phases)."""
-
-    PASSED = "passed"
-    INCONCLUSIVE = "inconclusive"
-    ERROR = "error"
-    FAILED = "failed"
-
-    @property
-    def severity(self) -> int:
-        """Rank for worst-wins: failed (3) beats error (2) beats inconclusive (1) beats passed."""
-        return _SEVERITY[self]
-
-    def worse(self, other: Verdict) -> Verdict:
-        """The worse of two verdicts."""
-        return other if other.severity > self.severity else self
-
-
-_SEVERITY = {Verdict.PASSED: 0, Verdict.INCONCLUSIVE: 1, Verdict.ERROR: 2, Verdict.FAILED: 3}
-
-
-@dataclass(frozen=True)
-class RuleResult:
-    """The verdict of one rule, with what it was based on.
-
-    Attributes:
-        rule: Rule name from the policy.
-        metric: The metric judged (see ``modelship.policy.KNOWN_METRICS``).
-        test: ``mann_whitney``, ``quantile``, ``exact_rate``, ``threshold`` (or
-            ``sequential`` for the canary's always-valid watch, see tasks.canary).
-        verdict: The rule's verdict.
-        value: The candidate's measured value of the metric (None when unmeasured).
-        baseline: The baseline's value of the metric, or None.
-        threshold: The bound, for humans (``"≥ 0.98"``, ``"≤ 7.04 ms (…)"``).
-        threshold_value: The bound as a number in the metric's unit, when it is one number.
-        p_value: p-value of the deciding test (None for threshold rules).
-        samples: Samples behind the verdict: (candidate, baseline or None).
-        dry_run: Reported but never blocking.
-        message: One sentence naming the rule, the measured value and the bound; for an
-            inconclusive verdict, the likely cause.
-        details: Test-specific figures (Hodges-Lehmann shift and its interval, per-route
-            p-values), JSON-ready.
-    """
-
-    rule: str
-    metric: str
-    test: str
-    verdict: Verdict
-    value: float | None
-    baseline: float | None
-    threshold: str
-    threshold_value: float | None
-    p_value: float | None
-    samples: tuple[int, int | None]
-    dry_run: bool
-    message: str
-    details: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def blocking(self) -> bool:
-        """Whether this result counts in :func:`combine` (dry-run rules never do)."""
-        return not self.dry_run
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (NaN becomes None, so the document stays valid JSON)."""
-        return {
-            "rule": self.rule, "metric": self.metric, "test": self.test,
-            "verdict": str(self.verdict), "value": _finite(self.value),
-            "baseline": _finite(self.baseline), "threshold": self.threshold,
-            "threshold_value": _finite(self.threshold_value), "p_value": _finite(self.p_value),
-            "samples": {"candidate": self.samples[0], "baseline": self.samples[1]},
-            "dry_run": self.dry_run, "message": self.message,
-            "details": jsonable(self.details),
-        }
-
-
-@dataclass(frozen=True)
-class GateReport:
-    """The gate stage's outcome: the combined verdict and every rule's result.
-
-    Attributes:
-        verdict: Worst-wins over the blocking results (see :func:`combine`).
-        results: One result per rule, in policy order, dry-run ones included.
-        required_samples: Samples per version the rules need (:func:`plan_samples`, sized
-            from the measured baseline), so a report can say when a canary ran too short.
-        family_alpha: The family-wise false-fail rate of the blocking statistical rules
-            (:func:`family_alpha`: Bonferroni, the sum of their α); None when there are none.
-    """
-
-    verdict: Verdict
-    results: tuple[RuleResult, ...]
-    required_samples: int
-    family_alpha: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"verdict": str(self.verdict), "required_samples": self.required_samples,
-                "family_alpha": self.family_alpha,
-                "results": [r.to_dict() for r in self.results]}
-
-
-# --------------------------------------------------------------------------------------
-# combining
-
-
-def combine(results: Iterable[RuleResult | Verdict]) -> Verdict:
-    """Worst-wins over the blocking results; nothing blocking means inconclusive.
-
-    Dry-run results are skipped (they are reported, never block). An empty set, or one of
-    dry-run rules only, is ``inconclusive``: no evidence is never a pass.
-    """
-    worst: Verdict | None = None
-    for item in results:
-        if isinstance(item, RuleResult):
-            if item.dry_run:
-                continue
-            item = item.verdict
-        worst = item if worst is None else worst.worse(item)
-    return Verdict.INCONCLUSIVE if worst is None else worst
 
 
 def evaluate(snapshot: CanarySnapshot, rules: Sequence[GateRule], *,
@@ -673,6 +551,30 @@ def _judge_latency(snapshot: CanarySnapshot, rule: MannWhitneyRule,
     if math.isnan(p_iid):
         return result(Verdict.ERROR, f"{rule.name}: the Mann-Whitney test is undefined on "
                       f"these samples (n={n}, m={m})")
+    p, details, how = _order_evidence(snapshot, rule, c, b, tol_ms, ratio, p_iid)
+    if p < rule.alpha:
+        return result(Verdict.FAILED, f"{rule.name}: typical latency of {_arm_name(snapshot)} "
+                      f"is slower than the baseline × {ratio:.3f}: {how}; p={p:.2g} < "
+                      f"α={rule.alpha:g}", p, details)
+    return result(Verdict.PASSED, f"{rule.name}: typical latency of {_arm_name(snapshot)} is "
+                  f"not shown slower than the baseline × {ratio:.3f}: {how}; p={p:.2g} ≥ "
+                  f"α={rule.alpha:g}", p, details)
+
+
+def _order_evidence(snapshot: CanarySnapshot, rule: MannWhitneyRule, c: np.ndarray,
+                    b: np.ndarray, tol_ms: float, ratio: float, p_iid: float
+                    ) -> tuple[float, dict[str, Any], str]:
+    """The stochastic-order rule's evidence beyond the whole-run U test (pure): the
+    time-block test, the Hodges-Lehmann estimates, and the sentence that states them.
+
+    Returns:
+        ``(p, details, how)``: the deciding p-value (the larger of the block test's and
+        ``p_iid``), the result's details, and the measured figures in words.
+    """
+    metric = rule.metric
+    value, _ = metric_value(snapshot, metric)
+    base_value, _ = metric_value(snapshot, metric, arm="baseline")
+    assert value is not None and base_value is not None
     blocks = snapshot_blocks(snapshot)
     assert blocks.baseline is not None
     p_block, diag, test = _block_latency_test(c / ratio, blocks.candidate, b,
@@ -698,13 +600,7 @@ def _judge_latency(snapshot: CanarySnapshot, rule: MannWhitneyRule,
            f"{hl_ms:+.3g} ms); P(C > ×{ratio:.3f} P) = {order:.3f}"
            + (f" (upper bound {order_hi:.3f})" if math.isfinite(order_hi) else "")
            + _dependence_text(diag, p_block, p_iid, "Mann-Whitney"))
-    if p < rule.alpha:
-        return result(Verdict.FAILED, f"{rule.name}: typical latency of {_arm_name(snapshot)} "
-                      f"is slower than the baseline × {ratio:.3f}: {how}; p={p:.2g} < "
-                      f"α={rule.alpha:g}", p, details)
-    return result(Verdict.PASSED, f"{rule.name}: typical latency of {_arm_name(snapshot)} is "
-                  f"not shown slower than the baseline × {ratio:.3f}: {how}; p={p:.2g} ≥ "
-                  f"α={rule.alpha:g}", p, details)
+    return p, details, how
 
 
 def quantile_exceedance(candidate: np.ndarray, baseline: np.ndarray, q: float,
@@ -785,7 +681,6 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: QuantileRule, min_samples: i
     order-statistic interval at ``1 - alpha/2`` (joint confidence ≥ ``1 - alpha``).
     """
     metric = rule.metric
-    q = _PERCENTILES[metric] / 100.0
     inputs = _latency_prologue(snapshot, rule, "quantile", min_samples)
     if isinstance(inputs, RuleResult):
         return inputs
@@ -807,6 +702,32 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: QuantileRule, min_samples: i
                        "(canary.min_samples, within canary.max_duration_s)",
                        {"reference_too_small": True, "reference_above": above,
                         "reference_needed": need, "key": "canary.min_samples"})
+    p, details, how = _tail_evidence(snapshot, rule, c, b, tol_ms, ratio)
+    result_args = (rule, "quantile")
+    if p < rule.alpha:
+        return _result(*result_args, Verdict.FAILED, value, base_value, threshold, bound_ms, p,
+                       (n, m), f"{rule.name}: {metric} of {_arm_name(snapshot)} is beyond the "
+                       f"baseline's × {ratio:.3f}: {how}; p={p:.2g} < α={rule.alpha:g}", details)
+    return _result(*result_args, Verdict.PASSED, value, base_value, threshold, bound_ms, p,
+                   (n, m), f"{rule.name}: {metric} of {_arm_name(snapshot)} is not shown beyond "
+                   f"the baseline's × {ratio:.3f}: {how}; p={p:.2g} ≥ α={rule.alpha:g}", details)
+
+
+def _tail_evidence(snapshot: CanarySnapshot, rule: QuantileRule, c: np.ndarray,
+                   b: np.ndarray, tol_ms: float, ratio: float
+                   ) -> tuple[float, dict[str, Any], str]:
+    """The quantile rule's evidence (pure): Fisher's test at the pooled split, the same
+    split judged per time block, the ratio's interval, and the sentence that states them.
+
+    Returns:
+        ``(p, details, how)``: the deciding p-value (the larger of the block test's and
+        Fisher's), the result's details, and the measured figures in words.
+    """
+    metric = rule.metric
+    q = _PERCENTILES[metric] / 100.0
+    value, n = metric_value(snapshot, metric)
+    base_value, m = metric_value(snapshot, metric, arm="baseline")
+    assert value is not None and base_value is not None
     p_iid, kc, kb, xi = quantile_exceedance(c, b, q, ratio)
     blocks = snapshot_blocks(snapshot)
     assert blocks.baseline is not None
@@ -832,14 +753,7 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: QuantileRule, min_samples: i
            f"{ci_text}), tolerance {_tol_text(rule)} = ×{ratio:.3f}; {kc} of {n} candidate "
            f"requests (scaled) and {kb} of {m} baseline ones above the pooled "
            f"p{_PERCENTILES[metric]:g}" + _dependence_text(diag, p_block, p_iid, "Fisher"))
-    result_args = (rule, "quantile")
-    if p < rule.alpha:
-        return _result(*result_args, Verdict.FAILED, value, base_value, threshold, bound_ms, p,
-                       (n, m), f"{rule.name}: {metric} of {_arm_name(snapshot)} is beyond the "
-                       f"baseline's × {ratio:.3f}: {how}; p={p:.2g} < α={rule.alpha:g}", details)
-    return _result(*result_args, Verdict.PASSED, value, base_value, threshold, bound_ms, p,
-                   (n, m), f"{rule.name}: {metric} of {_arm_name(snapshot)} is not shown beyond "
-                   f"the baseline's × {ratio:.3f}: {how}; p={p:.2g} ≥ α={rule.alpha:g}", details)
+    return p, details, how
 
 
 MIN_SERVER_INTERVALS = 3
@@ -989,40 +903,20 @@ def _judge_rate(snapshot: CanarySnapshot, rule: ExactRateRule, min_samples: int)
     assert value is not None
     if n < min_samples:
         return result(Verdict.INCONCLUSIVE, f"{rule.name}: {_too_few(snapshot, n, min_samples)}")
-    blocks = snapshot_blocks(snapshot)
-    phis = {arm: overdispersion(*blocks.errors[arm]) for arm in blocks.errors}
-    measured = [x for x in phis.values() if math.isfinite(x)]
-    phi = max([1.0, *measured])
-    diag = diagnose(blocks.count, math.nan, max(measured) if measured else math.nan)
-    p_abs = quasi_binomial_sf(k, n, max_rate, phi)
-    ci = _rate_interval(k, n, 1 - 2 * rule.alpha, phi)
-    details: dict[str, Any] = {"hypothesis": f"H0: error rate ≤ {max_rate:g}",
-                               "p_absolute": p_abs, "p_vs_baseline": None,
-                               "p_baseline_over_budget": None, "alpha": rule.alpha,
-                               "errors": k, "requests": n, "rate_ci": list(ci),
-                               "ci_confidence": 1 - 2 * rule.alpha,
-                               "overdispersion_used": phi,
-                               "overdispersion_by_arm": {a: (x if math.isfinite(x) else None)
-                                                         for a, x in phis.items()},
-                               "dependence": diag.to_dict()}
-    how_dep = (f"; {diag.text()}, counts deflated by φ={phi:.2g}" if "candidate" in phis
-               else "; no error times, so errors were taken as independent")
-    shown = (f"{_fmt('error_rate', value)} ({k}/{n}, {1 - 2 * rule.alpha:.0%} CI "
-             f"{_fmt('error_rate', ci[0])}–{_fmt('error_rate', ci[1])}){how_dep}")
-    vs = "; no baseline to compare against"
-    base_over = False
-    p_cmp: float | None = None
-    if base is not None and base_ok and base_value is not None:
-        k0, n0 = int(base.errors), int(base.requests)
-        p_base = quasi_binomial_sf(k0, n0, max_rate, phi)
-        base_over = p_base < rule.alpha
-        ke, ne, k0e, n0e = (round(x / phi) for x in (k, n, k0, n0))
-        p_cmp = float(stats.fisher_exact([[ke, ne - ke], [k0e, n0e - k0e]],
-                                         alternative="greater").pvalue)
-        details.update(p_vs_baseline=p_cmp, p_baseline_over_budget=p_base,
-                       baseline_errors=k0, baseline_requests=n0)
-        vs = (f"; baseline {_fmt('error_rate', base_value)} ({k0}/{n0}), Fisher p={p_cmp:.2g} "
-              "for the candidate being worse")
+    phi, p_abs, details, shown = _rate_evidence(snapshot, rule, k, n)
+    base_over, p_cmp, vs = _rate_vs_baseline(base if base_ok else None, rule, k, n, phi,
+                                             details)
+    return _rate_verdict(result, snapshot, rule, phi=phi, p_abs=p_abs, p_cmp=p_cmp,
+                         base_over=base_over, shown=shown, vs=vs, details=details)
+
+
+def _rate_verdict(result: Callable[..., RuleResult], snapshot: CanarySnapshot,
+                  rule: ExactRateRule, *, phi: float, p_abs: float, p_cmp: float | None,
+                  base_over: bool, shown: str, vs: str, details: dict[str, Any]) -> RuleResult:
+    """The error rule's verdict from its evidence (pure): fails only when the candidate is
+    significantly above the budget and, with a baseline over the budget too, also worse
+    than it; both arms failing alike is inconclusive (``details["infrastructure"]``)."""
+    max_rate = float(rule.max_rate if rule.max_rate is not None else 0.0)
     budget = _fmt("error_rate", max_rate)
     test_name = "exact binomial" if phi == 1.0 else f"quasi-binomial (φ={phi:.2g})"
     if p_abs < rule.alpha and base_over:
@@ -1044,6 +938,64 @@ def _judge_rate(snapshot: CanarySnapshot, rule: ExactRateRule, min_samples: int)
     return result(Verdict.PASSED, f"{rule.name}: error rate of {_arm_name(snapshot)} is "
                   f"{shown}, not significantly above the budget {budget} ({test_name} "
                   f"p={p_abs:.2g} ≥ α={rule.alpha:g}){vs}", p_abs, details)
+
+
+def _rate_evidence(snapshot: CanarySnapshot, rule: ExactRateRule, k: int, n: int
+                   ) -> tuple[float, float, dict[str, Any], str]:
+    """The error rule's evidence against its budget (pure): the overdispersion φ from the
+    time blocks (the larger arm's, floored at 1), the quasi-binomial p-value, the rate's
+    interval, and the rate in words.
+
+    Returns:
+        ``(phi, p_absolute, details, shown)``.
+    """
+    max_rate = float(rule.max_rate if rule.max_rate is not None else 0.0)
+    blocks = snapshot_blocks(snapshot)
+    phis = {arm: overdispersion(*blocks.errors[arm]) for arm in blocks.errors}
+    measured = [x for x in phis.values() if math.isfinite(x)]
+    phi = max([1.0, *measured])
+    diag = diagnose(blocks.count, math.nan, max(measured) if measured else math.nan)
+    p_abs = quasi_binomial_sf(k, n, max_rate, phi)
+    ci = _rate_interval(k, n, 1 - 2 * rule.alpha, phi)
+    details: dict[str, Any] = {"hypothesis": f"H0: error rate ≤ {max_rate:g}",
+                               "p_absolute": p_abs, "p_vs_baseline": None,
+                               "p_baseline_over_budget": None, "alpha": rule.alpha,
+                               "errors": k, "requests": n, "rate_ci": list(ci),
+                               "ci_confidence": 1 - 2 * rule.alpha,
+                               "overdispersion_used": phi,
+                               "overdispersion_by_arm": {a: (x if math.isfinite(x) else None)
+                                                         for a, x in phis.items()},
+                               "dependence": diag.to_dict()}
+    how_dep = (f"; {diag.text()}, counts deflated by φ={phi:.2g}" if "candidate" in phis
+               else "; no error times, so errors were taken as independent")
+    shown = (f"{_fmt('error_rate', k / n)} ({k}/{n}, {1 - 2 * rule.alpha:.0%} CI "
+             f"{_fmt('error_rate', ci[0])}–{_fmt('error_rate', ci[1])}){how_dep}")
+    return phi, p_abs, details, shown
+
+
+def _rate_vs_baseline(base: ArmMeasurements | None, rule: ExactRateRule, k: int, n: int,
+                      phi: float, details: dict[str, Any]) -> tuple[bool, float | None, str]:
+    """The baseline's part of the error rule (pure; adds its figures to ``details``): is the
+    baseline itself over the budget, and is the candidate worse than it (Fisher's test on
+    the counts deflated by ``phi``)?
+
+    Returns:
+        ``(baseline over budget, Fisher p or None, the comparison in words)``; ``base`` is
+        None without a usable baseline.
+    """
+    if base is None:
+        return False, None, "; no baseline to compare against"
+    max_rate = float(rule.max_rate if rule.max_rate is not None else 0.0)
+    k0, n0 = int(base.errors), int(base.requests)
+    p_base = quasi_binomial_sf(k0, n0, max_rate, phi)
+    ke, ne, k0e, n0e = (round(x / phi) for x in (k, n, k0, n0))
+    p_cmp = float(stats.fisher_exact([[ke, ne - ke], [k0e, n0e - k0e]],
+                                     alternative="greater").pvalue)
+    details.update(p_vs_baseline=p_cmp, p_baseline_over_budget=p_base,
+                   baseline_errors=k0, baseline_requests=n0)
+    vs = (f"; baseline {_fmt('error_rate', base.errors / base.requests)} ({k0}/{n0}), "
+          f"Fisher p={p_cmp:.2g} for the candidate being worse")
+    return p_base < rule.alpha, p_cmp, vs
 
 
 def _rate_interval(k: int, n: int, confidence: float, phi: float = 1.0) -> tuple[float, float]:
@@ -1205,58 +1157,78 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
     Raises:
         MeasurementError: ``baseline_latency_ms`` holds non-finite or negative values.
     """
-    if not isinstance(rule, MannWhitneyRule | QuantileRule | ExactRateRule):
-        return max(min_samples, 1)
-    test = rule.test
-    za = float(stats.norm.ppf(1 - rule.alpha))
-    zb = float(stats.norm.ppf(rule.power))
     if isinstance(rule, MannWhitneyRule | QuantileRule):
-        pct = float(rule.max_increase_pct or 0.0)
-        effect = float(rule.effect if rule.effect is not None else pct)
         lat = None
         if baseline_latency_ms is not None:
             lat = _clean_latency(check_latency(baseline_latency_ms, "the baseline sample"))
-        r_tol = 1.0 + pct / 100.0
-        q = _PERCENTILES.get(rule.metric, 50.0) / 100.0
-        if lat is not None and lat.size >= 2:
-            ref = float(np.mean(lat)) if rule.metric == "latency_mean_ms" else \
-                float(np.quantile(lat, q))
-            if ref > 0:
-                r_tol = 1.0 + max(pct / 100.0 * ref, float(rule.min_effect_ms or 0.0)) / ref
-        r_alt = r_tol + effect / 100.0
-        delta = math.log(r_alt / r_tol)
-        if test == "quantile":
-            shrink = 1.0
-            if lat is None or lat.size < 2:
-                lat = np.exp(DEFAULT_LOG_SD * stats.norm.ppf(
-                    (np.arange(20_000) + 0.5) / 20_000))
-            else:  # a measured tail: plan on its difference one standard error low
-                shrink = 1.0 - min(TAIL_FIT_SE / math.sqrt(max(lat.size * (1.0 - q), 1.0)), 0.5)
-            p1 = (1.0 - q) + shrink * (_tail_exceedance(lat, q, r_tol, r_alt) - (1.0 - q))
-            n_q = _block_plan(_two_proportion_n(1.0 - q, p1, za, zb), rule)
-            if not floors:
-                return int(min(max(n_q, 1), _MAX_PLAN))
-            return int(min(max(n_q, min_samples, tail_reference_floor(rule)), _MAX_PLAN))
-        if lat is not None and lat.size >= 2:
-            p = _prob_greater(np.log(lat), delta)
-        else:
-            p = float(stats.norm.cdf(delta / (DEFAULT_LOG_SD * math.sqrt(2.0))))
-        if not p > 0.5:
-            return _MAX_PLAN
-        n = _block_plan(math.ceil((za + zb) ** 2 / (6.0 * (p - 0.5) ** 2)), rule)
-        return int(min(max(n, min_samples), _MAX_PLAN))
-    if test == "exact_rate":
-        max_rate = float(rule.max_rate or 0.0)
-        effect = float(rule.effect if rule.effect is not None else max_rate or 1e-3)
-        pb = min(max(float(baseline_error_rate), 0.0), 1.0) if math.isfinite(
-            baseline_error_rate) else 0.0
-        p1 = min(max(max_rate, pb) + effect, 1.0)
-        n = _deflated_rate_plan(max_rate, p1, pb, rule.alpha, rule.power,
-                                _rate_plan(max_rate, p1, rule.alpha, rule.power))
-        if pb > max_rate and p1 > pb:
-            n = max(n, _fisher_plan(p1, pb, za, zb))
-        return int(min(max(n, min_samples), _MAX_PLAN))
+        return _latency_samples(rule, lat, min_samples, floors=floors)
+    if isinstance(rule, ExactRateRule):
+        return _rate_samples(rule, baseline_error_rate, min_samples)
     return max(min_samples, 1)
+
+
+def _latency_ratios(rule: MannWhitneyRule | QuantileRule, lat: np.ndarray | None
+                    ) -> tuple[float, float]:
+    """``(r_tol, r_alt)``: the rule's tolerance as a scale of the baseline (from the
+    measured reference when there is one, ``min_effect_ms`` included) and the scale of
+    the violation it is sized to catch (``effect`` percent beyond it)."""
+    pct = float(rule.max_increase_pct or 0.0)
+    effect = float(rule.effect if rule.effect is not None else pct)
+    r_tol = 1.0 + pct / 100.0
+    q = _PERCENTILES.get(rule.metric, 50.0) / 100.0
+    if lat is not None and lat.size >= 2:
+        ref = float(np.mean(lat)) if rule.metric == "latency_mean_ms" else \
+            float(np.quantile(lat, q))
+        if ref > 0:
+            r_tol = 1.0 + max(pct / 100.0 * ref, float(rule.min_effect_ms or 0.0)) / ref
+    return r_tol, r_tol + effect / 100.0
+
+
+def _latency_samples(rule: MannWhitneyRule | QuantileRule, lat: np.ndarray | None,
+                     min_samples: int, *, floors: bool) -> int:
+    """:func:`required_samples` of a latency rule, from a clean baseline sample or None."""
+    za = float(stats.norm.ppf(1 - rule.alpha))
+    zb = float(stats.norm.ppf(rule.power))
+    r_tol, r_alt = _latency_ratios(rule, lat)
+    delta = math.log(r_alt / r_tol)
+    if rule.test == "quantile":
+        q = _PERCENTILES.get(rule.metric, 50.0) / 100.0
+        shrink = 1.0
+        if lat is None or lat.size < 2:
+            lat = np.exp(DEFAULT_LOG_SD * stats.norm.ppf(
+                (np.arange(20_000) + 0.5) / 20_000))
+        else:  # a measured tail: plan on its difference one standard error low
+            shrink = 1.0 - min(TAIL_FIT_SE / math.sqrt(max(lat.size * (1.0 - q), 1.0)), 0.5)
+        p1 = (1.0 - q) + shrink * (_tail_exceedance(lat, q, r_tol, r_alt) - (1.0 - q))
+        n_q = _block_plan(_two_proportion_n(1.0 - q, p1, za, zb), rule)
+        if not floors:
+            return int(min(max(n_q, 1), _MAX_PLAN))
+        return int(min(max(n_q, min_samples, tail_reference_floor(rule)), _MAX_PLAN))
+    if lat is not None and lat.size >= 2:
+        p = _prob_greater(np.log(lat), delta)
+    else:
+        p = float(stats.norm.cdf(delta / (DEFAULT_LOG_SD * math.sqrt(2.0))))
+    if not p > 0.5:
+        return _MAX_PLAN
+    n = _block_plan(math.ceil((za + zb) ** 2 / (6.0 * (p - 0.5) ** 2)), rule)
+    return int(min(max(n, min_samples), _MAX_PLAN))
+
+
+def _rate_samples(rule: ExactRateRule, baseline_error_rate: float, min_samples: int) -> int:
+    """:func:`required_samples` of an error rule: the exact binomial test's plan, deflated
+    for overdispersion, and Fisher's against a baseline that errs above the budget."""
+    za = float(stats.norm.ppf(1 - rule.alpha))
+    zb = float(stats.norm.ppf(rule.power))
+    max_rate = float(rule.max_rate or 0.0)
+    effect = float(rule.effect if rule.effect is not None else max_rate or 1e-3)
+    pb = min(max(float(baseline_error_rate), 0.0), 1.0) if math.isfinite(
+        baseline_error_rate) else 0.0
+    p1 = min(max(max_rate, pb) + effect, 1.0)
+    n = _deflated_rate_plan(max_rate, p1, pb, rule.alpha, rule.power,
+                            _rate_plan(max_rate, p1, rule.alpha, rule.power))
+    if pb > max_rate and p1 > pb:
+        n = max(n, _fisher_plan(p1, pb, za, zb))
+    return int(min(max(n, min_samples), _MAX_PLAN))
 
 
 def _block_plan(n: int, rule: MannWhitneyRule | QuantileRule) -> int:
