@@ -182,8 +182,8 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
             _note_takeover(journal, lock)
             _recover_first(settings, clients, policy, ledger, journal, lock)
             with journal.stage("canary") as entry:
-                result: Any = canary_task(settings, clients, policy, model, version,
-                                          serving, approval.required)
+                result = canary_task(settings, clients, policy, model, version, serving,
+                                     approval.required)
                 journal.attach_gates(result)
                 record.candidate["canary_report_id"] = record.id
                 entry.details["verdict"] = result.verdict

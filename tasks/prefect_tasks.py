@@ -10,7 +10,7 @@ record artifact) and to the ledger next to the record (the canary's report files
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -27,6 +27,9 @@ from tasks.check import CheckReport, run_check, stage_checked
 from tasks.record import ReleaseJournal
 from tasks.recovery import dead_runs, unfinished
 from tasks.retry import TRANSIENT_RETRIES, retry_transient
+
+if TYPE_CHECKING:  # annotation only: the canary imports the load generator
+    from tasks.canary import CanaryResult
 
 
 @task(name="resolve", task_run_name="resolve {model}", cache_policy=NO_CACHE,
@@ -72,7 +75,8 @@ def stage_task(settings: Settings, clients: Clients, policy: Policy, report: Che
 @task(name="canary", task_run_name="canary {model} v{candidate} vs {baseline}",
       cache_policy=NO_CACHE)
 def canary_task(settings: Settings, clients: Clients, policy: Policy, model: str,
-                candidate: int, baseline: int | None, keep_loaded: bool = False) -> Any:
+                candidate: int, baseline: int | None, keep_loaded: bool = False
+                ) -> CanaryResult:
     """The candidate next to production on the canary Triton, under load; with
     ``keep_loaded`` (approval required) it stays loaded for the approval wait's watcher."""
     from tasks.canary import run_canary
@@ -83,7 +87,7 @@ def canary_task(settings: Settings, clients: Clients, policy: Policy, model: str
 
 
 @task(name="gates", task_run_name="gates {model} v{candidate}", cache_policy=NO_CACHE)
-def gates_task(result: Any, model: str, candidate: int) -> str:
+def gates_task(result: CanaryResult, model: str, candidate: int) -> str:
     """Pass, or stop the release: failed (exit 4) or inconclusive (exit 6)."""
     from prefect.artifacts import create_table_artifact
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from modelship.errors import ModelshipError
 from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
@@ -25,6 +25,9 @@ from modelship.progress import Progress, quiet
 from modelship.signals import exit_code_for, stop_signal
 from modelship.slack import blocks
 from modelship.slack.notifier import Notifier, NullNotifier
+
+if TYPE_CHECKING:  # annotation only: the canary imports the load generator
+    from tasks.canary import CanaryResult
 
 NextStep = Callable[[ModelshipError], str]
 E = TypeVar("E")
@@ -200,7 +203,7 @@ class ReleaseJournal(StageRecorder[StageEntry]):
     def upload(self, path: Path, title: str) -> None:
         self.thread.upload(path, title)
 
-    def attach_gates(self, result: Any) -> dict[str, Any]:
+    def attach_gates(self, result: CanaryResult) -> dict[str, Any]:
         """The canary's gate verdicts on the record, its report files uploaded next to it
         (one builder for promote and the canary on its own); returns the record's gates."""
         keys = {}

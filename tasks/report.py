@@ -29,6 +29,7 @@ import numpy as np
 
 from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.triton.gpu import GpuEvidence
+from tasks.gate_report import GateReport
 
 MARKDOWN_NAME = "canary.md"
 PLOT_NAME = "canary.png"
@@ -46,7 +47,7 @@ class CanaryReportSource(Protocol):
     baseline: int | None
     verdict: str
     snapshot: CanarySnapshot
-    gate_report: Any
+    gate_report: GateReport
     load: dict[str, Any]
     seconds: float
 
@@ -206,7 +207,7 @@ def render_markdown(result: CanaryReportSource, *, plot_name: str | None = PLOT_
                      f", warm-up {_num(load.get('warmup_s'))} s; inputs: "
                      f"{load.get('payload_rows')} rows ({load.get('payload_source')})")
     lines += ["", "## Gates", "", markdown_table(result.gate_report).rstrip(), ""]
-    messages = [getattr(r, "message", "") for r in getattr(result.gate_report, "results", ())]
+    messages = [r.message for r in result.gate_report.results]
     lines += [f"- {m}" for m in messages if m]
     skipped = getattr(result, "skipped_rules", None)
     if skipped:
