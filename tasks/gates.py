@@ -51,14 +51,14 @@ boundary; the blocking statistical rules' α add up to the rule set's family-wis
 (Bonferroni, :func:`family_alpha`), 5% for the default set
 (:data:`modelship.policy.FAMILY_ALPHA`), stated in every report. The sequential watch
 spends a fifth of each watched rule's α and the fixed tests the rest
-(``tasks.canary.spend_alpha``).
+(``tasks.canary_sizing.spend_alpha``).
 
 Every message states the statistic, both values, the tolerance, the interval and the
-p-value. The canary sizes its load with :func:`plan_samples` (per rule: effect, α, power,
-for the test that actually runs: the block design effect of :mod:`tasks.blocks`, Fisher's
-test at the pooled split) and passes ``max(plan, policy floor)`` as ``min_samples`` to
-:func:`evaluate`. Sequential, always-valid versions of these tests live in
-:mod:`tasks.sequential`.
+p-value. The canary sizes its load with :func:`required_samples` per rule
+(``tasks.canary_sizing.plan_rules``; effect, α, power, for the test that actually runs: the
+block design effect of :mod:`tasks.blocks`, Fisher's test at the pooled split) and passes
+``max(plan, policy floor)`` as ``min_samples`` to :func:`evaluate`. Sequential,
+always-valid versions of these tests live in :mod:`tasks.sequential`.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def family_alpha(rules: Iterable[GateRule]) -> float | None:
     Bonferroni's inequality: a candidate at the boundary of every rule at once (the worst
     case for a false fail) fails some rule with probability ≤ Σ α. The default rule set
     sums to :data:`modelship.policy.FAMILY_ALPHA` (5%). With the sequential watch on, each
-    rule's α is split between the watch and the fixed test (``tasks.canary``), so the sum
+    rule's α is split between the watch and the fixed test (``tasks.canary_sizing``), so the sum
     is spent once. Threshold rules are deterministic and spend nothing. None when no rule
     is statistical.
     """
@@ -1152,7 +1152,7 @@ def required_samples(rule: GateRule, *, baseline_latency_ms: np.ndarray | None =
 
     The result is at least ``min_samples`` and at most 10 million. ``floors=False`` gives
     the power plan alone (no ``min_samples``, no tail-reference floor): what the sequential
-    watch's share grows (``tasks.canary.plan_rules``).
+    watch's share grows (``tasks.canary_sizing.plan_rules``).
 
     Raises:
         MeasurementError: ``baseline_latency_ms`` holds non-finite or negative values.
