@@ -247,10 +247,12 @@ class _S3Locks:
         self.storage = storage
 
     def _failed(self, exc: Exception, action: str) -> InfrastructureError:
-        return InfrastructureError(
+        error = InfrastructureError(
             f"the lock at s3://{self.storage.bucket}/{action} on {self.storage.endpoint} "
             f"failed: {type(exc).__name__}: {exc}",
             hint="check the S3 server (`modelship doctor`)", transient=True)
+        self.storage.breaker.failed(exc, error)  # a hung S3 is not waited on per lock call
+        return error
 
     def read(self, key: str) -> Observed:
         from botocore.exceptions import ClientError

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from model_registry.client import RegistryClient
-from modelship.errors import InfrastructureError, Unreachable
+from modelship.errors import InfrastructureError, ModelshipError, Unreachable
 from modelship.faults import Breaker, RetryPolicy, is_timeout
+from modelship.locks import _S3Locks
 from modelship.storage import S3Storage
 
 
@@ -151,3 +152,16 @@ def test_a_dead_mlflow_is_asked_every_time() -> None:
     for _ in range(2):
         _, error = _elapsed(lambda: registry.aliases("fraud"))
         assert not error.details.get("breaker_open"), error.details
+
+
+def test_a_hung_s3_under_the_lock_is_waited_on_once(hung_url: str) -> None:
+    locks = _S3Locks(S3Storage(endpoint=hung_url, bucket="modelship", access_key="key",
+                               secret_key="secret", timeout_s=0.5))
+    for bound_s in (60.0, 0.5):  # the first read spends its tries; the second is refused
+        started = time.monotonic()
+        with pytest.raises(ModelshipError) as raised:
+            locks.read("locks/release/fraud.json")
+        assert time.monotonic() - started < bound_s
+        assert hung_url in raised.value.message
+    assert "did not answer" in raised.value.message and "not waited on again" in \
+        raised.value.message
