@@ -17,9 +17,11 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from modelship.clients import Clients, build_clients, notifier_for
@@ -31,11 +33,13 @@ from modelship.errors import (
     UsageError,
 )
 from modelship.ledger import Ledger, ReleaseRecord, now_iso, release_intent
+from modelship.locks import release_lock
 from modelship.policy import Policy, policy_for
 from modelship.prefect_api import keeps_outcome
 from modelship.progress import Progress
 from modelship.settings import Settings, load_settings
 from modelship.signals import deferred, exit_code_for, stop_on_signals, stop_signal
+from modelship.slack.blocks import gate_lines
 from tasks import bake as baking
 from tasks import fleet
 from tasks.approve import (
@@ -44,6 +48,7 @@ from tasks.approve import (
     canary_cleanup,
     channels_for,
 )
+from tasks.canary_sizing import SEQUENTIAL_SHARE, plan_rules
 from tasks.evidence import read_candidate_digest
 from tasks.prefect_tasks import (
     approve_task,
@@ -61,6 +66,9 @@ from tasks.prefect_tasks import (
     swap_task,
 )
 from tasks.record import ReleaseJournal
+
+if TYPE_CHECKING:  # annotation only: the canary imports the load generator
+    from tasks.canary import CanaryResult
 
 
 class PromoteParams(BaseModel):
@@ -88,8 +96,6 @@ class PromoteParams(BaseModel):
 
 
 def _run_name() -> str:
-    from prefect.runtime import flow_run
-
     params = flow_run.parameters.get("params") or {}
     if isinstance(params, BaseModel):
         params = params.model_dump()
@@ -125,9 +131,6 @@ def promote_flow(params: PromoteParams) -> dict[str, Any]:
 def run_promote(settings: Settings, clients: Clients, policy: Policy, params: PromoteParams,
                 *, progress: Progress) -> dict[str, Any]:
     """The stages in order, inside a flow run. Returns the release record (a dict)."""
-    from modelship.locks import release_lock
-    from tasks.payload import load_payload
-
     if clients.storage is None or not clients.replicas:
         raise UsageError("promote needs the S3 repository and a Triton fleet",
                          hint="run `modelship stack up`, or set MODELSHIP_S3_ENDPOINT and "
@@ -158,16 +161,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                 _repair_noop(settings, clients, policy, journal, version)
             journal.finish("noop", 0, f"{model} v{version} already serves on every replica")
             return record.to_dict()
-        with tempfile.TemporaryDirectory(prefix="modelship-promote-") as tmp:
-            with journal.stage("check") as entry:
-                report = check_task(settings, clients, policy, model, version, Path(tmp),
-                                    params.allow_breaking_changes)
-                entry.details["stages"] = report.stages
-            with journal.stage("stage") as entry:
-                staged = stage_task(settings, clients, policy, report, model, version,
-                                    params.dry_run)
-                entry.details.update({k: staged.get(k) for k in
-                                      ("bytes_uploaded", "already_staged", "manifest_key")})
+        staged = _check_and_stage(settings, clients, policy, params, journal, version)
         if params.dry_run:
             plan = release_plan(settings, clients, policy, record, approval, staged)
             journal.record.gates = {"plan": plan}
@@ -176,97 +170,157 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
         record.candidate = read_candidate_digest(
             clients.storage, repository_prefix=settings.repository_prefix, model=model,
             version=version)
-        with release_lock(model, storage=clients.storage, home=settings.home,
-                          release_id=record.id, kind="promote") as lock, \
-                _unload_kept_canary(clients, journal, keep=approval.required):
-            _note_takeover(journal, lock)
-            _recover_first(settings, clients, policy, ledger, journal, lock)
-            with journal.stage("canary") as entry:
-                result = canary_task(settings, clients, policy, model, version, serving,
-                                     approval.required)
-                journal.attach_gates(result)
-                record.candidate["canary_report_id"] = record.id
-                entry.details["verdict"] = result.verdict
-                entry.details["_lines"] = _gate_lines(record.gates)
-            journal.upload(Path(result.report_paths.get("png", "")),
-                           f"canary {model} v{version} vs "
-                           f"{'nothing' if serving is None else f'v{serving}'}")
-            journal.save()
-            with journal.stage("gates"):
-                gates_task(result, model, version)
-            with journal.stage("approve") as entry:
-                channels = channels_for(
-                    settings, clients, model=model, version=version, baseline=serving,
-                    candidate=record.candidate, notifier=journal.thread.notifier,
-                    plot=Path(result.report_paths.get("png") or "") if
-                    result.report_paths.get("png") else None, timeout_s=approval.timeout_s,
-                    max_error_rate=policy.bake.max_error_rate, policy=policy)
-                entry.details.update(approve_task(approval, journal, channels, model,
-                                                  version))
-            payload, _ = load_payload(clients.storage, clients.registry,
-                                      repository_prefix=settings.repository_prefix,
-                                      model=model, version=version)
-            baseline = None
-            if serving is not None and policy.bake.duration_s > 0:
-                with journal.stage("baseline") as entry:
-                    baseline = baseline_task(settings, clients, policy, model, serving, payload)
-                    entry.details.update(baseline.to_dict())
-            lock.check()
-            # the intent, before the first change of the fleet; from here every way out
-            # ends released or undone (tasks.fleet.end_release)
-            record.intent = release_intent(from_version=serving, to_version=version,
-                                           aliases=fleet.aliases_now(clients, model),
-                                           release_id=record.id)
-            journal.save()
-            try:
-                with journal.stage("swap") as entry:
-                    record.swap = swap_task(settings, clients, policy, model, version,
-                                            serving, result.candidate_bytes)
-                    entry.details["skew_ms"] = record.swap.get("skew_ms")
-                with journal.stage("bake") as entry:
-                    _bake(settings, clients, policy, record, payload, baseline,
-                          entry.details)
-                    # baked: the point of no return, decided before the stage's save (an
-                    # S3 outage there then finishes forward, and the tag tells the next run)
-                    record.intent["committed_at"] = now_iso()
-                with journal.stage("record") as entry:
-                    entry.details.update(record_task(settings, clients, policy, record,
-                                                     model, version))
-            except BaseException as exc:
-                if record.status != "running":
-                    raise
-                fleet.end_release(settings, clients, policy, record, exc,
-                                  write=journal.write_ending, progress=progress)
-                raise  # end_release raises; this line is for the type checker
-            fleet.end_release(settings, clients, policy, record, None, write=journal.write_ending,
-                              progress=progress)
+        _release(settings, clients, policy, ledger, journal, approval, serving,
+                 progress=progress)
         publish_record(record)
         return record.to_dict()
     except ModelshipError as exc:
-        if record.status == "running":  # else end_release ended it (released or undone)
-            status = ("rolled_back" if isinstance(exc, BakeBreached) or record.bake.get(
-                "rolled_back") else "failed" if exc.exit_code == 1 else "rejected")
-            journal.finish(status, exc.exit_code, exc.message,
-                           links=[f"next: {exc.hint}"] if exc.hint else [])
-        exc.details["record"] = record.to_dict()
-        publish_record(record)
+        _ended_by_error(journal, exc)
         raise
     except BaseException as exc:  # a stop request (or a bug) before the fleet changed
-        signum = stop_signal(exc)
-        if record.status == "running":
-            with deferred(f"release {record.id} records its stop", say=progress):
-                if signum is not None:
-                    journal.finish("cancelled", exit_code_for(signum),
-                                   f"stopped by {signal.Signals(signum).name} during "
-                                   f"{_last_stage(record)}; nothing in production was "
-                                   "changed")
-                else:
-                    journal.finish("failed", 1, f"{type(exc).__name__}: {exc}")
-        if signum is None:
+        cancelled = _stopped(journal, exc, progress)
+        if cancelled is None:
             raise
-        raise ReleaseCancelled(f"promote of {model} {record.reason}", signum=signum,
-                               hint=f"`modelship history {model}` shows the record",
-                               model=model, record=record.to_dict()) from exc
+        raise cancelled from exc
+
+
+def _check_and_stage(settings: Settings, clients: Clients, policy: Policy,
+                     params: PromoteParams, journal: ReleaseJournal,
+                     version: int) -> dict[str, Any]:
+    """The check and stage stages, in a work folder removed after them: what was staged
+    (or, in a dry run, the staging plan)."""
+    with tempfile.TemporaryDirectory(prefix="modelship-promote-") as tmp:
+        with journal.stage("check") as entry:
+            report = check_task(settings, clients, policy, params.model, version, Path(tmp),
+                                params.allow_breaking_changes)
+            entry.details["stages"] = report.stages
+        with journal.stage("stage") as entry:
+            staged = stage_task(settings, clients, policy, report, params.model, version,
+                                params.dry_run)
+            entry.details.update({k: staged.get(k) for k in
+                                  ("bytes_uploaded", "already_staged", "manifest_key")})
+    return staged
+
+
+def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger,
+             journal: ReleaseJournal, approval: ApprovalRequest, serving: int | None, *,
+             progress: Progress) -> None:
+    """Under the model's release lock: canary, gates and approval, then the fleet
+    (baseline, swap, bake, record), ended by :func:`tasks.fleet.end_release`."""
+    from tasks.payload import load_payload  # heavy (mlflow, onnx): once the release gets here
+
+    record = journal.record
+    model, version = record.model, int(record.to_version or 0)
+    assert clients.storage is not None  # run_promote refused a promotion without it
+    with release_lock(model, storage=clients.storage, home=settings.home,
+                      release_id=record.id, kind="promote") as lock, \
+            _unload_kept_canary(clients, journal, keep=approval.required):
+        _note_takeover(journal, lock)
+        _recover_first(settings, clients, policy, ledger, journal, lock)
+        result = _canary_to_approval(settings, clients, policy, journal, approval, serving)
+        payload, _ = load_payload(clients.storage, clients.registry,
+                                  repository_prefix=settings.repository_prefix,
+                                  model=model, version=version)
+        baseline = None
+        if serving is not None and policy.bake.duration_s > 0:
+            with journal.stage("baseline") as entry:
+                baseline = baseline_task(settings, clients, policy, model, serving, payload)
+                entry.details.update(baseline.to_dict())
+        lock.check()
+        # the intent, before the first change of the fleet; from here every way out
+        # ends released or undone (tasks.fleet.end_release)
+        record.intent = release_intent(from_version=serving, to_version=version,
+                                       aliases=fleet.aliases_now(clients, model),
+                                       release_id=record.id)
+        journal.save()
+        try:
+            with journal.stage("swap") as entry:
+                record.swap = swap_task(settings, clients, policy, model, version,
+                                        serving, result.candidate_bytes)
+                entry.details["skew_ms"] = record.swap.get("skew_ms")
+            with journal.stage("bake") as entry:
+                _bake(settings, clients, policy, record, payload, baseline,
+                      entry.details)
+                # baked: the point of no return, decided before the stage's save (an
+                # S3 outage there then finishes forward, and the tag tells the next run)
+                record.intent["committed_at"] = now_iso()
+            with journal.stage("record") as entry:
+                entry.details.update(record_task(settings, clients, policy, record,
+                                                 model, version))
+        except BaseException as exc:
+            if record.status != "running":
+                raise
+            fleet.end_release(settings, clients, policy, record, exc,
+                              write=journal.write_ending, progress=progress)
+            raise  # end_release raises; this line is for the type checker
+        fleet.end_release(settings, clients, policy, record, None, write=journal.write_ending,
+                          progress=progress)
+
+
+def _canary_to_approval(settings: Settings, clients: Clients, policy: Policy,
+                        journal: ReleaseJournal, approval: ApprovalRequest,
+                        serving: int | None) -> CanaryResult:
+    """The canary, gates and approve stages; returns the canary's result."""
+    record = journal.record
+    model, version = record.model, int(record.to_version or 0)
+    with journal.stage("canary") as entry:
+        result = canary_task(settings, clients, policy, model, version, serving,
+                             approval.required)
+        journal.attach_gates(result)
+        record.candidate["canary_report_id"] = record.id
+        entry.details["verdict"] = result.verdict
+        entry.details["_lines"] = _gate_lines(record.gates)
+    journal.upload(Path(result.report_paths.get("png", "")),
+                   f"canary {model} v{version} vs "
+                   f"{'nothing' if serving is None else f'v{serving}'}")
+    journal.save()
+    with journal.stage("gates"):
+        gates_task(result, model, version)
+    with journal.stage("approve") as entry:
+        channels = channels_for(
+            settings, clients, model=model, version=version, baseline=serving,
+            candidate=record.candidate, notifier=journal.thread.notifier,
+            plot=Path(result.report_paths.get("png") or "") if
+            result.report_paths.get("png") else None, timeout_s=approval.timeout_s,
+            max_error_rate=policy.bake.max_error_rate, policy=policy)
+        entry.details.update(approve_task(approval, journal, channels, model,
+                                          version))
+    return result
+
+
+def _ended_by_error(journal: ReleaseJournal, exc: ModelshipError) -> None:
+    """A release stopped by a modelship error: its record ends (unless end_release ended
+    it, released or undone), the error carries it, and Prefect shows it."""
+    record = journal.record
+    if record.status == "running":  # else end_release ended it (released or undone)
+        status = ("rolled_back" if isinstance(exc, BakeBreached) or record.bake.get(
+            "rolled_back") else "failed" if exc.exit_code == 1 else "rejected")
+        journal.finish(status, exc.exit_code, exc.message,
+                       links=[f"next: {exc.hint}"] if exc.hint else [])
+    exc.details["record"] = record.to_dict()
+    publish_record(record)
+
+
+def _stopped(journal: ReleaseJournal, exc: BaseException,
+             progress: Progress) -> ReleaseCancelled | None:
+    """A stop request (or a bug) before the fleet changed: the record ends cancelled (or
+    failed). Returns the error to raise for a stop signal, None to re-raise ``exc``."""
+    record, model = journal.record, journal.record.model
+    signum = stop_signal(exc)
+    if record.status == "running":
+        with deferred(f"release {record.id} records its stop", say=progress):
+            if signum is not None:
+                journal.finish("cancelled", exit_code_for(signum),
+                               f"stopped by {signal.Signals(signum).name} during "
+                               f"{_last_stage(record)}; nothing in production was "
+                               "changed")
+            else:
+                journal.finish("failed", 1, f"{type(exc).__name__}: {exc}")
+    if signum is None:
+        return None
+    return ReleaseCancelled(f"promote of {model} {record.reason}", signum=signum,
+                            hint=f"`modelship history {model}` shows the record",
+                            model=model, record=record.to_dict())
 
 
 def _bake(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,
@@ -319,8 +373,6 @@ def _unload_kept_canary(clients: Clients, journal: ReleaseJournal, *,
 
 
 def _gate_lines(gates: dict[str, Any]) -> list[str]:
-    from modelship.slack.blocks import gate_lines
-
     return gate_lines(gates)
 
 
@@ -340,8 +392,6 @@ def _recover_first(settings: Settings, clients: Clients, policy: Policy, ledger:
     """Under the model's lock (``lock`` when the caller holds it already): finish or undo
     dead and incomplete runs. A live run of the same model in another terminal is not
     dead, so it is never touched."""
-    from modelship.locks import release_lock
-
     record = journal.record
     if not needs_recovery(ledger, record.model, record.id):
         return
@@ -359,8 +409,6 @@ def _recover_first(settings: Settings, clients: Clients, policy: Policy, ledger:
 def _repair_noop(settings: Settings, clients: Clients, policy: Policy,
                  journal: ReleaseJournal, version: int) -> None:
     """The version already serves: make the pin, its tag and the aliases say so too."""
-    from modelship.locks import release_lock
-
     record = journal.record
     with release_lock(record.model, storage=clients.storage,
                       home=settings.home, release_id=record.id, kind="promote"):
@@ -375,8 +423,6 @@ def release_plan(settings: Settings, clients: Clients, policy: Policy,
                  record: ReleaseRecord, approval: ApprovalRequest,
                  staged: dict[str, Any]) -> dict[str, Any]:
     """What a promotion would do, for ``--dry-run``: stages, gates, sizes and targets."""
-    from tasks.canary import SEQUENTIAL_SHARE, plan_rules
-
     # the canary's own planner: the watch's share of α grows the plan when it is on
     samples = plan_rules(policy.gates, baseline_latency_ms=None, baseline_error_rate=0.0,
                          floor=policy.canary.min_samples,
@@ -403,7 +449,5 @@ def release_plan(settings: Settings, clients: Clients, policy: Policy,
 
 
 def _flow_run_id() -> str | None:
-    from prefect.context import FlowRunContext
-
     context = FlowRunContext.get()
     return str(context.flow_run.id) if context and context.flow_run else None

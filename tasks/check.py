@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelship.candidate import ExportedModel, GoldenInputs, ResolvedVersion
 from modelship.clients import Clients
@@ -24,6 +24,9 @@ from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.signing import key_bytes
 from tasks.record import NextStep, StageRecorder
+
+if TYPE_CHECKING:
+    from modelship.triton.model_config import ModelConfig
 
 
 @dataclass
@@ -134,46 +137,21 @@ def run_check(
     stage: bool = False,
     allow_breaking_changes: bool = False,
     dry_run: bool = False,
+    docs: bool = True,
     progress: Progress = quiet,
 ) -> CheckReport:
-    """Run the artifact gate on one candidate; raise the first stage's error."""
-    from model_registry.client import PRODUCTION_ALIAS
-    from model_registry.golden import load_golden
-    from modelship.repository import version_prefix
-    from modelship.triton.infer import TritonInference
-    from modelship.triton.model_config import from_pbtxt, to_pbtxt
-    from tasks import expectations, export, trial_load, validate
+    """Run the artifact gate on one candidate; raise the first stage's error.
+
+    ``docs=False`` builds no GX Data Docs (for a ``workdir`` nobody reads afterwards)."""
+    from tasks import export, validate  # heavy (onnx, skl2onnx): when a check runs
 
     report = CheckReport(model=model)
-    registry, storage, canary = clients.registry, clients.storage, clients.canary
-
     with _stage(report, "preflight", progress):
         preflight(clients, settings, need_storage=True)
-    assert registry is not None and storage is not None and canary is not None
-
-    with _stage(report, "resolve", progress) as entry:
-        resolved = registry.resolve(model, version=version, alias=alias,
-                                    download_dir=workdir / "artifacts")
-        report.resolved, report.version = resolved, resolved.version
-        report.production_version = registry.aliases(model).get(PRODUCTION_ALIAS)
-        entry.update(flavor=resolved.flavor, uri=resolved.uri)
-
-    with _stage(report, "golden", progress) as entry:
-        golden_info, golden = load_golden(
-            registry, resolved, workdir=workdir / "golden",
-            max_rows=policy.export.golden_max_rows,
-            allow_synthetic=policy.export.allow_synthetic_golden)
-        report.golden = golden_info
-        entry.update(source=golden_info.source, rows=golden_info.rows,
-                     synthetic=golden_info.source == "synthetic")
-
-    with _stage(report, "input_checks", progress) as entry:
-        inputs = expectations.check_inputs(
-            golden, policy.validation, signature_columns=_signature_columns(resolved.signature),
-            out_dir=workdir / "checks" / "inputs")
-        report.checks["inputs"] = inputs.to_dict()
-        expectations.raise_for_failures(inputs, f"{resolved.uri} golden inputs")
-        entry.update(evaluated=inputs.evaluated, docs=report.checks["inputs"]["docs_path"])
+    assert clients.registry is not None and clients.storage is not None \
+        and clients.canary is not None
+    resolved = _resolve(report, clients, model, version, alias, workdir, progress)
+    golden = _golden_inputs(report, clients, policy, resolved, workdir, docs, progress)
 
     def signature_contract(candidate: ExportedModel) -> None:
         validate.check_contract(resolved.signature, candidate.spec, None)
@@ -183,7 +161,75 @@ def run_check(
                                        before_parity=signature_contract)
         report.exported = exported
         entry.update(opset=exported.opset, parity=exported.parity)
+    staged_config = _validate(report, settings, clients, policy, resolved, exported, golden,
+                              allow_breaking_changes, progress)
+    feed = export.golden_feed(golden, exported.spec, resolved.signature)
+    outputs = _output_checks(report, policy, resolved, exported, feed, workdir, docs,
+                             progress)
+    _trial_load(report, settings, clients, policy, resolved, exported, staged_config, feed,
+                progress)
+    report.feed, report.outputs = feed, outputs
+    if stage:
+        stage_checked(settings, clients, policy, report, dry_run=dry_run, progress=progress)
+    report.verdict = "passed"
+    return report
 
+
+def _resolve(report: CheckReport, clients: Clients, model: str, version: int | None,
+             alias: str | None, workdir: Path, progress: Progress) -> ResolvedVersion:
+    """The resolve stage: the version and its artifacts (downloaded), and what serves."""
+    from model_registry.client import PRODUCTION_ALIAS  # heavy (mlflow): when it runs
+
+    registry = clients.registry
+    assert registry is not None
+    with _stage(report, "resolve", progress) as entry:
+        resolved = registry.resolve(model, version=version, alias=alias,
+                                    download_dir=workdir / "artifacts")
+        report.resolved, report.version = resolved, resolved.version
+        report.production_version = registry.aliases(model).get(PRODUCTION_ALIAS)
+        entry.update(flavor=resolved.flavor, uri=resolved.uri)
+    return resolved
+
+
+def _golden_inputs(report: CheckReport, clients: Clients, policy: Policy,
+                   resolved: ResolvedVersion, workdir: Path, docs: bool,
+                   progress: Progress) -> Any:
+    """The golden and input_checks stages: the golden rows (a DataFrame), checked."""
+    from model_registry.golden import load_golden  # heavy (mlflow, pandas): when it runs
+    from tasks import expectations  # heavy (pandas; GX when it runs)
+
+    assert clients.registry is not None
+    with _stage(report, "golden", progress) as entry:
+        golden_info, golden = load_golden(
+            clients.registry, resolved, workdir=workdir / "golden",
+            max_rows=policy.export.golden_max_rows,
+            allow_synthetic=policy.export.allow_synthetic_golden)
+        report.golden = golden_info
+        entry.update(source=golden_info.source, rows=golden_info.rows,
+                     synthetic=golden_info.source == "synthetic")
+
+    with _stage(report, "input_checks", progress) as entry:
+        inputs = expectations.check_inputs(
+            golden, policy.validation, signature_columns=_signature_columns(resolved.signature),
+            out_dir=workdir / "checks" / "inputs", docs=docs)
+        report.checks["inputs"] = inputs.to_dict()
+        expectations.raise_for_failures(inputs, f"{resolved.uri} golden inputs")
+        entry.update(evaluated=inputs.evaluated, docs=report.checks["inputs"]["docs_path"])
+    return golden
+
+
+def _validate(report: CheckReport, settings: Settings, clients: Clients, policy: Policy,
+              resolved: ResolvedVersion, exported: ExportedModel, golden: Any,
+              allow_breaking_changes: bool, progress: Progress) -> ModelConfig:
+    """The validate stage: the rendered configs linted, the contract, breaking changes
+    against production. Returns the staged config (its text goes in the report)."""
+    # heavy (onnx, the Triton config protobufs): imported when a check runs
+    from modelship.repository import version_prefix
+    from modelship.triton.model_config import from_pbtxt, to_pbtxt
+    from tasks import export, validate
+
+    storage = clients.storage
+    assert storage is not None
     with _stage(report, "validate", progress) as entry:
         graph = exported.spec
         # Staged: the policy target's config (KIND_GPU on the fleet). Both it and its CPU form
@@ -198,7 +244,7 @@ def run_check(
         production_spec = None
         if report.production_version is not None and \
                 report.production_version != resolved.version:
-            folder = version_prefix(settings.repository_prefix, model,
+            folder = version_prefix(settings.repository_prefix, report.model,
                                     report.production_version)
             key = f"{folder}/config.pbtxt"
             if storage.exists(key):
@@ -209,33 +255,48 @@ def run_check(
             allowed=allow_breaking_changes or policy.validation.allow_breaking_changes)
         report.config_pbtxt = to_pbtxt(rendered.staged)
         entry.update(breaking_changes=changes, contract="ok", lint="ok")
+    return rendered.staged
 
-    feed = export.golden_feed(golden, exported.spec, resolved.signature)
+
+def _output_checks(report: CheckReport, policy: Policy, resolved: ResolvedVersion,
+                   exported: ExportedModel, feed: dict[str, Any], workdir: Path,
+                   docs: bool, progress: Progress) -> dict[str, Any]:
+    """The output_checks stage: the exported graph's answers on the golden feed, checked
+    by GX. Returns the answers."""
+    from tasks import expectations, trial_load  # heavy (pandas, onnxruntime): when it runs
+
     with _stage(report, "output_checks", progress) as entry:
         outputs = trial_load.run_onnxruntime(exported.onnx_path, feed)
         result = expectations.check_outputs(outputs, policy.validation,
-                                            out_dir=workdir / "checks" / "outputs")
+                                            out_dir=workdir / "checks" / "outputs",
+                                            docs=docs)
         report.checks["outputs"] = result.to_dict()
         expectations.raise_for_failures(result, f"{resolved.uri} outputs on the golden inputs")
         entry.update(evaluated=result.evaluated, docs=report.checks["outputs"]["docs_path"])
+    return outputs
 
+
+def _trial_load(report: CheckReport, settings: Settings, clients: Clients, policy: Policy,
+                resolved: ResolvedVersion, exported: ExportedModel, config: ModelConfig,
+                feed: dict[str, Any], progress: Progress) -> None:
+    """The trial_load stage: load the staged config on the canary, answer the golden feed
+    within parity, unload."""
+    from modelship.triton.infer import TritonInference  # heavy (tritonclient): when it runs
+    from tasks import trial_load
+
+    canary = clients.canary
+    assert canary is not None
     with _stage(report, "trial_load", progress) as entry:
         inference = TritonInference(canary.endpoint.http, timeout_s=settings.http_timeout_s)
         try:
-            trial = trial_load.trial_load(canary, inference, model=model,
-                                          version=resolved.version, config=rendered.staged,
+            trial = trial_load.trial_load(canary, inference, model=report.model,
+                                          version=resolved.version, config=config,
                                           files=exported.files, feed=feed,
                                           parity=policy.export.parity)
         finally:
             inference.close()
         report.checks["trial_load"] = trial
         entry.update(server=trial["server"], load_s=trial["load_s"])
-
-    report.feed, report.outputs = feed, outputs
-    if stage:
-        stage_checked(settings, clients, policy, report, dry_run=dry_run, progress=progress)
-    report.verdict = "passed"
-    return report
 
 
 def stage_checked(settings: Settings, clients: Clients, policy: Policy, report: CheckReport,

@@ -38,9 +38,12 @@ Decisions, and why:
 - **Tensor signatures** (no named columns): row count and not-null on whatever columns the
   DataFrame has. Policy columns apply wherever they exist; a policy column that the inputs
   lack fails, because a misspelt column name must not switch a range check off.
-- **One GX context per output directory** (kept for the process, at most a few), so the Data
-  Docs index at ``OUT/data_docs/index.html`` lists both suites of a release. Building Data
-  Docs costs ~0.3-0.5 s per validation; ``docs=False`` skips it.
+- **One GX context per process** (an ephemeral one, made on first use): every validation
+  of the process goes through it, and the Data Docs site points at the output directory of
+  the validation at hand, so ``OUT/data_docs/index.html`` lists the suites validated so far
+  (both suites of a check). Building Data Docs costs ~0.3-0.5 s per validation;
+  ``docs=False`` skips it (the promote flow does: its check folder is removed after the
+  stage, so nobody could read them).
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ import json
 import math
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,8 +105,7 @@ _SIGNATURE_TYPES: dict[str, tuple[str, ...]] = {
 """MLflow ColSpec types -> GX type names. Other types (array, object, map) get no type check."""
 
 _SOURCE = "modelship"
-_CONTEXTS_KEPT = 4
-_contexts: OrderedDict[str, Any] = OrderedDict()
+_context_of_process: list[Any] = []  # the one GX context, once made
 _lock = threading.Lock()  # GX contexts are not thread-safe; validations are short.
 
 
@@ -373,6 +374,33 @@ def _output_plan(
     outputs: Mapping[str, np.ndarray], policy: ValidationPolicy
 ) -> tuple[pd.DataFrame, list[_Expect]]:
     """The table GX validates (one row per golden input) and the ``model_outputs`` suite."""
+    arrays = _output_arrays(outputs)
+    checks = policy.outputs
+    probabilities, missing = _probability_outputs(arrays, checks.probabilities)
+    data: dict[str, np.ndarray] = {}
+    plan = [
+        _Expect(
+            "ExpectTableRowCountToBeBetween", None,
+            "the model answered at least 1 row", None, {"min_value": 1},
+        )
+    ]  # fmt: skip
+    for name in missing:
+        plan.append(_Expect(
+            "ExpectColumnToExist", name,
+            f"probability output '{name}' (listed in the policy) exists",
+            "validation.outputs.probabilities",
+        ))  # fmt: skip
+    for name, arr in arrays.items():
+        plan += _output_expectations(name, arr, name in probabilities, checks.sum_tolerance,
+                                     data)
+    if policy.max_class_share is not None:
+        plan.append(_class_share_expectation(arrays, probabilities, policy.max_class_share,
+                                             data))
+    return pd.DataFrame(data), plan
+
+
+def _output_arrays(outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The outputs as arrays with one row per golden input, or :class:`ValidationFailed`."""
     arrays = {str(name): np.asarray(arr) for name, arr in outputs.items()}
     if not arrays:
         raise ValidationFailed(
@@ -394,81 +422,73 @@ def _output_plan(
             hint="every output must have one row per golden input row; check the export",
             rows=counts,
         )
+    return arrays
 
-    checks = policy.outputs
-    probabilities, missing = _probability_outputs(arrays, checks.probabilities)
-    data: dict[str, np.ndarray] = {}
-    plan = [
-        _Expect(
-            "ExpectTableRowCountToBeBetween", None,
-            "the model answered at least 1 row", None, {"min_value": 1},
-        )
-    ]  # fmt: skip
-    for name in missing:
+
+def _output_expectations(name: str, arr: np.ndarray, probability: bool, tol: float,
+                         data: dict[str, np.ndarray]) -> list[_Expect]:
+    """One output's columns (added to ``data``) and their expectations: no nulls, finite
+    or (``probability``) within [0, 1] ± ``tol``, and rows summing to 1 ± ``tol``."""
+    plan: list[_Expect] = []
+    columns = _output_columns(name, arr)
+    data.update(columns)
+    is_float = arr.dtype.kind == "f"
+    for column in columns:
         plan.append(_Expect(
-            "ExpectColumnToExist", name,
-            f"probability output '{name}' (listed in the policy) exists",
-            "validation.outputs.probabilities",
+            "ExpectColumnValuesToNotBeNull", column,
+            f"output column '{column}' has no NaN or null values", None,
         ))  # fmt: skip
-    for name, arr in arrays.items():
-        columns = _output_columns(name, arr)
-        data.update(columns)
-        is_float = arr.dtype.kind == "f"
-        for column in columns:
-            plan.append(_Expect(
-                "ExpectColumnValuesToNotBeNull", column,
-                f"output column '{column}' has no NaN or null values", None,
-            ))  # fmt: skip
-            if not is_float:
-                continue
-            if name in probabilities:
-                slack = checks.sum_tolerance  # float rounding, as for the row sums
-                plan.append(_Expect(
-                    "ExpectColumnValuesToBeBetween", column,
-                    f"probability column '{column}' lies in [0, 1] ± {slack:g}",
-                    "validation.outputs.probabilities",
-                    {"min_value": -slack, "max_value": 1.0 + slack},
-                ))  # fmt: skip
-            else:
-                plan.append(_Expect(
-                    "ExpectColumnValuesToBeBetween", column,
-                    f"output column '{column}' is finite (no ±inf)", None,
-                    {"min_value": -_MAX_FLOAT, "max_value": _MAX_FLOAT},
-                ))  # fmt: skip
-        rows = arr.reshape(arr.shape[0], -1)
-        if name in probabilities and rows.shape[1] >= 2:
-            column = f"{name}.row_sum"
-            data[column] = rows.astype(np.float64).sum(axis=1)
-            tol = checks.sum_tolerance
+        if not is_float:
+            continue
+        if probability:
+            slack = tol  # float rounding, as for the row sums
             plan.append(_Expect(
                 "ExpectColumnValuesToBeBetween", column,
-                f"each row of '{name}' sums to 1 ± {tol:g}", "validation.outputs.sum_tolerance",
-                {"min_value": 1.0 - tol, "max_value": 1.0 + tol},
-            ))  # fmt: skip
-
-    share = policy.max_class_share
-    if share is not None:
-        source = _class_source(arrays, probabilities)
-        if source is None:
-            plan.append(_Expect(
-                "ExpectColumnToExist", "predicted_class",
-                "validation.max_class_share is set, but the model has no integer, boolean or "
-                "string label output and no probability output to take classes from",
-                "validation.max_class_share",
+                f"probability column '{column}' lies in [0, 1] ± {slack:g}",
+                "validation.outputs.probabilities",
+                {"min_value": -slack, "max_value": 1.0 + slack},
             ))  # fmt: skip
         else:
-            origin, classes = source
-            series = pd.Series(classes)
-            shares = series.value_counts(normalize=True)
-            column = f"{origin}.class_share"
-            data[column] = series.map(shares).to_numpy(float)
-            top = f" (the most frequent is {_jsonable(shares.index[0])!r})" if len(shares) else ""
             plan.append(_Expect(
-                "ExpectColumnMaxToBeBetween", column,
-                f"no predicted class from '{origin}' takes more than {share:g} of the golden "
-                f"rows{top}", "validation.max_class_share", {"max_value": share},
+                "ExpectColumnValuesToBeBetween", column,
+                f"output column '{column}' is finite (no ±inf)", None,
+                {"min_value": -_MAX_FLOAT, "max_value": _MAX_FLOAT},
             ))  # fmt: skip
-    return pd.DataFrame(data), plan
+    rows = arr.reshape(arr.shape[0], -1)
+    if probability and rows.shape[1] >= 2:
+        column = f"{name}.row_sum"
+        data[column] = rows.astype(np.float64).sum(axis=1)
+        plan.append(_Expect(
+            "ExpectColumnValuesToBeBetween", column,
+            f"each row of '{name}' sums to 1 ± {tol:g}", "validation.outputs.sum_tolerance",
+            {"min_value": 1.0 - tol, "max_value": 1.0 + tol},
+        ))  # fmt: skip
+    return plan
+
+
+def _class_share_expectation(arrays: Mapping[str, np.ndarray], probabilities: list[str],
+                             share: float, data: dict[str, np.ndarray]) -> _Expect:
+    """``validation.max_class_share``: the most predicted class's share (its column added
+    to ``data``), or a failing expectation when the model has no class to count."""
+    source = _class_source(arrays, probabilities)
+    if source is None:
+        return _Expect(
+            "ExpectColumnToExist", "predicted_class",
+            "validation.max_class_share is set, but the model has no integer, boolean or "
+            "string label output and no probability output to take classes from",
+            "validation.max_class_share",
+        )  # fmt: skip
+    origin, classes = source
+    series = pd.Series(classes)
+    shares = series.value_counts(normalize=True)
+    column = f"{origin}.class_share"
+    data[column] = series.map(shares).to_numpy(float)
+    top = f" (the most frequent is {_jsonable(shares.index[0])!r})" if len(shares) else ""
+    return _Expect(
+        "ExpectColumnMaxToBeBetween", column,
+        f"no predicted class from '{origin}' takes more than {share:g} of the golden "
+        f"rows{top}", "validation.max_class_share", {"max_value": share},
+    )  # fmt: skip
 
 
 def _interval(low: float | None, high: float | None) -> str:
@@ -493,23 +513,32 @@ def _gx_frame(frame: pd.DataFrame) -> pd.DataFrame:
 # running GX
 
 
-def _context(out_dir: Path) -> Any:
-    """The GX context of ``out_dir``, kept so one Data Docs index lists every suite there."""
-    import great_expectations as gx
+def _context() -> Any:
+    """The process's GX context (made on first use; call under ``_lock``)."""
+    import great_expectations as gx  # heavy (~3 s): imported by the first validation
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
-    key = str(out_dir.resolve())
-    ctx = _contexts.get(key)
-    if ctx is not None:
-        _contexts.move_to_end(key)
-        return ctx
-    ctx = gx.get_context(mode="ephemeral")
-    ctx.variables.progress_bars = ProgressBarsConfig(globally=False)  # no tqdm on stderr
-    ctx.data_sources.add_pandas(_SOURCE)
-    _contexts[key] = ctx
-    while len(_contexts) > _CONTEXTS_KEPT:
-        _contexts.popitem(last=False)
-    return ctx
+    if not _context_of_process:
+        ctx = gx.get_context(mode="ephemeral")
+        ctx.variables.progress_bars = ProgressBarsConfig(globally=False)  # no tqdm on stderr
+        ctx.data_sources.add_pandas(_SOURCE)
+        _context_of_process.append(ctx)
+    return _context_of_process[0]
+
+
+def _point_docs_at(ctx: Any, docs_dir: Path) -> None:
+    """Build the modelship Data Docs site into ``docs_dir`` from now on."""
+    base = str(docs_dir.resolve())
+    config = {
+        "class_name": "SiteBuilder",
+        "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+        "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": base},
+    }
+    sites: dict[str, Any] = ctx.get_config().data_docs_sites or {}
+    if DOCS_SITE not in sites:
+        ctx.add_data_docs_site(site_name=DOCS_SITE, site_config=config)
+    elif sites[DOCS_SITE].get("store_backend", {}).get("base_directory") != base:
+        ctx.update_data_docs_site(site_name=DOCS_SITE, site_config=config)
 
 
 def _replace(factory: Any, name: str) -> None:
@@ -530,19 +559,9 @@ def _run(
         import great_expectations.expectations as gxe
         from great_expectations.checkpoint import UpdateDataDocsAction
 
-        ctx = _context(out_dir)
-        if docs and DOCS_SITE not in ctx.get_config().data_docs_sites:
-            ctx.add_data_docs_site(
-                site_name=DOCS_SITE,
-                site_config={
-                    "class_name": "SiteBuilder",
-                    "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-                    "store_backend": {
-                        "class_name": "TupleFilesystemStoreBackend",
-                        "base_directory": str(docs_dir.resolve()),
-                    },
-                },
-            )
+        ctx = _context()
+        if docs:
+            _point_docs_at(ctx, docs_dir)
         source = ctx.data_sources.get(_SOURCE)
         asset_names = {a.name for a in source.assets}
         asset = (

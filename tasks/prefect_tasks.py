@@ -58,8 +58,10 @@ def resolve_task(clients: Clients, model: str, version: int | None,
 def check_task(settings: Settings, clients: Clients, policy: Policy, model: str, version: int,
                workdir: Path, allow_breaking: bool) -> CheckReport:
     """Export, validate (contract, config lint, GX), and trial-load the candidate."""
+    # no Data Docs: the promote flow removes the check's folder after the stage
     return run_check(settings, clients, policy, model=model, version=version, workdir=workdir,
-                     allow_breaking_changes=allow_breaking, progress=get_run_logger().info)
+                     allow_breaking_changes=allow_breaking, docs=False,
+                     progress=get_run_logger().info)
 
 
 @task(name="stage", task_run_name="stage {model} v{version}", cache_policy=NO_CACHE,

@@ -16,6 +16,7 @@ import pytest
 
 from modelship.errors import ValidationFailed
 from modelship.policy import ValidationPolicy
+from tasks import expectations
 from tasks.expectations import (
     DataCheckResult,
     check_inputs,
@@ -313,3 +314,18 @@ def test_result_json_and_data_docs_are_written(tmp_path: Path) -> None:
     html = index.read_text(encoding="utf-8")
     assert "golden_inputs" in html and "model_outputs" in html
     assert json.dumps(bad.to_dict())  # JSON-ready for the release record
+
+
+def test_one_context_builds_each_validations_docs_in_its_own_folder(tmp_path: Path) -> None:
+    """One GX context serves the process; the Data Docs follow each validation's folder."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    a = check_inputs(golden(), policy(), signature_columns=SIGNATURE, out_dir=first)
+    b = check_outputs(classifier(), policy(), out_dir=second)
+    c = check_inputs(golden(), policy(), signature_columns=SIGNATURE, out_dir=first)
+    assert a.docs_path == c.docs_path == first / "data_docs" / "index.html"
+    assert b.docs_path == second / "data_docs" / "index.html"
+    assert "model_outputs" in b.docs_path.read_text(encoding="utf-8")
+    built = {folder: sorted(p.name for p in (folder / "data_docs" / "validations").iterdir())
+             for folder in (first, second)}
+    assert built == {first: ["golden_inputs"], second: ["model_outputs"]}
+    assert expectations._context() is expectations._context()
