@@ -250,6 +250,34 @@ def read_verified(
     check_version(version)
     vprefix = version_prefix(repository_prefix, model, version)
     mkey = f"{vprefix}/{MANIFEST_NAME}"
+    manifest = _trusted_manifest(storage, mkey, model=model, version=version,
+                                 signing_key=signing_key)
+    problems, config_bytes, hashed = _check_files(storage, vprefix, manifest, deep=deep)
+    if problems:
+        raise StagingError(
+            f"version {version} of {model} failed verification against its manifest: "
+            f"{'; '.join(problems)}",
+            hint=TAMPERED_HINT, model=model, version=version, problems=problems,
+        )
+    probe = None
+    if manifest.get(PROBE_FIELD) is not None:
+        try:
+            probe = GoldenProbe.from_dict(manifest[PROBE_FIELD])
+        except (TypeError, ValueError) as exc:
+            raise StagingError(f"manifest {mkey} has a malformed probe ({exc})",
+                               hint=TAMPERED_HINT, model=model, version=version) from exc
+    return VerifiedVersion(manifest, config_bytes.decode(), probe, hashed,
+                           time.monotonic() - started)
+
+
+def _trusted_manifest(storage: S3Storage, mkey: str, *, model: str, version: int,
+                      signing_key: bytes | None) -> dict[str, Any]:
+    """The manifest at ``mkey``, once it is known to be signed (with a key) and to describe
+    ``model``/``version``: the file digests it lists are then worth checking.
+
+    Raises:
+        StagingError: the manifest is missing, unsigned or forged, or names another version.
+    """
     manifest = read_manifest(storage, mkey)
     if manifest is None:
         raise StagingError(
@@ -274,6 +302,17 @@ def read_verified(
             f"not {model}/{version}",
             hint=TAMPERED_HINT, model=model, version=version, manifest_key=mkey,
         )
+    return manifest
+
+
+def _check_files(storage: S3Storage, vprefix: str, manifest: dict[str, Any], *,
+                 deep: bool) -> tuple[list[str], bytes, int]:
+    """Each file against the manifest: by HEAD, and by content when ``deep`` (the config
+    always, so the bytes kept are the ones that verified).
+
+    Returns:
+        Every problem found, the config's bytes, and the bytes hashed for ``deep``.
+    """
     expected = {n: FileDigest(e["sha256"], e["size"]) for n, e in manifest["files"].items()}
     expected[CONFIG_NAME] = FileDigest(manifest["config_sha256"], manifest["config_size"])
     problems = []
@@ -284,36 +323,28 @@ def read_verified(
         found = remote_digest(storage.head(key))
         problem = digest_mismatch(name, digest, found)
         if problem is None and (deep or name == CONFIG_NAME):
-            hasher = hashlib.sha256()
-            size = 0
-            kept: list[bytes] = []
-            for chunk in storage.iter_bytes(key, chunk_bytes=HASH_CHUNK_BYTES):
-                hasher.update(chunk)
-                size += len(chunk)
-                if name == CONFIG_NAME:
-                    kept.append(chunk)
-            hashed += size if deep else 0
-            config_bytes = b"".join(kept) if name == CONFIG_NAME else config_bytes
-            problem = digest_mismatch(name, digest, FileDigest(hasher.hexdigest(), size))
+            content, kept = _stream_digest(storage, key, keep=name == CONFIG_NAME)
+            hashed += content.size if deep else 0
+            config_bytes = kept if name == CONFIG_NAME else config_bytes
+            problem = digest_mismatch(name, digest, content)
             if problem:
                 problem += " (content)"
         if problem:
             problems.append(problem)
-    if problems:
-        raise StagingError(
-            f"version {version} of {model} failed verification against its manifest: "
-            f"{'; '.join(problems)}",
-            hint=TAMPERED_HINT, model=model, version=version, problems=problems,
-        )
-    probe = None
-    if manifest.get(PROBE_FIELD) is not None:
-        try:
-            probe = GoldenProbe.from_dict(manifest[PROBE_FIELD])
-        except (TypeError, ValueError) as exc:
-            raise StagingError(f"manifest {mkey} has a malformed probe ({exc})",
-                               hint=TAMPERED_HINT, model=model, version=version) from exc
-    return VerifiedVersion(manifest, config_bytes.decode(), probe, hashed,
-                           time.monotonic() - started)
+    return problems, config_bytes, hashed
+
+
+def _stream_digest(storage: S3Storage, key: str, *, keep: bool) -> tuple[FileDigest, bytes]:
+    """sha256 and size of an object's content, streamed; its bytes too when ``keep``."""
+    hasher = hashlib.sha256()
+    size = 0
+    kept: list[bytes] = []
+    for chunk in storage.iter_bytes(key, chunk_bytes=HASH_CHUNK_BYTES):
+        hasher.update(chunk)
+        size += len(chunk)
+        if keep:
+            kept.append(chunk)
+    return FileDigest(hasher.hexdigest(), size), b"".join(kept)
 
 
 def version_folders(storage: S3Storage, model: str, repository_prefix: str
