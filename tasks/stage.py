@@ -505,67 +505,121 @@ def stage_version(
         return StagedVersion(model, version, mkey, plan.digests, 0, 0, 0, [], True, False,
                              time.monotonic() - started, manifest)
 
-    try:
-        provenance_json = json.loads(json.dumps(dict(provenance)))
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"provenance of {model}/{version} is not JSON-serialisable ({exc})",
-                         hint="pass strings, numbers, booleans, lists and mappings only") from exc
-
+    provenance_json = _json_provenance(plan, provenance)
     _execute(storage, plan, files, policy, progress)
     _check_in_place(storage, plan)
+    _delete_leftovers(storage, plan, progress)
+    config_bytes = config_pbtxt.encode()
+    metadata_bytes, model_config_written = _write_configs(storage, plan, config_bytes,
+                                                          repository_prefix, progress)
+    manifest = _manifest_document(plan, provenance_json, config_size=len(config_bytes),
+                                  blob_prefix=blob_prefix, probe=probe)
+    metadata_bytes += _publish_manifest(storage, mkey, sign(manifest, signing_key), progress)
+    verified = _verify_or_unpublish(storage, plan, mkey, repository_prefix=repository_prefix,
+                                    signing_key=signing_key)
+    return _staged_report(plan, mkey, verified, metadata_bytes=metadata_bytes,
+                          model_config_written=model_config_written, started=started,
+                          progress=progress)
+
+
+def _json_provenance(plan: StagingPlan, provenance: Mapping[str, Any]) -> dict[str, Any]:
+    """``provenance`` as plain JSON, refused before anything is written when it is not.
+
+    Raises:
+        UsageError: a value JSON cannot hold.
+    """
+    try:
+        return dict(json.loads(json.dumps(dict(provenance))))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(
+            f"provenance of {plan.model}/{plan.version} is not JSON-serialisable ({exc})",
+            hint="pass strings, numbers, booleans, lists and mappings only") from exc
+
+
+def _delete_leftovers(storage: S3Storage, plan: StagingPlan, progress: Progress) -> None:
+    """Remove the files in the version folder that the plan does not stage."""
     for action in plan.actions:
         if action.kind == "delete":
-            progress(f"{model}/{version}: deleting leftover {action.key}")
+            progress(f"{plan.model}/{plan.version}: deleting leftover {action.key}")
             storage.delete_key(action.key)
 
-    config_bytes = config_pbtxt.encode()
+
+def _write_configs(storage: S3Storage, plan: StagingPlan, config_bytes: bytes,
+                   repository_prefix: str, progress: Progress) -> tuple[int, bool]:
+    """Write the version's config.pbtxt, and the model's when it has none yet.
+
+    Returns:
+        The bytes written, and whether the model's config was written.
+    """
     storage.put_bytes(f"{plan.version_prefix}/{CONFIG_NAME}", config_bytes,
                       metadata={SHA256_METADATA: plan.config_sha256})
-    metadata_bytes = len(config_bytes)
-    model_config_written = False
-    if not plan.model_config_exists:
-        model_config_key = f"{model_prefix(repository_prefix, model)}/{CONFIG_NAME}"
-        if not storage.exists(model_config_key):  # the swap may have written it meanwhile
-            progress(f"{model}: writing {model_config_key} (first version of this model)")
-            storage.put_bytes(model_config_key, config_bytes,
-                              metadata={SHA256_METADATA: plan.config_sha256})
-            metadata_bytes += len(config_bytes)
-            model_config_written = True
+    if plan.model_config_exists:
+        return len(config_bytes), False
+    model_config_key = f"{model_prefix(repository_prefix, plan.model)}/{CONFIG_NAME}"
+    if storage.exists(model_config_key):  # the swap may have written it meanwhile
+        return len(config_bytes), False
+    progress(f"{plan.model}: writing {model_config_key} (first version of this model)")
+    storage.put_bytes(model_config_key, config_bytes,
+                      metadata={SHA256_METADATA: plan.config_sha256})
+    return 2 * len(config_bytes), True
 
-    manifest = {
+
+def _manifest_document(plan: StagingPlan, provenance: dict[str, Any], *, config_size: int,
+                       blob_prefix: str, probe: GoldenProbe | None) -> dict[str, Any]:
+    """The version's ``release.json`` before signing: what was staged and where from."""
+    manifest: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
-        "model": model,
-        "version": version,
+        "model": plan.model,
+        "version": plan.version,
         "created_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "provenance": provenance_json,
+        "provenance": provenance,
         "files": {n: d.to_dict() for n, d in sorted(plan.digests.items())},
         "config_sha256": plan.config_sha256,
-        "config_size": len(config_bytes),
+        "config_size": config_size,
         "blob_prefix": clean_prefix(blob_prefix),
     }
     if probe is not None:
         manifest[PROBE_FIELD] = probe.to_dict()
-    manifest = sign(manifest, signing_key)
+    return manifest
+
+
+def _publish_manifest(storage: S3Storage, mkey: str, manifest: dict[str, Any],
+                      progress: Progress) -> int:
+    """Write the signed manifest, last: it is what makes the version exist. Returns its
+    size in bytes."""
     body = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-    progress(f"{model}/{version}: writing {mkey} (publishes the version)")
+    progress(f"{manifest['model']}/{manifest['version']}: writing {mkey} (publishes the "
+             "version)")
     storage.put_bytes(mkey, body, metadata={SHA256_METADATA: hashlib.sha256(body).hexdigest()})
-    metadata_bytes += len(body)
+    return len(body)
+
+
+def _verify_or_unpublish(storage: S3Storage, plan: StagingPlan, mkey: str, *,
+                         repository_prefix: str, signing_key: bytes) -> dict[str, Any]:
+    """Verify the version just published; on any failure delete its manifest, so no
+    manifest is left that points at bad files."""
     try:
-        verified = verify_staged(storage, model=model, version=version,
-                                 repository_prefix=repository_prefix, signing_key=signing_key)
+        return verify_staged(storage, model=plan.model, version=plan.version,
+                             repository_prefix=repository_prefix, signing_key=signing_key)
     except Exception:
-        storage.delete_key(mkey)  # never leave a manifest that points at bad files
+        storage.delete_key(mkey)
         raise
 
+
+def _staged_report(plan: StagingPlan, mkey: str, verified: dict[str, Any], *,
+                   metadata_bytes: int, model_config_written: bool, started: float,
+                   progress: Progress) -> StagedVersion:
+    """What staging moved (uploaded, copied server-side, skipped) and how long it took."""
     uploaded = sum(a.size for a in plan.actions if a.kind == "upload")
     copied = sum(a.size for a in plan.actions if a.kind == "copy")
     skipped = [a.name for a in plan.actions if a.kind == "skip"]
     seconds = time.monotonic() - started
-    progress(f"{model}/{version}: staged in {seconds:.1f} s ({uploaded / 1e6:.1f} MB uploaded, "
-             f"{copied / 1e6:.1f} MB copied server-side, {len(skipped)} skipped)")
-    return StagedVersion(model, version, mkey, plan.digests, uploaded, copied, metadata_bytes,
-                         skipped, False, model_config_written, seconds, verified,
-                         list(plan.actions))
+    progress(f"{plan.model}/{plan.version}: staged in {seconds:.1f} s "
+             f"({uploaded / 1e6:.1f} MB uploaded, {copied / 1e6:.1f} MB copied server-side, "
+             f"{len(skipped)} skipped)")
+    return StagedVersion(plan.model, plan.version, mkey, plan.digests, uploaded, copied,
+                         metadata_bytes, skipped, False, model_config_written, seconds,
+                         verified, list(plan.actions))
 
 
 def _file_size(path: Path) -> int:
