@@ -33,12 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from modelship.policy import StagingPolicy
+from modelship.signing import generate_key
 from modelship.stack import components as c
 from modelship.stack.process import LOOPBACK, free_ports, start_process, stop_process, wait_ready
 from modelship.storage import S3Storage
+from tasks.stage import StagedVersion, stage_version
 
 RESULTS = Path(__file__).resolve().parent / "results" / "staging.json"
 BUCKET = "bench"
+CONFIG_PBTXT = 'name: "bench"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
 REPOSITORY_PREFIX = "triton"
 MiB = 1024 * 1024
 
@@ -116,21 +119,10 @@ def _mbps(size_bytes: int, seconds: float) -> float:
 
 def run(mb: int, workdir: Path, *, rounds: int = 1) -> dict[str, Any]:
     """Time plain boto3 against stage_version on one private SeaweedFS; the figures."""
-    from modelship.signing import generate_key
-    from tasks.stage import stage_version
-
     signing_key = generate_key().encode()
-
     policy = StagingPolicy()
     size = mb * MiB
-    model_dir = workdir / "model"
-    model_dir.mkdir()
-    weights = model_dir / "model.onnx.data"
-    graph = model_dir / "model.onnx"
-    _write_random(weights, size)
-    _write_random(graph, 4096)
-    files = {"model.onnx": graph, "model.onnx.data": weights}
-    config = 'name: "bench"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+    files = _model_files(workdir / "model", size)
     total = size + 4096
 
     with seaweed(workdir / "seaweedfs") as server:
@@ -147,27 +139,12 @@ def run(mb: int, workdir: Path, *, rounds: int = 1) -> dict[str, Any]:
             plain_s.append(time.monotonic() - t0)
 
             # A fresh blob store per round, so every round really uploads.
-            staged = stage_version(
-                storage, model="bench", version=1 + 10 * i, files=files, config_pbtxt=config,
-                provenance={"bench": "staging", "round": i}, policy=policy,
-                repository_prefix=REPOSITORY_PREFIX, blob_prefix=f"blobs-{i}/sha256",
-                signing_key=signing_key,
-            )
+            staged = _stage(storage, files, policy, signing_key, version=1 + 10 * i, round_=i)
             stage_s.append(staged.seconds)
             first = first or staged
         assert first is not None
-        restaged = stage_version(
-            storage, model="bench", version=1, files=files, config_pbtxt=config,
-            provenance={"bench": "staging", "round": 0}, policy=policy,
-            repository_prefix=REPOSITORY_PREFIX, blob_prefix="blobs-0/sha256",
-            signing_key=signing_key,
-        )
-        next_version = stage_version(
-            storage, model="bench", version=2, files=files, config_pbtxt=config,
-            provenance={"bench": "staging", "round": 0}, policy=policy,
-            repository_prefix=REPOSITORY_PREFIX, blob_prefix="blobs-0/sha256",
-            signing_key=signing_key,
-        )
+        restaged = _stage(storage, files, policy, signing_key, version=1, round_=0)
+        next_version = _stage(storage, files, policy, signing_key, version=2, round_=0)
 
     plain_best, stage_best = min(plain_s), min(stage_s)
     return {
@@ -195,6 +172,27 @@ def run(mb: int, workdir: Path, *, rounds: int = 1) -> dict[str, Any]:
                                      "bytes_uploaded": next_version.bytes_uploaded,
                                      "bytes_copied": next_version.bytes_copied},
     }
+
+
+def _model_files(model_dir: Path, size_bytes: int) -> dict[str, Path]:
+    """An ONNX-shaped model of random bytes: a 4 KiB graph and ``size_bytes`` of weights."""
+    model_dir.mkdir()
+    weights = model_dir / "model.onnx.data"
+    graph = model_dir / "model.onnx"
+    _write_random(weights, size_bytes)
+    _write_random(graph, 4096)
+    return {"model.onnx": graph, "model.onnx.data": weights}
+
+
+def _stage(storage: S3Storage, files: dict[str, Path], policy: StagingPolicy,
+           signing_key: bytes, *, version: int, round_: int) -> StagedVersion:
+    """stage_version of the bench model into round ``round_``'s own blob store."""
+    return stage_version(
+        storage, model="bench", version=version, files=files, config_pbtxt=CONFIG_PBTXT,
+        provenance={"bench": "staging", "round": round_}, policy=policy,
+        repository_prefix=REPOSITORY_PREFIX, blob_prefix=f"blobs-{round_}/sha256",
+        signing_key=signing_key,
+    )
 
 
 def _table(r: dict[str, Any]) -> str:
