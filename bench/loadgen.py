@@ -46,6 +46,7 @@ import io
 import os
 import shutil
 import stat
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -305,6 +306,7 @@ def run_sync_client(
     warmup_s: float = 1.0,
 ) -> dict[str, Any]:
     """Fallback reference: tritonclient's synchronous client, one thread per request slot."""
+    # lazy: tritonclient's sync clients only when perf_analyzer is unavailable
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
@@ -409,8 +411,7 @@ AB_ARMS = {
 def cpu_ab(protocol: str, url: str, x: np.ndarray, reps: int) -> dict[str, Any]:
     """Client CPU per request of one protocol's transports, before and after (see
     :data:`AB_ARMS`), interleaved ABAB on the same server; medians over ``reps``."""
-    import statistics
-
+    # lazy: the "before" transports (grpc.aio, aiohttp) only for --cpu-ab
     from modelship.loadgen import engine as loadgen
     from modelship.loadgen.transports.grpc_aio import GrpcTransport
     from modelship.loadgen.transports.http_aiohttp import AiohttpTransport

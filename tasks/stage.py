@@ -33,6 +33,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from modelship.errors import StagingError, UsageError
 from modelship.policy import StagingPolicy
 from modelship.progress import Progress, quiet
@@ -332,8 +334,6 @@ def golden_probe(feed: Mapping[str, Any], outputs: Mapping[str, Any], tolerance:
         tolerance: An object with ``atol`` and ``rtol`` (the policy's parity tolerances).
         rows: How many rows to keep.
     """
-    import numpy as np
-
     return GoldenProbe.record({k: np.asarray(v) for k, v in feed.items()},
                               {k: np.asarray(v) for k, v in outputs.items()}, rows=rows,
                               atol=float(tolerance.atol), rtol=float(tolerance.rtol))

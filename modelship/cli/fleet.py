@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ from modelship.cli._common import (
     table,
     with_clients,
 )
+from modelship.errors import UsageError
 
 
 def _render_swap(doc: dict[str, Any]) -> str:
@@ -49,6 +51,7 @@ def swap(model: ModelArg,
          as_json: JsonOpt = False) -> None:
     """Swap every replica to a staged version with a passing canary on record (atomic; a
     mixed fleet is converged). Moves the aliases and records the swap."""
+    # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
     from flows import standalone
     from modelship.policy import policy_for
 
@@ -69,6 +72,7 @@ def rollback(model: ModelArg,
              as_json: JsonOpt = False) -> None:
     """Roll back to what served before (the ledger says which): the alias first, then every
     replica; the alias is put back if anything fails."""
+    # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
     from flows import standalone
     from modelship.policy import policy_for
 
@@ -91,7 +95,7 @@ def status(model: ModelArg, as_json: JsonOpt = False) -> None:
     """Compare the replicas (versions and live configs, batching included) with the
     production pin, the production alias and the newest ledger record. Exit 1 on any
     disagreement, naming the command that repairs it; a source that is down is noted."""
-    from tasks.status import status_report
+    from tasks.status import status_report  # lazy: a command imports its tasks when it runs
 
     finish(run_reporting(
         lambda: with_clients(lambda settings, clients: status_report(settings, clients,
@@ -151,31 +155,26 @@ def load(model: ModelArg, version: VersionOpt = None,
                                               help="Load the canary, not the fleet.")] = False,
          as_json: JsonOpt = False) -> None:
     """The canary load generator on its own: latency percentiles, throughput, errors."""
+    # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
     from modelship.loadgen import LoadSpec, run_load_sync
     from tasks import fleet
 
     def action() -> Any:
         def body(settings: Any, clients: Any) -> Any:
             if concurrency is not None and rate is not None:
-                from modelship.errors import UsageError
-
                 raise UsageError("pass --concurrency or --rate, not both",
                                  hint="e.g. `--concurrency 8` or `--rate 200`")
             servers = [clients.canary] if canary else clients.replicas
             if not servers or servers[0] is None:
-                from modelship.errors import UsageError
-
                 raise UsageError("no Triton servers are configured",
                                  hint="run `modelship stack up`")
             served = version
             if served is None:
                 served = fleet.status(clients, model=model)["production_version"]
             if served is None:
-                from modelship.errors import UsageError
-
                 raise UsageError(f"{model} is not served consistently; cannot pick payloads",
                                  hint="pass --version V (a staged version)")
-            from tasks.payload import load_payload
+            from tasks.payload import load_payload  # lazy: as above
 
             payload, source = load_payload(clients.storage, clients.registry,
                                            repository_prefix=settings.repository_prefix,
@@ -233,6 +232,7 @@ def canary(model: ModelArg,
                "canary.sequential).")] = None,
            as_json: JsonOpt = False) -> None:
     """Canary the candidate against production on the canary Triton; apply the gates."""
+    # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
     from flows import standalone
     from modelship.policy import policy_for
 
@@ -264,8 +264,6 @@ def canary(model: ModelArg,
 
 
 def _requester(current: Any) -> str:
-    import getpass
-
     return str(current.requester or getpass.getuser())
 
 
@@ -280,7 +278,7 @@ def reconcile(model: Annotated[str | None, typer.Argument(
               dry_run: DryRunOpt = False, as_json: JsonOpt = False) -> None:
     """Bring every reachable replica back to the production recorded in the repository (a
     replica that restarted empty, or one a crashed swap left behind). Verified bytes only."""
-    from tasks import reconcile as reconciling  # lazy: a command imports its tasks when run
+    from tasks import reconcile as reconciling  # lazy: a command imports its tasks when it runs
 
     def arguments(settings: Any, clients: Any) -> dict[str, Any]:
         return _reconcile_arguments(settings, clients, model=model, dry_run=dry_run)
@@ -309,7 +307,6 @@ def _reconcile_arguments(settings: Any, clients: Any, *, model: str | None,
         UsageError: the replicas or the S3 repository are not configured.
     """
     # lazy: a command imports what it needs when it runs, so the CLI starts fast
-    from modelship.errors import UsageError
     from modelship.locks import release_lock
     from modelship.policy import policy_for
     from modelship.signing import key_bytes

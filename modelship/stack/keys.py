@@ -142,7 +142,7 @@ def drop_undecryptable_webhooks(db_path: Path, key: str) -> list[str]:
     secrets cannot be recovered, and the stack's receiver registers its webhook again at
     start. Run before MLflow starts (it is a SQLite file); a missing file or table is no-op.
     """
-    from cryptography.fernet import Fernet, InvalidToken
+    from cryptography.fernet import Fernet, InvalidToken  # lazy: only `stack up` needs it
 
     if not db_path.is_file():
         return []

@@ -193,6 +193,7 @@ def _start_up(
         raise fail(_what_happened(exc)) from exc
 
     if load_models:
+        # lazy: the Triton control client (tritonclient, grpcio) only when models are loaded
         from modelship.settings import TritonEndpoint
         from modelship.triton.client import TritonServer
 
@@ -271,6 +272,7 @@ def mlp_classifier_onnx(
     Returns:
         The ONNX model and its FP32 training inputs, ``(n_samples, n_features)``.
     """
+    # lazy: scikit-learn and skl2onnx take seconds to import; only this builder needs them
     from skl2onnx import convert_sklearn
     from skl2onnx.common.data_types import FloatTensorType
     from sklearn.neural_network import MLPClassifier

@@ -23,6 +23,7 @@ from typing import Any
 from modelship.errors import ModelshipError, StackError, UsageError
 from modelship.progress import Progress, quiet
 from modelship.settings import Settings
+from modelship.signing import generate_key
 from modelship.stack import components as c
 from modelship.stack.keys import (
     drop_undecryptable_webhooks,
@@ -91,8 +92,6 @@ def _private_file(path: Path, text: str) -> None:
 
 def manifest_signing_key(home: Path) -> str:
     """The stack's manifest signing key: read from ``home``, or generated once."""
-    from modelship.signing import generate_key
-
     path = home / SIGNING_KEY_FILE
     if path.is_file():
         key = path.read_text().strip()
@@ -692,7 +691,7 @@ def _triton_ready_check(http_url: str, grpc_port: int) -> Callable[[], bool]:
 def _s3_bucket_ready(endpoint: str, bucket: str, access_key: str, secret_key: str,
                      region: str, prefix: str) -> bool:
     """The bucket exists and the repository prefix has its marker object."""
-    from modelship.storage import S3Storage
+    from modelship.storage import S3Storage  # lazy: boto3 (~0.5 s) only when a stack starts
 
     storage = S3Storage(endpoint=endpoint, bucket=bucket, access_key=access_key,
                         secret_key=secret_key, region=region, timeout_s=2.0)

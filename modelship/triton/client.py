@@ -47,7 +47,7 @@ class TritonServer:
     @property
     def grpc(self) -> grpcclient.InferenceServerClient:
         if self._grpc is None:
-            import tritonclient.grpc as grpcclient
+            import tritonclient.grpc as grpcclient  # lazy: grpcio only once gRPC is used
 
             self._grpc = grpcclient.InferenceServerClient(self.endpoint.grpc)
         return self._grpc

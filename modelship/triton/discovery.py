@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -308,12 +309,12 @@ class KubernetesDiscovery:
         return self._configuration
 
     def _api_client(self) -> ApiClient:
-        from kubernetes.client import ApiClient
+        from kubernetes.client import ApiClient  # lazy: the kubernetes client is big
 
         return ApiClient(self._config())
 
     def _list_slices(self, *, limit: int | None) -> list[dict[str, Any]]:
-        from kubernetes.client import DiscoveryV1Api
+        from kubernetes.client import DiscoveryV1Api  # lazy: the kubernetes client is big
 
         with self._api_client() as api:
             try:
@@ -340,6 +341,7 @@ class KubernetesDiscovery:
 
     def _check_service_exists(self) -> None:
         """Tell a typo in the service name from a Service whose pods are all down."""
+        # lazy: the kubernetes client is big
         from kubernetes.client import CoreV1Api
         from kubernetes.client.exceptions import ApiException
 
@@ -359,6 +361,7 @@ class KubernetesDiscovery:
 
     def _translate(self, exc: Exception, action: str) -> ModelshipError:
         """Turn a kubernetes/urllib3 error into a modelship error (the one place)."""
+        # lazy: the kubernetes client is big
         import urllib3.exceptions
         from kubernetes.client.exceptions import ApiException
 
@@ -485,8 +488,7 @@ def load_kube_configuration(
     Raises:
         UsageError: No usable configuration was found (names what was tried).
     """
-    import os
-
+    # lazy: the kubernetes client (~1 s) only for a Kubernetes discovery
     from kubernetes import config as kube_config
     from kubernetes.client import Configuration
     from kubernetes.config.config_exception import ConfigException

@@ -29,6 +29,7 @@ def host_port(url: str) -> str:
 
 def build_inputs(arrays: dict[str, np.ndarray]) -> list[Any]:
     """tritonclient InferInput objects for named arrays (batch dimension first)."""
+    # lazy: tritonclient.http pulls in gevent; only a request needs it
     import tritonclient.http as httpclient
     from tritonclient.utils import np_to_triton_dtype
 
@@ -56,7 +57,7 @@ class TritonInference:
     @property
     def client(self) -> Any:
         if self._client is None:
-            import tritonclient.http as httpclient
+            import tritonclient.http as httpclient  # lazy: gevent only once a request is made
 
             self._client = httpclient.InferenceServerClient(
                 host_port(self.http_url), connection_timeout=self.timeout_s,
@@ -71,6 +72,7 @@ class TritonInference:
     def infer(self, model: str, arrays: dict[str, np.ndarray], *, outputs: list[str],
               version: str = "") -> InferAnswer:
         """One request; raises InfrastructureError naming the model on any failure."""
+        # lazy: tritonclient.http pulls in gevent; only a request needs it
         import tritonclient.http as httpclient
         from tritonclient.utils import InferenceServerException
 

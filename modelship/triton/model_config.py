@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 from google.protobuf import json_format, text_format
 from onnx import TensorProto
 from tritonclient.grpc import model_config_pb2
@@ -119,8 +120,6 @@ def _canonical_dtype(dtype: str) -> str:
     if dtype in _DTYPES:
         return dtype
     try:
-        import numpy as np
-
         name = np.dtype(dtype).name
     except TypeError:
         name = dtype
@@ -896,8 +895,6 @@ def example_request(cfg: ModelConfig, *, rows: int = 1, random: bool = False,
 
     Used by the swap's probes, which only need *an* answer and the version that gave it.
     """
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     arrays: dict[str, Any] = {}
     for tensor in cfg.input:

@@ -42,6 +42,7 @@ from modelship.errors import ModelshipError, PreflightError
 from modelship.policy import Target
 from modelship.triton.client import TritonServer
 from modelship.triton.gpu import fleet_target, parse_gpu_metrics
+from modelship.triton.metrics import scrape_text
 from modelship.triton.model_config import ModelConfig, for_target
 
 __all__ = ["FleetTarget", "decide_target", "detect_targets", "render_for_servers",
@@ -118,8 +119,6 @@ def detect_targets(servers: Sequence[TritonServer], *, timeout_s: float,
     caller already scraped (server name to text, None for a failed scrape, which is not
     retried); other servers are scraped here, in parallel.
     """
-    from modelship.triton.metrics import scrape_text
-
     given = dict(texts or {})
 
     def one(server: TritonServer) -> Target | None:
