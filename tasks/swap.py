@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -469,15 +470,20 @@ def _run_phase(servers: dict[str, TritonServer], names: Sequence[str], phase: Ph
     cancel = threading.Event()
     pool = ThreadPoolExecutor(max_workers=max(1, len(names)),
                               thread_name_prefix=f"swap-{phase.name}")
-    futures: dict[str, Future[_Outcome]] = {
-        name: pool.submit(_run_phase_on, servers[name], phase, model=model,
-                          swap_start=swap_start, deadline=deadline, probe=probe,
-                          cancel=cancel if stop_on_failure else None)
-        for name in names
-    }
-    pending: set[Future[_Outcome]] = set(futures.values())
+    futures: dict[str, Future[_Outcome]] = {}
+    pending: set[Future[_Outcome]] = set()
     join_by = deadline + JOIN_GRACE_S
     try:
+        # A stop while the threads are handed out would leave a started one unwaited (its
+        # late load could land after the abort's): held until all are out, then raised here.
+        with deferred(f"the {phase.name} phase of {model} starts", say=None) as held:
+            for name in names:
+                futures[name] = pool.submit(
+                    _run_phase_on, servers[name], phase, model=model, swap_start=swap_start,
+                    deadline=deadline, probe=probe, cancel=cancel if stop_on_failure else None)
+        for signum in held:
+            signal.raise_signal(signum)
+        pending = set(futures.values())
         while pending:
             done, pending = wait(pending, timeout=max(0.0, join_by - time.monotonic()),
                                  return_when=FIRST_COMPLETED)
@@ -491,7 +497,7 @@ def _run_phase(servers: dict[str, TritonServer], names: Sequence[str], phase: Ph
         # after it (bounded by the deadline, as always).
         cancel.set()
         with deferred(f"the {phase.name} phase of {model} stops", say=None):
-            wait(pending, timeout=max(0.0, join_by - time.monotonic()))
+            wait(set(futures.values()), timeout=max(0.0, join_by - time.monotonic()))
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=False, cancel_futures=True)  # a stuck gRPC load must not hold the abort

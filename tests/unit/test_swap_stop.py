@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -110,6 +111,37 @@ def test_a_signal_during_the_switch_aborts_on_every_replica(
         assert replica.loads[-1] == (1, True), (replica.name, replica.loads)
         assert replica.serving == 1
         assert (2, False) in replica.loads or replica.name == "r2"  # the switch reached some
+
+
+def test_a_signal_while_the_switch_is_handed_out_waits_for_every_started_replica(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT lands inside the submit of r2's switch, after its work is queued; r2's thread
+    starts late. The stop must reach r2 (it sends nothing) before the abort loads P there,
+    so no late switch load of C lands after the abort's load of P."""
+    run_phase_on = swapping._run_phase_on
+
+    def late_r2(server: Any, phase: Any, **kwargs: Any) -> Any:
+        if server.name == "r2" and phase.name == "switch":
+            time.sleep(0.3)
+        return run_phase_on(server, phase, **kwargs)
+
+    class SignalInsideSubmit(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            future = super().submit(fn, *args, **kwargs)
+            if args[0].name == "r2" and args[1].name == "switch":
+                os.kill(os.getpid(), signal.SIGINT)
+            return future
+
+    monkeypatch.setattr(swapping, "_run_phase_on", late_r2)
+    monkeypatch.setattr(swapping, "ThreadPoolExecutor", SignalInsideSubmit)
+    replicas = [FakeReplica("r0"), FakeReplica("r1"), FakeReplica("r2")]
+    with pytest.raises(StopRequested), stop_on_signals():
+        _swap(replicas, monkeypatch)
+    time.sleep(0.5)  # r2's thread, had it been left running, would load C by now
+    for replica in replicas:
+        assert replica.loads[-1] == (1, True), (replica.name, replica.loads)
+        assert replica.serving == 1
+    assert (2, False) not in replicas[2].loads
 
 
 def test_a_base_exception_in_a_replica_thread_fails_that_replica_and_aborts(
