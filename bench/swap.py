@@ -116,9 +116,16 @@ class TimedServer(TritonServer):
         super().__init__(server.endpoint, timeout_s=server.timeout_s,
                          control_timeout_s=server.control_timeout_s)
         self.calls = calls
+        # The fault injection (set by Rig.swap for one swap): called before each load with
+        # the versions it serves; raising fails this replica's phase as a failed load would.
+        self.before_load: Callable[[str, tuple[int, ...]], None] | None = None
 
     def load_model(self, name: str, *, config_json: str | None = None,
                    files: dict[str, bytes] | None = None) -> None:
+        if self.before_load is not None:
+            specific = (json.loads(config_json or "{}").get("version_policy") or {}) \
+                .get("specific") or {}
+            self.before_load(self.name, tuple(int(v) for v in specific.get("versions", [])))
         began = time.perf_counter()
         ok = False
         try:
@@ -431,22 +438,32 @@ class Rig:
 
     def swap(self, target: int, *, pause_batching: bool, pause_mode: str = "separate",
              fault: Callable[[str, str], None] | None = None) -> dict[str, Any]:
-        """One swap_fleet call; an abort comes back as its report with ``aborted``."""
-        from tasks.swap import swap_fleet
+        """One swap_fleet call; an abort comes back as its report with ``aborted``.
+
+        ``fault(replica, phase)`` runs before a replica's switch (its first load of
+        ``target``) and before each of its loads back to another version after it (the
+        abort); raising fails that replica's phase."""
+        from tasks.swap import SwapOptions, SwapTarget, swap_fleet
 
         policy = SwapPolicy(pause_batching=pause_batching, deadline_s=DEADLINE_S,
                             probe_timeout_s=5.0, pause_mode=pause_mode)  # type: ignore[arg-type]
+        for replica in self.replicas:
+            replica.before_load = None if fault is None else _phase_fault(target, fault)
         try:
             report = swap_fleet(
-                list(self.replicas), model=MODEL, target=target, storage=self.storage,
-                repository_prefix=self.settings.repository_prefix, policy=policy,
-                probe_feed=self.probe_feed, probe_outputs=self.outputs,
-                progress=self.progress.append, http_timeout_s=self.settings.http_timeout_s,
-                signing_key=key_bytes(self.settings.manifest_signing_key), fault=fault)
+                list(self.replicas),
+                SwapTarget.from_settings(self.settings, self.storage, model=MODEL,
+                                         version=target, probe_feed=self.probe_feed,
+                                         probe_outputs=self.outputs),
+                SwapOptions(policy, http_timeout_s=self.settings.http_timeout_s),
+                progress=self.progress.append)
         except SwapAborted as exc:
             aborted = dict(exc.details["report"])
             aborted["message"] = exc.message
             return aborted
+        finally:
+            for replica in self.replicas:
+                replica.before_load = None
         return report.to_dict()
 
     def serving(self) -> set[int]:
@@ -454,6 +471,22 @@ class Rig:
 
         status = fleet_status(self.replicas, MODEL)
         return {v for r in status["replicas"] for v in r["ready_versions"]}
+
+
+def _phase_fault(target: int, fault: Callable[[str, str], None]
+                 ) -> Callable[[str, tuple[int, ...]], None]:
+    """A fault(replica, phase) over the loads of one swap to ``target``: a replica's first
+    load of ``target`` is its switch, a later load of another version is the abort."""
+    switched: set[str] = set()
+
+    def before_load(replica: str, versions: tuple[int, ...]) -> None:
+        if versions == (target,) and replica not in switched:
+            switched.add(replica)
+            fault(replica, "switch")
+        elif versions != (target,) and replica in switched:
+            fault(replica, "abort")
+
+    return before_load
 
 
 def build_rig(settings: Settings, workdir: Path) -> Rig:

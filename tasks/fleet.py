@@ -44,7 +44,7 @@ from tasks import recovery
 from tasks.evidence import read_candidate_digest, require_evidence
 from tasks.record import ReleaseJournal
 from tasks.stage import prune_versions
-from tasks.swap import fleet_status
+from tasks.swap import SwapOptions, SwapTarget, fleet_status, swap_fleet
 
 
 def require_fleet(clients: Clients) -> None:
@@ -71,21 +71,18 @@ def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model
     ``footprint_bytes`` is C's GPU footprint measured by the canary, for the headroom
     preflight (None: estimated from C's initializers); ``footprint_detail`` says where it
     was read (a release record)."""
-    from tasks.swap import swap_fleet
-
     require_fleet(clients)
     assert clients.storage is not None
     config = staged_config(clients.storage, repository_prefix=settings.repository_prefix,
                            model=model, version=target)
-    report = swap_fleet(
-        clients.replicas, model=model, target=target, storage=clients.storage,
-        repository_prefix=settings.repository_prefix, policy=policy.swap,
+    candidate = SwapTarget.from_settings(
+        settings, clients.storage, model=model, version=target,
         probe_feed=example_request(config), probe_outputs=[o.name for o in config.output],
-        signing_key=key_bytes(settings.manifest_signing_key),
-        progress=progress, http_timeout_s=settings.http_timeout_s, dry_run=dry_run,
-        converge=converge, gpu=policy.triton.gpu, footprint_bytes=footprint_bytes,
-        footprint_detail=footprint_detail)
-    return report.to_dict()
+        footprint_bytes=footprint_bytes, footprint_detail=footprint_detail)
+    options = SwapOptions(policy.swap, gpu=policy.triton.gpu,
+                          http_timeout_s=settings.http_timeout_s, dry_run=dry_run,
+                          converge=converge)
+    return swap_fleet(clients.replicas, candidate, options, progress=progress).to_dict()
 
 
 def recorded_footprint_for(records: list[ReleaseRecord], digest: dict[str, Any],

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 
@@ -63,10 +63,17 @@ from modelship.repository import (
     read_verified,
     version_prefix,
 )
+from modelship.settings import Settings
 from modelship.signals import deferred
+from modelship.signing import key_bytes
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
-from modelship.triton.gpu import check_headroom, initializer_bytes, plan_headroom
+from modelship.triton.gpu import (
+    HeadroomPlan,
+    check_headroom,
+    initializer_bytes,
+    plan_headroom,
+)
 from modelship.triton.infer import GoldenProbe, TritonInference
 from modelship.triton.model_config import (
     ModelConfig,
@@ -95,11 +102,12 @@ from modelship.triton.swap_plan import (
     replica_states,
     start,
 )
-from modelship.triton.target import render_for_servers
+from modelship.triton.target import FleetTarget, render_for_servers
 
 __all__ = ["PIN_SIGNATURE_METADATA", "Observed", "PhaseReport", "Progress",
-           "RecordedFootprint", "SwapReport", "apply_config", "fleet_status", "observe_fleet",
-           "pin_signature", "ready_versions", "recorded_footprint", "swap_fleet"]
+           "RecordedFootprint", "SwapOptions", "SwapReport", "SwapTarget", "apply_config",
+           "fleet_status", "observe_fleet", "pin_signature", "ready_versions",
+           "recorded_footprint", "swap_fleet"]
 
 
 POLL_INTERVAL_S = 0.05
@@ -356,6 +364,33 @@ class _Probe:
         return inference.infer(model, self.feed, outputs=self.outputs).model_version, []
 
 
+#: Why a replica stops when another one failed the phase (a forward phase stops them all).
+_CANCELLED = "stopped: the phase failed on another replica"
+
+
+@dataclass(frozen=True)
+class _PhaseClock:
+    """One replica's phase in time: its deadline, and when each outcome came.
+
+    Attributes:
+        swap_start: The swap's start (time.monotonic()), the origin of ``at_s``.
+        began: When this replica's phase began (time.monotonic()).
+        deadline: When the phase must be over (time.monotonic()).
+    """
+
+    swap_start: float
+    began: float
+    deadline: float
+
+    def past_deadline(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def outcome(self, ok: bool, reason: str | None = None,
+                answered_at: float | None = None) -> _Outcome:
+        now = time.monotonic()
+        return _Outcome(ok, reason, now - self.swap_start, now - self.began, answered_at)
+
+
 def _run_phase_on(server: TritonServer, phase: Phase, *, model: str, swap_start: float,
                   deadline: float, probe: _Probe,
                   cancel: threading.Event | None = None) -> _Outcome:
@@ -369,75 +404,98 @@ def _run_phase_on(server: TritonServer, phase: Phase, *, model: str, swap_start:
     this phase) the replica sends nothing more and stops waiting.
     """
     stop = cancel or threading.Event()
-    cancelled = "stopped: the phase failed on another replica"
-    began = time.monotonic()
+    clock = _PhaseClock(swap_start, time.monotonic(), deadline)
     inference = TritonInference(server.endpoint.http, timeout_s=probe.timeout_s)
-
-    def outcome(ok: bool, reason: str | None = None,
-                answered_at: float | None = None) -> _Outcome:
-        now = time.monotonic()
-        return _Outcome(ok, reason, now - swap_start, now - began, answered_at)
-
     try:
         if phase.config is None:
-            if time.monotonic() > deadline:
-                return outcome(False, "deadline passed before the unload was sent")
-            server.unload_model(model)
-            while server.is_model_ready(model):
-                if time.monotonic() > deadline:
-                    return outcome(False, f"{model} still ready after the unload deadline")
-                time.sleep(POLL_INTERVAL_S)
-            return outcome(True)
-        if time.monotonic() > deadline:  # a late thread must not change a replica any more
-            return outcome(False, f"deadline passed before {phase.name} was sent")
-        if stop.is_set():
-            return outcome(False, f"{cancelled}; {phase.name} was not sent")
-        server.load_model(model, config_json=to_json(phase.config))
-        if time.monotonic() > deadline and phase.name != ABORT:
-            return outcome(False, f"the load took {time.monotonic() - began:.1f} s, past the "
-                           "deadline")
-        expected = str(phase.expect_version)
-        while not server.is_model_ready(model, expected):
-            if time.monotonic() > deadline:
-                return outcome(False, f"v{expected} not ready before the deadline")
-            if stop.is_set():
-                return outcome(False, cancelled)
-            time.sleep(POLL_INTERVAL_S)
-        if not phase.probe:
-            return outcome(True)
-        last = "no probe sent"
-        unreachable_since: float | None = None
-        while True:
-            try:
-                answered, mismatches = probe.answer(inference, model, phase.expect_version)
-                unreachable_since = None
-            except Unreachable as exc:
-                answered, mismatches, last = "", [], exc.message
-                unreachable_since = unreachable_since or time.monotonic()
-                if time.monotonic() - unreachable_since >= UNREACHABLE_GRACE_S:
-                    return outcome(False, f"unreachable for {UNREACHABLE_GRACE_S:g} s: {last}")
-            except ModelshipError as exc:
-                answered, mismatches, last = "", [], exc.message
-            if answered == expected and mismatches:
-                # the right version number with other outputs: other bytes serve; final
-                return outcome(False, f"v{expected} answered the golden probe with outputs "
-                               f"that differ from those recorded at staging: "
-                               f"{'; '.join(mismatches)}")
-            if answered == expected:
-                return outcome(True, answered_at=time.monotonic() - swap_start)
-            if answered:
-                last = f"a probe was answered by v{answered}, not v{expected}"
-            if time.monotonic() > deadline:
-                return outcome(False, f"{last} (deadline passed)")
-            if stop.is_set():
-                return outcome(False, cancelled)
-            time.sleep(POLL_INTERVAL_S)
+            return _unload_on(server, model, clock)
+        return _load_on(server, phase, phase.config, model=model, clock=clock, stop=stop,
+                        probe=probe, inference=inference)
     except ModelshipError as exc:
-        return outcome(False, exc.message)
+        return clock.outcome(False, exc.message)
     except Exception as exc:  # noqa: BLE001 - a client bug fails this replica, not the swap
-        return outcome(False, f"{type(exc).__name__}: {exc}")
+        return clock.outcome(False, f"{type(exc).__name__}: {exc}")
     finally:
         inference.close()
+
+
+def _unload_on(server: TritonServer, model: str, clock: _PhaseClock) -> _Outcome:
+    """The unload phase (the abort of a first deploy): the replica must serve nothing."""
+    if clock.past_deadline():
+        return clock.outcome(False, "deadline passed before the unload was sent")
+    server.unload_model(model)
+    while server.is_model_ready(model):
+        if clock.past_deadline():
+            return clock.outcome(False, f"{model} still ready after the unload deadline")
+        time.sleep(POLL_INTERVAL_S)
+    return clock.outcome(True)
+
+
+def _load_on(server: TritonServer, phase: Phase, config: ModelConfig, *, model: str,
+             clock: _PhaseClock, stop: threading.Event, probe: _Probe,
+             inference: TritonInference) -> _Outcome:
+    """Send the phase's full config, wait until its version is READY, then probe it.
+
+    Nothing is sent past the deadline or once ``stop`` is set, so a late thread never
+    changes a replica after the abort began; a forward load that returns past the deadline
+    fails (the abort's load is waited for: it brings P back).
+    """
+    if clock.past_deadline():  # a late thread must not change a replica any more
+        return clock.outcome(False, f"deadline passed before {phase.name} was sent")
+    if stop.is_set():
+        return clock.outcome(False, f"{_CANCELLED}; {phase.name} was not sent")
+    server.load_model(model, config_json=to_json(config))
+    if clock.past_deadline() and phase.name != ABORT:
+        return clock.outcome(False, f"the load took {time.monotonic() - clock.began:.1f} s, "
+                             "past the deadline")
+    expected = str(phase.expect_version)
+    while not server.is_model_ready(model, expected):
+        if clock.past_deadline():
+            return clock.outcome(False, f"v{expected} not ready before the deadline")
+        if stop.is_set():
+            return clock.outcome(False, _CANCELLED)
+        time.sleep(POLL_INTERVAL_S)
+    if not phase.probe:
+        return clock.outcome(True)
+    return _await_answer(inference, probe, model=model, version=phase.expect_version,
+                         clock=clock, stop=stop)
+
+
+def _await_answer(inference: TritonInference, probe: _Probe, *, model: str,
+                  version: int | None, clock: _PhaseClock, stop: threading.Event) -> _Outcome:
+    """Probe until ``version`` answers an unversioned request, with C's recorded outputs.
+
+    Another version answering, or an error, is retried until the deadline; a replica
+    unreachable for :data:`UNREACHABLE_GRACE_S` fails at once (it died); the right version
+    with other outputs fails for good (other bytes serve under that number).
+    """
+    expected = str(version)
+    last = "no probe sent"
+    unreachable_since: float | None = None
+    while True:
+        try:
+            answered, mismatches = probe.answer(inference, model, version)
+            unreachable_since = None
+        except Unreachable as exc:
+            answered, mismatches, last = "", [], exc.message
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since >= UNREACHABLE_GRACE_S:
+                return clock.outcome(False, f"unreachable for {UNREACHABLE_GRACE_S:g} s: {last}")
+        except ModelshipError as exc:
+            answered, mismatches, last = "", [], exc.message
+        if answered == expected and mismatches:
+            return clock.outcome(False, f"v{expected} answered the golden probe with outputs "
+                                 f"that differ from those recorded at staging: "
+                                 f"{'; '.join(mismatches)}")
+        if answered == expected:
+            return clock.outcome(True, answered_at=time.monotonic() - clock.swap_start)
+        if answered:
+            last = f"a probe was answered by v{answered}, not v{expected}"
+        if clock.past_deadline():
+            return clock.outcome(False, f"{last} (deadline passed)")
+        if stop.is_set():
+            return clock.outcome(False, _CANCELLED)
+        time.sleep(POLL_INTERVAL_S)
 
 
 def apply_config(server: TritonServer, *, model: str, config: ModelConfig, version: int,
@@ -686,61 +744,94 @@ def _states_dict(states: dict[str, ReplicaState]) -> dict[str, dict[str, Any]]:
     return {name: state.to_dict() for name, state in states.items()}
 
 
-def swap_fleet(
-    replicas: list[TritonServer],
-    *,
-    model: str,
-    target: int,
-    storage: S3Storage,
-    repository_prefix: str,
-    policy: SwapPolicy,
-    probe_feed: dict[str, np.ndarray],
-    probe_outputs: list[str],
-    signing_key: bytes,
-    progress: Progress = quiet,
-    http_timeout_s: float = 10.0,
-    dry_run: bool = False,
-    converge: bool = False,
-    gpu: GpuPolicy | None = None,
-    footprint_bytes: int | None = None,
-    footprint_detail: str | None = None,
-) -> SwapReport:
-    """Serve ``model`` version ``target`` on every replica, or on none of them.
+@dataclass(frozen=True)
+class SwapTarget:
+    """The version to serve on every replica: where it is staged, and how a replica shows
+    that it serves it.
 
-    With ``dry_run`` it observes the fleet, verifies the candidate and returns the plan
-    without changing anything.
-
-    Args:
-        replicas: The production fleet (not the canary).
+    Attributes:
         model: Triton model name.
-        target: C, a staged version.
+        version: C, a staged version.
         storage: The S3 client of the repository Triton serves.
         repository_prefix: The repository prefix inside the bucket.
-        policy: ``pause_batching``, the per-phase ``deadline_s`` and ``probe_timeout_s``.
+        signing_key: The manifest signing key (:func:`modelship.signing.key_bytes`); C's
+            manifest must be signed with it.
         probe_feed: One small valid request (input name to array, batch first), for the
             version-only probe of the abort back to P. Probes that must answer as C send
             C's golden rows from its signed manifest and check the recorded outputs.
         probe_outputs: Output names the probe asks for.
-        signing_key: The manifest signing key (:func:`modelship.signing.key_bytes`); C's
-            manifest must be signed with it.
-        progress: Receives one human line per step.
+        footprint_bytes: C's GPU footprint per GPU measured by the canary
+            (``CanaryResult.candidate_bytes``, or read back from the ledger by
+            :func:`recorded_footprint`), bytes; None: estimate it from C's initializers.
+        footprint_detail: Where ``footprint_bytes`` comes from, for the plan and report.
+    """
+
+    model: str
+    version: int
+    storage: S3Storage
+    repository_prefix: str
+    signing_key: bytes
+    probe_feed: dict[str, np.ndarray]
+    probe_outputs: list[str]
+    footprint_bytes: int | None = None
+    footprint_detail: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, storage: S3Storage, *, model: str,
+                      version: int, probe_feed: dict[str, np.ndarray],
+                      probe_outputs: list[str], footprint_bytes: int | None = None,
+                      footprint_detail: str | None = None) -> SwapTarget:
+        """C staged in the settings' repository, verified with the settings' signing key."""
+        return cls(model=model, version=version, storage=storage,
+                   repository_prefix=settings.repository_prefix,
+                   signing_key=key_bytes(settings.manifest_signing_key),
+                   probe_feed=probe_feed, probe_outputs=probe_outputs,
+                   footprint_bytes=footprint_bytes, footprint_detail=footprint_detail)
+
+
+@dataclass(frozen=True)
+class SwapOptions:
+    """How the swap runs: the policy's timing, and what the caller asks of it.
+
+    Attributes:
+        policy: ``pause_batching``, ``pause_mode``, the per-phase ``deadline_s`` and
+            ``probe_timeout_s``.
+        gpu: The policy's GPU settings (``headroom_bytes`` for the headroom preflight);
+            None takes their defaults.
         http_timeout_s: Upper bound of one probe request, in s (the policy's
             ``probe_timeout_s`` applies when lower).
+        dry_run: Observe the fleet, verify the candidate and return the plan; change
+            nothing.
         converge: Repair a mixed fleet (a crashed coordinator left replicas on different
             versions or configs, or some are unreachable) instead of refusing it: every
             reachable replica gets C's full production config and must answer the golden
             probe (plan kind ``converge``; unreachable replicas are listed as skipped).
-        gpu: The policy's GPU settings (``headroom_bytes`` for the headroom preflight);
-            None takes their defaults.
-        footprint_bytes: C's GPU footprint per GPU measured by the canary
-            (``CanaryResult.candidate_bytes``, or read back from the ledger by
-            :func:`recorded_footprint`); None: estimate it from C's initializers.
-        footprint_detail: Where ``footprint_bytes`` comes from, for the plan and report.
+    """
+
+    policy: SwapPolicy
+    gpu: GpuPolicy | None = None
+    http_timeout_s: float = 10.0
+    dry_run: bool = False
+    converge: bool = False
+
+
+def swap_fleet(replicas: list[TritonServer], target: SwapTarget, options: SwapOptions, *,
+               progress: Progress = quiet) -> SwapReport:
+    """Serve ``target``'s version on every replica, or on none of them.
+
+    With ``options.dry_run`` it observes the fleet, verifies the candidate and returns the
+    plan without changing anything.
 
     C's staged config is loaded (and pinned) in the fleet's form: the CPU form of a GPU
     config on a CPU fleet (:func:`modelship.triton.target.render_for_servers`); the report's
     ``serving_form`` says which and how it was decided. A fleet of GPU and CPU servers is
     refused (PreflightError) before anything changes.
+
+    Args:
+        replicas: The production fleet (not the canary).
+        target: C, where it is staged, and its probes and GPU footprint.
+        options: The policy's timing, ``dry_run`` and ``converge``.
+        progress: Receives one human line per step.
 
     Returns:
         The report; ``kind == "noop"`` when every replica already served C.
@@ -755,115 +846,181 @@ def swap_fleet(
             message lists each replica's state; ``details["report"]`` is the report.
     """
     swap_start = time.monotonic()
-    progress(f"{model}: observing {len(replicas)} replica(s) and candidate v{target}")
-    observed = observe_fleet(replicas, model)
-    # One scrape per replica: it tells the fleet's form (cpu/gpu) and feeds the headroom.
-    texts = _metrics_texts(replicas, http_timeout_s)
-    progress(f"{model}: verifying v{target} (manifest signature, sha256 of every staged byte)")
-    read = _read_candidate(storage, model=model, target=target,
-                           repository_prefix=repository_prefix, signing_key=signing_key)
-    # What the fleet serves and what gets pinned is the staged config in the fleet's form,
-    # so digests compare like with like (a no-op stays a no-op) and a restarted replica
-    # loads what it can run.
-    candidate, form = render_for_servers(read.config, replicas, timeout_s=http_timeout_s,
-                                         texts=texts)
-    production = next((o.live_config for o in observed if o.live_config is not None), None)
-    try:
-        plan = plan_swap(model, [o.view for o in observed], target=target,
-                         candidate_config=candidate, production_config=production,
-                         pause_batching=policy.pause_batching,
-                         candidate_verified=read.error is None,
-                         pause_at_switch=policy.pause_mode == "at_switch",
-                         candidate_problem=read.error.message if read.error else None,
-                         converge=converge)
-    except PreflightError as exc:
-        if read.error is None:
-            raise
-        # C did not verify: that is a rejection by validation (exit 3), whatever else
-        others = [p for p in exc.details.get("problems", []) if "did not verify" not in p]
-        also = f" (also: {'; '.join(others)})" if others else ""
-        raise StagingError(
-            f"swap of {model} to v{target} refused before changing anything: "
-            f"{read.error.message}{also}",
-            hint=read.error.hint, model=model, target=target,
-            problems=exc.details.get("problems", []),
-        ) from read.error
-    headroom = None
-    if plan.kind != "noop":
-        headroom = plan_headroom(
-            model, target, texts, cfg=candidate, measured_bytes=footprint_bytes,
-            measured_detail=footprint_detail,
-            weights_bytes=_weights_reader(storage, model=model, target=target,
-                                          repository_prefix=repository_prefix,
-                                          config=candidate),
-            headroom_bytes=(gpu or GpuPolicy()).headroom_bytes)
-    plan_lines = [*plan.describe(), f"{model}: {form.describe()}",
-                  *(headroom.lines if headroom is not None else [])]
-    if headroom is not None and not headroom.fits and plan.kind == "converge":
-        plan_lines.append(f"{model}: GPU headroom is short, but a converge goes ahead: a load "
-                     "that does not fit fails and leaves the replica on what it served")
-    for line in plan_lines:
-        progress(line)
-    if headroom is not None and headroom.footprint is not None and plan.kind != "converge":
-        check_headroom(model, target, headroom.checks, headroom.footprint)
-    report = SwapReport(model, plan.kind, plan.from_version, plan.to_version,
-                        plan.pause_batching, plan=plan_lines, dry_run=dry_run,
-                        headroom=headroom.to_dict() if headroom is not None else None,
-                        serving_form=form.to_dict())
-    if read.verified is not None:
-        report.verify_s = read.verified.seconds
-        report.verified_bytes = read.verified.bytes_hashed
-    if dry_run:
-        report.final_states = _states_dict(replica_states(start(plan)))
-        report.total_s = time.monotonic() - swap_start
-        return report
-    if plan.kind == "noop":
-        if read.verified is not None:
-            _write_model_config(storage, model=model,
-                                config=with_versions(candidate, [target]),
-                                repository_prefix=repository_prefix, signing_key=signing_key)
-        report.final_states = _states_dict(replica_states(start(plan)))
+    model = target.model
+    pre = _preflight(replicas, target, options, progress)
+    report = _preflight_report(model, pre, dry_run=options.dry_run)
+    if options.dry_run or pre.plan.kind == "noop":
+        if not options.dry_run and pre.read.verified is not None:
+            _pin_production(target, pre.candidate)  # a no-op still (re)signs the pin
+        report.final_states = _states_dict(replica_states(start(pre.plan)))
         report.total_s = time.monotonic() - swap_start
         return report
 
-    servers = {s.name: s for s in replicas}
-    assert read.verified is not None  # plan_swap refused an unverified candidate
-    probe = _Probe(probe_feed, probe_outputs, min(policy.probe_timeout_s, http_timeout_s),
-                   golden=read.verified.probe, target=target)
-    run = _execute(plan, servers, report, model=model, swap_start=swap_start, policy=policy,
-                   probe=probe, progress=progress)
-
+    assert pre.read.verified is not None  # plan_swap refused an unverified candidate
+    probe = _Probe(target.probe_feed, target.probe_outputs,
+                   min(options.policy.probe_timeout_s, options.http_timeout_s),
+                   golden=pre.read.verified.probe, target=target.version)
+    run = _execute(pre.plan, {s.name: s for s in replicas}, report, model=model,
+                   swap_start=swap_start, policy=options.policy, probe=probe,
+                   progress=progress)
     states = replica_states(run)
     report.final_states = _states_dict(states)
     answered = list(report.timeline.values())
     report.skew_ms = (max(answered) - min(answered)) * 1000 if answered else None
     action = next_action(run)
     if isinstance(action, Aborted):
-        report.aborted = True
-        report.reason = action.reason
-        report.total_s = time.monotonic() - swap_start
-        lines = "; ".join(s.describe() for s in states.values())
-        progress(f"{model}: swap aborted ({action.reason}); {lines}")
-        stranded = [s.name for s in states.values() if not s.ok]
-        back_to = f"v{plan.from_version}" if plan.kind != "converge" else f"v{target}"
-        what = f"converge of {model} to v{target}" if plan.kind == "converge" else \
-            f"swap of {model} v{plan.from_version} -> v{target}"
-        raise SwapAborted(
-            f"{what} aborted: {action.reason}. Replica states: {lines}",
-            hint=(f"replicas {', '.join(stranded)} may not serve {back_to}: check them with "
-                  f"`modelship status {model} --json`; `modelship reconcile {model}` brings "
-                  "every reachable replica to the recorded production" if stranded else
-                  f"every replica serves {back_to} again; fix the cause and retry"),
-            model=model, from_version=plan.from_version, to_version=target,
-            report=report.to_dict(),
-        )
+        _raise_aborted(report, pre.plan, states, action.reason, target=target,
+                       swap_start=swap_start, progress=progress)
     assert isinstance(action, Done)
-    _write_model_config(storage, model=model, config=with_versions(candidate, [target]),
-                        repository_prefix=repository_prefix, signing_key=signing_key)
+    _pin_production(target, pre.candidate)
     report.total_s = time.monotonic() - swap_start
     skew = f"{report.skew_ms:.0f} ms" if report.skew_ms is not None else "n/a"
-    progress(f"{model}: every replica serves v{target} ({report.total_s:.1f} s, skew {skew})")
+    progress(f"{model}: every replica serves v{target.version} ({report.total_s:.1f} s, "
+             f"skew {skew})")
     return report
+
+
+@dataclass(frozen=True)
+class _Preflight:
+    """What the swap decided before changing anything (DESIGN §4, step 1).
+
+    Attributes:
+        read: C as read from the repository: its config, and verified or why not.
+        candidate: C's staged config in the fleet's form: what serves and gets pinned.
+        form: How that form was decided (per replica, what its metrics said).
+        headroom: The GPU headroom preflight; None for a no-op.
+        lines: The plan in words (each also went to ``progress``).
+    """
+
+    plan: SwapPlan
+    read: _Candidate
+    candidate: ModelConfig
+    form: FleetTarget
+    headroom: HeadroomPlan | None
+    lines: list[str]
+
+
+def _preflight(replicas: list[TritonServer], target: SwapTarget, options: SwapOptions,
+               progress: Progress) -> _Preflight:
+    """Observe the fleet, verify C and plan: every surprise, and a GPU where C does not fit
+    next to P, refuses the swap here, before anything changes."""
+    model, version = target.model, target.version
+    progress(f"{model}: observing {len(replicas)} replica(s) and candidate v{version}")
+    observed = observe_fleet(replicas, model)
+    # One scrape per replica: it tells the fleet's form (cpu/gpu) and feeds the headroom.
+    texts = _metrics_texts(replicas, options.http_timeout_s)
+    progress(f"{model}: verifying v{version} (manifest signature, sha256 of every staged byte)")
+    read = _read_candidate(target.storage, model=model, target=version,
+                           repository_prefix=target.repository_prefix,
+                           signing_key=target.signing_key)
+    # What the fleet serves and what gets pinned is the staged config in the fleet's form,
+    # so digests compare like with like (a no-op stays a no-op) and a restarted replica
+    # loads what it can run.
+    candidate, form = render_for_servers(read.config, replicas,
+                                         timeout_s=options.http_timeout_s, texts=texts)
+    plan = _plan_or_refuse(observed, target, options, read=read, candidate=candidate)
+    headroom = None if plan.kind == "noop" else _plan_headroom(target, options, texts,
+                                                               candidate)
+    lines = [*plan.describe(), f"{model}: {form.describe()}",
+             *(headroom.lines if headroom is not None else [])]
+    if headroom is not None and not headroom.fits and plan.kind == "converge":
+        lines.append(f"{model}: GPU headroom is short, but a converge goes ahead: a load "
+                     "that does not fit fails and leaves the replica on what it served")
+    for line in lines:
+        progress(line)
+    if headroom is not None and headroom.footprint is not None and plan.kind != "converge":
+        check_headroom(model, version, headroom.checks, headroom.footprint)
+    return _Preflight(plan, read, candidate, form, headroom, lines)
+
+
+def _plan_or_refuse(observed: Sequence[Observed], target: SwapTarget, options: SwapOptions,
+                    *, read: _Candidate, candidate: ModelConfig) -> SwapPlan:
+    """The swap's plan (:func:`plan_swap`). When C did not verify, a refusal is a
+    StagingError (exit 3): a rejection by validation, whatever else the fleet shows."""
+    model, policy = target.model, options.policy
+    production = next((o.live_config for o in observed if o.live_config is not None), None)
+    try:
+        return plan_swap(model, [o.view for o in observed], target=target.version,
+                         candidate_config=candidate, production_config=production,
+                         pause_batching=policy.pause_batching,
+                         candidate_verified=read.error is None,
+                         pause_at_switch=policy.pause_mode == "at_switch",
+                         candidate_problem=read.error.message if read.error else None,
+                         converge=options.converge)
+    except PreflightError as exc:
+        if read.error is None:
+            raise
+        others = [p for p in exc.details.get("problems", []) if "did not verify" not in p]
+        also = f" (also: {'; '.join(others)})" if others else ""
+        raise StagingError(
+            f"swap of {model} to v{target.version} refused before changing anything: "
+            f"{read.error.message}{also}",
+            hint=read.error.hint, model=model, target=target.version,
+            problems=exc.details.get("problems", []),
+        ) from read.error
+
+
+def _plan_headroom(target: SwapTarget, options: SwapOptions, texts: Mapping[str, str | None],
+                   candidate: ModelConfig) -> HeadroomPlan:
+    """The GPU headroom preflight: C's footprint (the canary's measurement, else estimated
+    from its initializers) plus the policy's headroom, against every GPU's free memory."""
+    return plan_headroom(
+        target.model, target.version, texts, cfg=candidate,
+        measured_bytes=target.footprint_bytes, measured_detail=target.footprint_detail,
+        weights_bytes=_weights_reader(target.storage, model=target.model,
+                                      target=target.version,
+                                      repository_prefix=target.repository_prefix,
+                                      config=candidate),
+        headroom_bytes=(options.gpu or GpuPolicy()).headroom_bytes)
+
+
+def _preflight_report(model: str, pre: _Preflight, *, dry_run: bool) -> SwapReport:
+    """The report as the preflight leaves it: the plan in words, the GPU headroom, the
+    serving form and what verifying C took."""
+    plan = pre.plan
+    report = SwapReport(model, plan.kind, plan.from_version, plan.to_version,
+                        plan.pause_batching, plan=pre.lines, dry_run=dry_run,
+                        headroom=pre.headroom.to_dict() if pre.headroom is not None else None,
+                        serving_form=pre.form.to_dict())
+    if pre.read.verified is not None:
+        report.verify_s = pre.read.verified.seconds
+        report.verified_bytes = pre.read.verified.bytes_hashed
+    return report
+
+
+def _pin_production(target: SwapTarget, candidate: ModelConfig) -> None:
+    """Pin C as production (:func:`_write_model_config`): what a restarted replica and
+    reconcile load."""
+    _write_model_config(target.storage, model=target.model,
+                        config=with_versions(candidate, [target.version]),
+                        repository_prefix=target.repository_prefix,
+                        signing_key=target.signing_key)
+
+
+def _raise_aborted(report: SwapReport, plan: SwapPlan, states: dict[str, ReplicaState],
+                   reason: str, *, target: SwapTarget, swap_start: float,
+                   progress: Progress) -> NoReturn:
+    """Close the report of an aborted swap and raise SwapAborted with every replica's
+    state, and the repair when some replica may not be back."""
+    model, version = target.model, target.version
+    report.aborted = True
+    report.reason = reason
+    report.total_s = time.monotonic() - swap_start
+    lines = "; ".join(s.describe() for s in states.values())
+    progress(f"{model}: swap aborted ({reason}); {lines}")
+    stranded = [s.name for s in states.values() if not s.ok]
+    back_to = f"v{plan.from_version}" if plan.kind != "converge" else f"v{version}"
+    what = f"converge of {model} to v{version}" if plan.kind == "converge" else \
+        f"swap of {model} v{plan.from_version} -> v{version}"
+    raise SwapAborted(
+        f"{what} aborted: {reason}. Replica states: {lines}",
+        hint=(f"replicas {', '.join(stranded)} may not serve {back_to}: check them with "
+              f"`modelship status {model} --json`; `modelship reconcile {model}` brings "
+              "every reachable replica to the recorded production" if stranded else
+              f"every replica serves {back_to} again; fix the cause and retry"),
+        model=model, from_version=plan.from_version, to_version=version,
+        report=report.to_dict(),
+    )
 
 
 def _outcome_of(future: Future[_Outcome], swap_start: float) -> _Outcome:

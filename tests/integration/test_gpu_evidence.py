@@ -25,11 +25,10 @@ from modelship.clients import Clients, build_clients
 from modelship.errors import ModelshipError, PreflightError
 from modelship.policy import GpuPolicy, Policy, SwapPolicy
 from modelship.settings import Settings
-from modelship.signing import key_bytes
 from modelship.triton.client import TritonServer
 from modelship.triton.metrics import scrape_text
 from tasks.canary import run_canary
-from tasks.swap import swap_fleet
+from tasks.swap import SwapOptions, SwapTarget, swap_fleet
 from tests import models
 
 pytestmark = pytest.mark.integration
@@ -159,14 +158,16 @@ def test_gpu_canary_measures_both_footprints_and_gates_on_growth(
 def _swap(stack_settings: Settings, staged: Staged, replicas: list[TritonServer], *,
           footprint_bytes: int | None, lines: list[str]) -> Any:
     assert staged.clients.storage is not None
-    return swap_fleet(replicas, model=MODEL, target=staged.candidate,
-                      storage=staged.clients.storage,
-                      repository_prefix=stack_settings.repository_prefix,
-                      policy=SwapPolicy(deadline_s=60, probe_timeout_s=5.0),
-                      probe_feed=FEED, probe_outputs=["label", "probabilities"],
-                      signing_key=key_bytes(stack_settings.manifest_signing_key),
-                      progress=lines.append, http_timeout_s=stack_settings.http_timeout_s,
-                      gpu=GpuPolicy(headroom_bytes=256 * MiB), footprint_bytes=footprint_bytes)
+    return swap_fleet(
+        replicas,
+        SwapTarget.from_settings(stack_settings, staged.clients.storage, model=MODEL,
+                                 version=staged.candidate, probe_feed=FEED,
+                                 probe_outputs=["label", "probabilities"],
+                                 footprint_bytes=footprint_bytes),
+        SwapOptions(SwapPolicy(deadline_s=60, probe_timeout_s=5.0),
+                    gpu=GpuPolicy(headroom_bytes=256 * MiB),
+                    http_timeout_s=stack_settings.http_timeout_s),
+        progress=lines.append)
 
 
 def test_swap_refuses_when_the_candidate_does_not_fit_and_swaps_when_it_does(

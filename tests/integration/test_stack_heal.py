@@ -28,7 +28,7 @@ from modelship.stack.process import ProcessRecord, group_members, shm_regions, s
 from modelship.stack.state import process_records, read_state
 from modelship.triton.infer import TritonInference
 from tasks.reconcile import reconcile, reconcile_stack
-from tasks.swap import fleet_status, pin_signature, swap_fleet
+from tasks.swap import SwapOptions, SwapTarget, fleet_status, pin_signature, swap_fleet
 from tests import models
 from tests.conftest import RUNTIME_VENV
 
@@ -69,10 +69,11 @@ def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnStack]:
         report = run_check(settings, clients, Policy(), model=MODEL, version=version,
                            workdir=tmp_path_factory.mktemp("check"), stage=True)
         assert report.verdict == "passed"
-        swap_fleet(clients.replicas, model=MODEL, target=version, storage=clients.storage,
-                   repository_prefix=settings.repository_prefix, policy=SwapPolicy(),
-                   probe_feed=FEED, probe_outputs=["label"],
-                   signing_key=key_bytes(settings.manifest_signing_key))
+        swap_fleet(clients.replicas,
+                   SwapTarget.from_settings(settings, clients.storage, model=MODEL,
+                                            version=version, probe_feed=FEED,
+                                            probe_outputs=["label"]),
+                   SwapOptions(SwapPolicy()))
         yield OwnStack(settings, clients, version)
         clients.close()
     finally:

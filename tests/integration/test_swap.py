@@ -23,12 +23,11 @@ from modelship.clients import Clients, build_clients
 from modelship.errors import PreflightError, StagingError, SwapAborted
 from modelship.policy import Policy, SwapPolicy
 from modelship.settings import Settings
-from modelship.signing import key_bytes
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
 from modelship.triton.infer import TritonInference
 from modelship.triton.model_config import from_pbtxt, to_json, to_pbtxt, with_versions
-from tasks.swap import SwapReport, fleet_status, swap_fleet
+from tasks.swap import SwapOptions, SwapReport, SwapTarget, fleet_status, swap_fleet
 from tests import models
 from tests.faulty_replica import BeforeLoad, faulty, first_load_of
 
@@ -73,16 +72,16 @@ def swap(fleet: Fleet, target: int, *, pause_batching: bool = True,
     lines: list[str] = []
     try:
         with faulty(fleet.replicas, before_load) as replicas:
-            return swap_fleet(replicas, model=MODEL, target=target, storage=fleet.storage,
-                              repository_prefix=fleet.settings.repository_prefix,
-                              policy=SwapPolicy(pause_batching=pause_batching,
-                                                deadline_s=deadline_s,
-                                                probe_timeout_s=min(5.0, deadline_s / 2),
-                                                pause_mode=pause_mode),  # type: ignore[arg-type]
-                              probe_feed=FEED, probe_outputs=OUTPUTS, progress=lines.append,
-                              signing_key=key_bytes(fleet.settings.manifest_signing_key),
-                              http_timeout_s=fleet.settings.http_timeout_s,
-                              converge=converge)
+            return swap_fleet(
+                replicas,
+                SwapTarget.from_settings(fleet.settings, fleet.storage, model=MODEL,
+                                         version=target, probe_feed=FEED,
+                                         probe_outputs=OUTPUTS),
+                SwapOptions(SwapPolicy(pause_batching=pause_batching, deadline_s=deadline_s,
+                                       probe_timeout_s=min(5.0, deadline_s / 2),
+                                       pause_mode=pause_mode),  # type: ignore[arg-type]
+                            http_timeout_s=fleet.settings.http_timeout_s, converge=converge),
+                progress=lines.append)
     finally:
         print("\n".join(lines))
 

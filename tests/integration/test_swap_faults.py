@@ -23,12 +23,11 @@ from modelship.clients import build_clients
 from modelship.errors import SwapAborted
 from modelship.policy import Policy, SwapPolicy
 from modelship.settings import Settings, TritonEndpoint
-from modelship.signing import key_bytes
 from modelship.stack.local_triton import LocalTriton, local_tritonserver
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
 from modelship.triton.infer import TritonInference
-from tasks.swap import SwapReport, fleet_status, swap_fleet
+from tasks.swap import SwapOptions, SwapReport, SwapTarget, fleet_status, swap_fleet
 from tests import models
 from tests.conftest import RUNTIME_VENV
 from tests.faulty_replica import BeforeLoad, faulty, first_load_of
@@ -90,11 +89,11 @@ def own_fleet(stack_settings: Settings,
 def swap(fleet: OwnFleet, target: int, before_load: BeforeLoad | None = None) -> SwapReport:
     with faulty(fleet.replicas, before_load) as replicas:
         return swap_fleet(
-            replicas, model=MODEL, target=target, storage=fleet.storage,
-            repository_prefix=fleet.settings.repository_prefix,
-            policy=SwapPolicy(deadline_s=DEADLINE_S, probe_timeout_s=5.0),
-            probe_feed=FEED, probe_outputs=OUTPUTS,
-            signing_key=key_bytes(fleet.settings.manifest_signing_key), progress=print)
+            replicas,
+            SwapTarget.from_settings(fleet.settings, fleet.storage, model=MODEL,
+                                     version=target, probe_feed=FEED, probe_outputs=OUTPUTS),
+            SwapOptions(SwapPolicy(deadline_s=DEADLINE_S, probe_timeout_s=5.0)),
+            progress=print)
 
 
 class Load:
