@@ -319,70 +319,108 @@ def _finish_repair(model: str, record: RecordSeen) -> str:
 
 
 def truth(obs: Observation) -> Truth:
-    """Compare what each source says; every disagreement comes with its repair."""
-    model = obs.model
-    found: list[Disagreement] = []
-    notes: list[str] = []
-    s3 = "s3" not in obs.unread
-    lock_read = s3  # the release lock is an object in the bucket
+    """Compare what each source says; every disagreement comes with its repair.
+
+    Disagreements come most fundamental first: a dead or incomplete run, a replica that
+    does not answer, then (unless a release is changing the fleet now) the fleet, its
+    config, the pin and the alias against what should serve.
+    """
+    s3 = "s3" not in obs.unread  # the pin, the ledger and the release lock are in S3
     records = obs.records if s3 else ()
     running = [r for r in records if r.status == "running"]
-    processes = {r.id: liveness(r, here=obs.here, lock=obs.lock, lock_read=lock_read)
+    processes = {r.id: liveness(r, here=obs.here, lock=obs.lock, lock_read=s3)
                  for r in running}
-    live = [r for r in running if processes[r.id] != "dead"]
     dead = [r for r in running if processes[r.id] == "dead"]
+    in_progress, flux = _in_progress(obs, running, processes)
+    notes = [*_orphaned_lock(obs, dead), *_unread_notes(obs, flux=flux)]
+    found = [*_unfinished_runs(obs, records, dead), *_unanswered(obs)]
+    if flux:
+        return Truth(tuple(found), None, in_progress, processes, tuple(notes))
+    meant = _meant(obs, records, processes)
+    fleet = _fleet(obs)
+    found += [*_fleet_disagreements(obs, meant, fleet), *_config_drift(obs, meant, fleet),
+              *_pin_disagreements(obs, meant, fleet), *_alias_disagreements(obs, meant, fleet)]
+    return Truth(tuple(found), meant.expected, in_progress, processes, tuple(notes))
 
-    in_progress, flux = None, False
+
+@dataclass(frozen=True)
+class _Meant:
+    """What should serve, as far as the sources say, and the repairs that follow.
+
+    Attributes:
+        expected: The version that should serve and its source; None when no source says.
+        unsettled: A dead or ``incomplete`` run that leaves that question to the command
+            that finishes or undoes it.
+        open_repair: The repair when no source says what should serve.
+    """
+
+    model: str
+    expected: Expected | None
+    unsettled: RecordSeen | None
+    open_repair: str
+    pin: PinSeen | None
+
+    def to_expected(self) -> str:
+        """The command that makes the fleet serve :attr:`expected`."""
+        assert self.expected is not None
+        model, expected = self.model, self.expected
+        if expected.version is None:
+            return (f"`modelship swap {model} --to V` if a version should serve ("
+                    f"{expected.basis} says none does)")
+        if self.pin is not None and self.pin.version == expected.version:
+            return f"`modelship reconcile {model}` (brings every replica to the pin, " \
+                   f"v{expected.version})"
+        return f"`modelship swap {model} --to {expected.version}`"
+
+
+@dataclass(frozen=True)
+class _Fleet:
+    """The replicas that answered, and the one version they all serve (if they do).
+
+    Attributes:
+        uniform: Every reachable replica serves the same versions, at most one.
+        version: That version (None: nothing, or the fleet is not uniform).
+    """
+
+    reachable: tuple[ReplicaSeen, ...]
+    uniform: bool
+    version: int | None
+
+
+def _in_progress(obs: Observation, running: Sequence[RecordSeen],
+                 processes: dict[str, Process]) -> tuple[str | None, bool]:
+    """A live release or lock holder in words (not an error), and whether it may be
+    changing the fleet right now (then versions, configs, the pin and the alias wait)."""
+    live = [r for r in running if processes[r.id] != "dead"]
     if live:
         newest = live[0]
         sure = processes[newest.id] == "alive"
-        in_progress = (f"{newest.describe()} is running" if sure else
-                       f"{newest.describe()} says running; whether its process lives cannot "
-                       f"be told from here ({newest.host})")
-        flux = newest.touched_fleet
-    elif obs.lock is not None and obs.lock.held and obs.lock.holder_alive:
-        in_progress = f"the release lock is held by {obs.lock.holder}"
-        flux = obs.lock.kind != "canary"
+        said = (f"{newest.describe()} is running" if sure else
+                f"{newest.describe()} says running; whether its process lives cannot "
+                f"be told from here ({newest.host})")
+        return said, newest.touched_fleet
+    if obs.lock is not None and obs.lock.held and obs.lock.holder_alive:
+        return f"the release lock is held by {obs.lock.holder}", obs.lock.kind != "canary"
+    return None, False
 
-    # -- the ledger and the lock -----------------------------------------------------------
+
+def _orphaned_lock(obs: Observation, dead: Sequence[RecordSeen]) -> list[str]:
+    """A note (not a disagreement) on a lock whose holder is gone and is no dead run: the
+    lock is an S3 object with a lease, and the next release takes over a holder shown
+    gone (modelship/locks.py)."""
     lock = obs.lock
-    if lock_read and lock is not None and lock.held and not lock.holder_alive \
-            and lock.release_id not in {r.id for r in dead}:
-        # Not a disagreement: the lock is an S3 object with a lease, and the next release
-        # takes over a holder shown gone (modelship/locks.py); say so, for `locks`.
-        who = lock.holder or "an unreadable holder document"
-        notes.append(f"the release lock of {model} still names {who}, whose process is "
-                     f"gone: the next release takes it over (or `modelship unlock {model}`)")
+    if "s3" in obs.unread or lock is None or not lock.held or lock.holder_alive \
+            or lock.release_id in {r.id for r in dead}:
+        return []
+    who = lock.holder or "an unreadable holder document"
+    return [f"the release lock of {obs.model} still names {who}, whose process is gone: "
+            f"the next release takes it over (or `modelship unlock {obs.model}`)"]
 
-    for record in dead:
-        held = obs.lock is not None and obs.lock.release_id == record.id
-        found.append(Disagreement(
-            "dead_release",
-            f"{record.describe()} says running, but its process is gone"
-            + (f" (pid {record.pid} on {record.host})" if record.pid is not None else "")
-            + ("; it still holds the release lock" if held else ""),
-            _finish_repair(model, record)))
-    for record in records:
-        if record.status == "incomplete":
-            found.append(Disagreement(
-                "incomplete_release",
-                f"{record.describe()} could not finish"
-                + (f": {record.reason}" if record.reason else ""),
-                _finish_repair(model, record)))
-    # -- the fleet answers? ----------------------------------------------------------------
-    if not obs.replicas:
-        found.append(Disagreement(
-            "no_replicas", f"no Triton replicas are configured for {model}",
-            "`modelship stack up`, or set MODELSHIP_TRITON_REPLICAS"))
-    for replica in obs.replicas:
-        if not replica.reachable:
-            found.append(Disagreement(
-                "replica_unreachable",
-                f"{replica.name} did not answer: {replica.problem or 'no answer'}",
-                f"restart {replica.name} (`modelship stack up` restarts the embedded "
-                f"stack's servers), then `modelship reconcile {model}`"))
 
-    if not s3:
+def _unread_notes(obs: Observation, *, flux: bool) -> list[str]:
+    """What could not be compared, and why."""
+    notes: list[str] = []
+    if "s3" in obs.unread:
         notes.append("the pin and the ledger are in S3, which was not read: the replicas "
                      "were compared with the alias only")
     if "mlflow" in obs.unread:
@@ -390,9 +428,50 @@ def truth(obs: Observation) -> Truth:
     if flux:
         notes.append("a release is changing the fleet: versions, configs, the pin and the "
                      "alias are compared once it ends")
-        return Truth(tuple(found), None, in_progress, processes, tuple(notes))
+    return notes
 
-    # -- what should serve -------------------------------------------------------------------
+
+def _unfinished_runs(obs: Observation, records: Sequence[RecordSeen],
+                     dead: Sequence[RecordSeen]) -> list[Disagreement]:
+    """Runs that say running with their process gone, and ``incomplete`` records: the next
+    command finishes or undoes each."""
+    found: list[Disagreement] = []
+    for record in dead:
+        held = obs.lock is not None and obs.lock.release_id == record.id
+        found.append(Disagreement(
+            "dead_release",
+            f"{record.describe()} says running, but its process is gone"
+            + (f" (pid {record.pid} on {record.host})" if record.pid is not None else "")
+            + ("; it still holds the release lock" if held else ""),
+            _finish_repair(obs.model, record)))
+    for record in records:
+        if record.status == "incomplete":
+            found.append(Disagreement(
+                "incomplete_release",
+                f"{record.describe()} could not finish"
+                + (f": {record.reason}" if record.reason else ""),
+                _finish_repair(obs.model, record)))
+    return found
+
+
+def _unanswered(obs: Observation) -> list[Disagreement]:
+    """No replica configured, or replicas that did not answer."""
+    model = obs.model
+    if not obs.replicas:
+        return [Disagreement("no_replicas", f"no Triton replicas are configured for {model}",
+                             "`modelship stack up`, or set MODELSHIP_TRITON_REPLICAS")]
+    return [Disagreement(
+        "replica_unreachable",
+        f"{replica.name} did not answer: {replica.problem or 'no answer'}",
+        f"restart {replica.name} (`modelship stack up` restarts the embedded stack's "
+        f"servers), then `modelship reconcile {model}`")
+        for replica in obs.replicas if not replica.reachable]
+
+
+def _meant(obs: Observation, records: Sequence[RecordSeen],
+           processes: dict[str, Process]) -> _Meant:
+    """What should serve: the ledger first, then the pin (both only when S3 was read)."""
+    model, s3 = obs.model, "s3" not in obs.unread
     expected, unsettled = expected_version(records, processes) if s3 else (None, None)
     if expected is None and unsettled is None and s3 and obs.pin is not None:
         expected = Expected(obs.pin.version, "the production pin", "pin")
@@ -404,86 +483,109 @@ def truth(obs: Observation) -> Truth:
     else:
         open_repair = (f"`modelship swap {model} --to V` with the version that should "
                        "serve (no ledger record or pin says which)")
+    return _Meant(model, expected, unsettled, open_repair, obs.pin)
 
-    def to_expected() -> str:
-        assert expected is not None
-        if expected.version is None:
-            return (f"`modelship swap {model} --to V` if a version should serve ("
-                    f"{expected.basis} says none does)")
-        if obs.pin is not None and obs.pin.version == expected.version:
-            return f"`modelship reconcile {model}` (brings every replica to the pin, " \
-                   f"v{expected.version})"
-        return f"`modelship swap {model} --to {expected.version}`"
 
-    # -- the replicas --------------------------------------------------------------------------
-    reachable = [r for r in obs.replicas if r.reachable]
+def _fleet(obs: Observation) -> _Fleet:
+    reachable = tuple(r for r in obs.replicas if r.reachable)
     sets = {r.ready_versions for r in reachable}
     uniform = len(sets) == 1 and len(next(iter(sets))) <= 1
-    fleet = next(iter(next(iter(sets))), None) if uniform else None
-    if reachable and not uniform:
-        parts = "; ".join(f"{r.name} serves {_versions(r.ready_versions)}" for r in reachable)
-        found.append(Disagreement(
-            "fleet_mixed", f"the replicas disagree: {parts}",
-            to_expected() if expected is not None else
-            f"`modelship reconcile {model}`" if s3 and obs.pin is not None else open_repair))
-    elif reachable and expected is not None and fleet != expected.version:
-        found.append(Disagreement(
-            "fleet_version", f"every replica serves {_v(fleet)}, but {expected.basis} says "
-            f"{_v(expected.version)} should", to_expected()))
+    return _Fleet(reachable, uniform, next(iter(next(iter(sets))), None) if uniform else None)
 
+
+def _fleet_disagreements(obs: Observation, meant: _Meant, fleet: _Fleet) -> list[Disagreement]:
+    """The replicas disagree with each other, or all serve another version than meant."""
+    model, expected = obs.model, meant.expected
+    if fleet.reachable and not fleet.uniform:
+        parts = "; ".join(f"{r.name} serves {_versions(r.ready_versions)}"
+                          for r in fleet.reachable)
+        return [Disagreement(
+            "fleet_mixed", f"the replicas disagree: {parts}",
+            meant.to_expected() if expected is not None else
+            f"`modelship reconcile {model}`" if "s3" not in obs.unread and obs.pin is not None
+            else meant.open_repair)]
+    if fleet.reachable and expected is not None and fleet.version != expected.version:
+        return [Disagreement(
+            "fleet_version", f"every replica serves {_v(fleet.version)}, but "
+            f"{expected.basis} says {_v(expected.version)} should", meant.to_expected())]
+    return []
+
+
+def _config_drift(obs: Observation, meant: _Meant, fleet: _Fleet) -> list[Disagreement]:
+    """Replicas that serve the meant version with another config than the pin (dynamic
+    batching left off by a stopped swap, say), or with different configs when no pin
+    can be compared."""
+    model, s3, expected = obs.model, "s3" not in obs.unread, meant.expected
     pin = obs.pin if s3 else None
     if pin is not None and (expected is None or expected.version == pin.version):
-        drift = [r for r in reachable if r.ready_versions == (pin.version,)
+        drift = [r for r in fleet.reachable if r.ready_versions == (pin.version,)
                  and r.serving_digest != pin.serving_digest]
-        if drift:
-            names = ", ".join(r.name for r in drift)
-            paused = pin.dynamic_batching and all(r.dynamic_batching is False for r in drift)
-            how = ("with dynamic batching off; the pin has it on" if paused else
-                   "with another config than the pin (instances, batching or I/O)")
-            found.append(Disagreement(
-                "config_drift", f"{names} serve{'s' if len(drift) == 1 else ''} "
-                f"v{pin.version} {how}",
-                f"`modelship reconcile {model}` (reloads the pin's config)"))
-    elif pin is None:
-        same = {r.serving_digest for r in reachable if r.ready_versions and uniform}
+        if not drift:
+            return []
+        names = ", ".join(r.name for r in drift)
+        paused = pin.dynamic_batching and all(r.dynamic_batching is False for r in drift)
+        how = ("with dynamic batching off; the pin has it on" if paused else
+               "with another config than the pin (instances, batching or I/O)")
+        return [Disagreement(
+            "config_drift", f"{names} serve{'s' if len(drift) == 1 else ''} "
+            f"v{pin.version} {how}", f"`modelship reconcile {model}` (reloads the pin's config)")]
+    if pin is None:
+        same = {r.serving_digest for r in fleet.reachable if r.ready_versions and fleet.uniform}
         if len(same) > 1:
-            found.append(Disagreement(
-                "config_drift", f"the replicas serve {_v(fleet)} with {len(same)} different "
-                "configs", f"`modelship reconcile {model}`" if s3 else open_repair))
+            return [Disagreement(
+                "config_drift", f"the replicas serve {_v(fleet.version)} with {len(same)} "
+                "different configs", f"`modelship reconcile {model}`" if s3
+                else meant.open_repair)]
+    return []
 
-    # -- the pin -------------------------------------------------------------------------------
-    if s3 and obs.pin_problem:
+
+def _pin_disagreements(obs: Observation, meant: _Meant, fleet: _Fleet) -> list[Disagreement]:
+    """The pin (what reconcile restores) cannot be used, or names another version than
+    the ledger, or than the fleet while a run leaves what should serve open."""
+    if "s3" in obs.unread:
+        return []
+    model, expected, pin = obs.model, meant.expected, obs.pin
+    if obs.pin_problem:
         target = expected.version if expected is not None and expected.version is not None \
-            else fleet
-        found.append(Disagreement(
+            else fleet.version
+        return [Disagreement(
             "pin_invalid", f"the production pin cannot be used: {obs.pin_problem}",
             f"`modelship swap {model} --to {target if target is not None else 'V'}` "
-            "(re-pins production)"))
-    elif s3 and expected is not None and expected.source == "ledger":
-        have = obs.pin.version if obs.pin is not None else None
-        if have != expected.version:
-            what = f"says v{have}" if have is not None else "is missing"
-            found.append(Disagreement(
-                "pin_version", f"the production pin (what reconcile restores) {what}, but "
-                f"{expected.basis} says {_v(expected.version)}",
-                f"`modelship swap {model} --to {expected.version}` (re-pins production)"
-                if expected.version is not None else to_expected()))
-    elif s3 and unsettled is not None and obs.pin is not None and uniform \
-            and fleet is not None and obs.pin.version != fleet:
-        found.append(Disagreement(
-            "pin_version", f"the production pin says v{obs.pin.version}, the replicas serve "
-            f"v{fleet}", open_repair))
+            "(re-pins production)")]
+    if expected is not None and expected.source == "ledger":
+        have = pin.version if pin is not None else None
+        if have == expected.version:
+            return []
+        what = f"says v{have}" if have is not None else "is missing"
+        return [Disagreement(
+            "pin_version", f"the production pin (what reconcile restores) {what}, but "
+            f"{expected.basis} says {_v(expected.version)}",
+            f"`modelship swap {model} --to {expected.version}` (re-pins production)"
+            if expected.version is not None else meant.to_expected())]
+    if meant.unsettled is not None and pin is not None and fleet.uniform \
+            and fleet.version is not None and pin.version != fleet.version:
+        return [Disagreement(
+            "pin_version", f"the production pin says v{pin.version}, the replicas serve "
+            f"v{fleet.version}", meant.open_repair)]
+    return []
 
-    # -- the alias -----------------------------------------------------------------------------
-    if "mlflow" not in obs.unread:
-        said = f"the production alias says v{obs.alias}" if obs.alias is not None else \
-            "there is no production alias"
-        if expected is not None and obs.alias != expected.version:
-            found.append(Disagreement(
-                "alias", f"{said}, but {expected.basis} says {_v(expected.version)}",
-                f"`modelship swap {model} --to {expected.version}` (moves the aliases to "
-                "what serves)" if expected.version is not None else to_expected()))
-        elif expected is None and uniform and obs.alias != fleet:
-            found.append(Disagreement(
-                "alias", f"{said}, but every replica serves {_v(fleet)}", open_repair))
-    return Truth(tuple(found), expected, in_progress, processes, tuple(notes))
+
+def _alias_disagreements(obs: Observation, meant: _Meant, fleet: _Fleet
+                         ) -> list[Disagreement]:
+    """The ``production`` alias names another version than should serve (or than the
+    fleet serves, when no source says what should)."""
+    if "mlflow" in obs.unread:
+        return []
+    model, expected = obs.model, meant.expected
+    said = f"the production alias says v{obs.alias}" if obs.alias is not None else \
+        "there is no production alias"
+    if expected is not None and obs.alias != expected.version:
+        return [Disagreement(
+            "alias", f"{said}, but {expected.basis} says {_v(expected.version)}",
+            f"`modelship swap {model} --to {expected.version}` (moves the aliases to "
+            "what serves)" if expected.version is not None else meant.to_expected())]
+    if expected is None and fleet.uniform and obs.alias != fleet.version:
+        return [Disagreement(
+            "alias", f"{said}, but every replica serves {_v(fleet.version)}",
+            meant.open_repair)]
+    return []
