@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -193,6 +194,27 @@ def status_report(settings: Settings, clients: Clients, *, model: str) -> dict[s
         ``lock``, ``fleet_consistent``, ``served`` and ``summary``.
     """
     here = socket.gethostname()
+    got = read_within(_reads(settings, clients, model),
+                      deadline_s=DEADLINE_FACTOR * settings.http_timeout_s)
+    gaps = _Gaps()
+    pairs = [_replica(got[f"replica:{i}"], s.name, s.endpoint.http)
+             for i, s in enumerate(clients.replicas)]
+    seen, rows = [p[0] for p in pairs], [p[1] for p in pairs]
+    pin, pin_problem, records = _bucket(clients, got, gaps)
+    aliases = _aliases(clients, got, gaps, model)
+    lock = _lock(got, gaps)
+    observation = Observation(
+        model=model, here=here, replicas=tuple(seen), pin=pin, pin_problem=pin_problem,
+        alias=aliases.get(PRODUCTION_ALIAS),
+        records=tuple(record_seen(r, pid_running=_pid_running(r, here)) for r in records),
+        lock=lock, unread=frozenset(gaps.unread))
+    verdict = truth(observation)
+    return _document(model, seen, rows, aliases=aliases, pin=pin, lock=lock,
+                     records=records, verdict=verdict, gaps=gaps)
+
+
+def _reads(settings: Settings, clients: Clients, model: str) -> dict[str, Callable[[], Any]]:
+    """One call per source status reads: every replica, and each configured dependency."""
     calls: dict[str, Callable[[], Any]] = {
         f"replica:{i}": partial(_observe_one, server, model)
         for i, server in enumerate(clients.replicas)}
@@ -206,73 +228,87 @@ def status_report(settings: Settings, clients: Clients, *, model: str) -> dict[s
     if clients.prefect is not None:
         calls["prefect"] = clients.prefect.ping  # noted only: status compares nothing of it
     calls["locks"] = lambda: _read_locks(settings, clients, model)
-    got = read_within(calls, deadline_s=DEADLINE_FACTOR * settings.http_timeout_s)
+    return calls
 
-    unread: set[Source] = set()
-    unreachable: list[dict[str, str]] = []
-    notes: list[str] = []
 
-    def failed(source: Source, exc: BaseException) -> None:
-        unread.add(source)
+@dataclass
+class _Gaps:
+    """What status could not read, for the report: the sources it could not compare
+    (``unread``), those that did not answer (``unreachable``) and notes in words."""
+
+    unread: set[Source] = field(default_factory=set)
+    unreachable: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def failed(self, source: Source, exc: BaseException) -> None:
+        """``source`` did not answer: not compared, and said why."""
+        self.unread.add(source)
         message = _message(exc, SOURCE_NAMES[source])
-        unreachable.append({"source": source, "error": message})
-        notes.append(f"{SOURCE_NAMES[source]} did not answer: {message}")
+        self.unreachable.append({"source": source, "error": message})
+        self.notes.append(f"{SOURCE_NAMES[source]} did not answer: {message}")
 
-    pairs = [_replica(got[f"replica:{i}"], s.name, s.endpoint.http)
-             for i, s in enumerate(clients.replicas)]
-    seen, rows = [p[0] for p in pairs], [p[1] for p in pairs]
 
-    pin: PinSeen | None = None
-    pin_problem = None
-    records: list[ReleaseRecord] = []
+def _bucket(clients: Clients, got: dict[str, Any], gaps: _Gaps
+            ) -> tuple[PinSeen | None, str | None, list[ReleaseRecord]]:
+    """The pin (or why it cannot be used) and the fleet records, newest first: S3's
+    answers; any of its three reads failing leaves S3 unread."""
     if clients.storage is None:
-        unread.add("s3")
-        notes.append("S3 is not configured (set MODELSHIP_S3_ENDPOINT)")
-    else:
-        for key in ("ledger", "pin", "locks"):  # all three are objects in the bucket
-            answer = got[key]
-            # A pin that does not verify is a finding (pin_problem), not an outage.
-            verdict_on_pin = key == "pin" and isinstance(answer, ModelshipError) \
-                and not isinstance(answer, InfrastructureError)
-            if "s3" not in unread and isinstance(answer, BaseException) and not verdict_on_pin:
-                failed("s3", answer)
-        if "s3" not in unread:
-            if isinstance(got["pin"], ModelshipError):
-                pin_problem = got["pin"].message  # it does not verify or parse
-            else:
-                pin = got["pin"]
-            records = [r for r in sort_newest_first(got["ledger"])
-                       if r.kind in FLEET_KINDS and not r.dry_run]
+        gaps.unread.add("s3")
+        gaps.notes.append("S3 is not configured (set MODELSHIP_S3_ENDPOINT)")
+        return None, None, []
+    for key in ("ledger", "pin", "locks"):  # all three are objects in the bucket
+        answer = got[key]
+        # A pin that does not verify is a finding (pin_problem), not an outage.
+        verdict_on_pin = key == "pin" and isinstance(answer, ModelshipError) \
+            and not isinstance(answer, InfrastructureError)
+        if "s3" not in gaps.unread and isinstance(answer, BaseException) and not verdict_on_pin:
+            gaps.failed("s3", answer)
+    if "s3" in gaps.unread:
+        return None, None, []
+    records = [r for r in sort_newest_first(got["ledger"])
+               if r.kind in FLEET_KINDS and not r.dry_run]
+    if isinstance(got["pin"], ModelshipError):
+        return None, got["pin"].message, records  # it does not verify or parse
+    return got["pin"], None, records
 
-    aliases: dict[str, int] = {}
+
+def _aliases(clients: Clients, got: dict[str, Any], gaps: _Gaps, model: str
+             ) -> dict[str, int]:
+    """The model's aliases in MLflow; none when it is not configured, not registered or
+    did not answer (each said in a note)."""
     if clients.registry is None:
-        unread.add("mlflow")
-        notes.append("MLflow is not configured (set MLFLOW_TRACKING_URI)")
+        gaps.unread.add("mlflow")
+        gaps.notes.append("MLflow is not configured (set MLFLOW_TRACKING_URI)")
     elif isinstance(got["mlflow"], ModelNotFound):
-        notes.append(f"{model} is not registered in MLflow, so it has no aliases")
+        gaps.notes.append(f"{model} is not registered in MLflow, so it has no aliases")
     elif isinstance(got["mlflow"], BaseException):
-        failed("mlflow", got["mlflow"])
+        gaps.failed("mlflow", got["mlflow"])
     else:
-        aliases = got["mlflow"]
+        aliases: dict[str, int] = got["mlflow"]
+        return aliases
+    return {}
 
+
+def _lock(got: dict[str, Any], gaps: _Gaps) -> LockSeen | None:
+    """The release lock's holder; and Prefect's answer, which status only notes."""
     lock: LockSeen | None = None
     if isinstance(got["locks"], BaseException):
-        if "s3" not in unread:  # the file lock (no S3 configured) could not be read
-            notes.append(f"the release lock was not read: {_message(got['locks'], 'lock')}")
+        if "s3" not in gaps.unread:  # the file lock (no S3 configured) could not be read
+            gaps.notes.append(f"the release lock was not read: "
+                              f"{_message(got['locks'], 'lock')}")
     else:
         lock = _lock_seen(got["locks"])
     if isinstance(got.get("prefect"), BaseException):
-        failed("prefect", got["prefect"])
-        notes.append("status needs nothing from Prefect; releases run as Prefect flows, so "
-                     "they need it back")
+        gaps.failed("prefect", got["prefect"])
+        gaps.notes.append("status needs nothing from Prefect; releases run as Prefect flows, "
+                          "so they need it back")
+    return lock
 
-    observation = Observation(
-        model=model, here=here, replicas=tuple(seen), pin=pin, pin_problem=pin_problem,
-        alias=aliases.get(PRODUCTION_ALIAS),
-        records=tuple(record_seen(r, pid_running=_pid_running(r, here)) for r in records),
-        lock=lock, unread=frozenset(unread))
-    verdict = truth(observation)
 
+def _document(model: str, seen: list[ReplicaSeen], rows: list[dict[str, Any]], *,
+              aliases: dict[str, int], pin: PinSeen | None, lock: LockSeen | None,
+              records: list[ReleaseRecord], verdict: Truth, gaps: _Gaps) -> dict[str, Any]:
+    """The ``status --json`` document (the keys :func:`status_report` lists)."""
     fleet_consistent = bool(seen) and all(r.reachable and len(r.ready_versions) == 1
                                           for r in seen) \
         and len({(tuple(r["ready_versions"]), r["config_digest"]) for r in rows}) == 1
@@ -291,9 +327,9 @@ def status_report(settings: Settings, clients: Clients, *, model: str) -> dict[s
         "consistent": verdict.consistent,
         "disagreements": [d.to_dict() for d in verdict.disagreements],
         "next": verdict.next,
-        "unreachable": unreachable,
-        "unread": sorted(unread),
-        "notes": [*notes, *verdict.notes],
+        "unreachable": gaps.unreachable,
+        "unread": sorted(gaps.unread),
+        "notes": [*gaps.notes, *verdict.notes],
         "record": record,
         "last_release": record,
         "pin": None if pin is None else {"version": pin.version,
