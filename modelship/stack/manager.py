@@ -690,7 +690,10 @@ def _triton_ready_check(http_url: str, grpc_port: int) -> Callable[[], bool]:
 
 def _s3_bucket_ready(endpoint: str, bucket: str, access_key: str, secret_key: str,
                      region: str, prefix: str) -> bool:
-    """The bucket exists and the repository prefix has its marker object."""
+    """The bucket exists and the repository prefix has its marker object, which reads
+    back. The read is the point: a restarted SeaweedFS answers HEAD (the filer's
+    metadata) before its volume server has registered its volumes with the master, and
+    until then every GET of an object fails (InternalError, "volume 1 not found")."""
     from modelship.storage import S3Storage  # lazy: boto3 (~0.5 s) only when a stack starts
 
     storage = S3Storage(endpoint=endpoint, bucket=bucket, access_key=access_key,
@@ -699,6 +702,7 @@ def _s3_bucket_ready(endpoint: str, bucket: str, access_key: str, secret_key: st
     key = f"{prefix}/{REPOSITORY_MARKER}"
     if not storage.exists(key):
         storage.put_bytes(key, b"Triton model repository managed by modelship.\n")
+    storage.get_bytes(key)
     return True
 
 
