@@ -303,13 +303,19 @@ class RecordState:
     pid_alive: bool | None = None
     pending_approvals: int = 0
     reason: str | None = None
+    last_stage: str | None = None  # the stage it was in when it ended (or died)
+    requests: tuple[str, ...] = ()  # the status of each approval request it made
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, record: Any, *, pid_alive: bool | None = None) -> RecordState:
+        requests = tuple(str(a.get("status")) for a in record.approvals
+                         if a.get("kind") == "request")
         return cls(record.id, record.kind, record.status, record.from_version,
                    record.to_version, record.exit_code, record.dry_run, pid_alive,
-                   sum(1 for a in record.approvals if a.get("kind") == "request"
-                       and a.get("status") == "pending"), record.reason)
+                   requests.count("pending"), record.reason,
+                   record.stages[-1].name if record.stages else None, requests,
+                   tuple(record.notes))
 
 
 @dataclass(frozen=True)
