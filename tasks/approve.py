@@ -74,7 +74,9 @@ from modelship.loadgen import LoadReport, LoadSpec, Target, run_load, run_paired
 from modelship.locks import canary_slot
 from modelship.policy import ApprovalPolicy, Policy
 from modelship.slack import blocks
-from modelship.triton.metrics import Scrape, delta
+from modelship.triton.metrics import Scrape, delta, scrape
+from tasks.evidence import read_candidate_digest
+from tasks.payload import load_payload
 from tasks.sequential import SequentialCanary, SequentialConfig, log_e_over_budget
 
 #: Seconds between two checks of "has the run been resumed?" (Prefect's default is 10 s).
@@ -728,85 +730,122 @@ def evidence_watch(settings: Any, clients: Any, *, model: str, version: int,
         payload: Rows to probe with; default the candidate's golden rows, loaded at the
             first look.
     """
-    from modelship.triton.metrics import scrape
-    from tasks.evidence import read_candidate_digest
-    from tasks.payload import load_payload
+    return _EvidenceWatch(settings, clients, model=model, version=version, baseline=baseline,
+                          candidate=candidate,
+                          judge=judge or EvidenceJudge(max_error_rate=max_error_rate),
+                          rows=rows, probe_s=probe_s, probe_rps=probe_rps, payload=payload)
 
-    judge = judge or EvidenceJudge(max_error_rate=max_error_rate)
-    before: dict[str, Scrape] = {}
-    rows_box: dict[str, Mapping[str, np.ndarray]] = {}
-    if payload is not None:
-        rows_box["rows"] = payload
 
-    def production() -> tuple[Kind, str] | None:
-        if baseline is None:
+@dataclass
+class _EvidenceWatch:
+    """The looks of :func:`evidence_watch`: each call reads every source once and asks the
+    judge. Between looks it keeps production's last scrape (the next look counts from it)
+    and the probe's rows (loaded once).
+
+    Attributes:
+        baseline: The version production serves (None on a first release: no production
+            to watch, the candidate probed alone).
+        candidate: The candidate's digest as its canary saw it (``manifest_sha256``).
+        rows: How many golden rows to probe with, when ``payload`` is not given.
+        probe_s: Seconds of paired probe per look (0: no probe).
+        probe_rps: Pairs per second of the probe.
+        payload: The rows the probe sends (loaded at the first probe when None).
+        before: Every replica's previous scrape, by name.
+    """
+
+    settings: Any
+    clients: Any
+    model: str
+    version: int
+    baseline: int | None
+    candidate: dict[str, Any]
+    judge: EvidenceJudge
+    rows: int
+    probe_s: float
+    probe_rps: float
+    payload: Mapping[str, np.ndarray] | None = None
+    before: dict[str, Scrape] = field(default_factory=dict)
+
+    def __call__(self) -> Finding | None:
+        down = self.canary_down()
+        return self.judge.conclude([self.production(), down,
+                                    None if down else self.probe(), self.evidence()])
+
+    def production(self) -> tuple[Kind, str] | None:
+        """Production's failures since the last look, through the bake's e-process."""
+        if self.baseline is None:
             return None
         now: dict[str, Scrape] = {}
-        for replica in clients.replicas:
+        for replica in self.clients.replicas:
             try:
-                now[replica.name] = scrape(replica.endpoint.metrics, settings.http_timeout_s)
+                now[replica.name] = scrape(replica.endpoint.metrics,
+                                           self.settings.http_timeout_s)
             except ModelshipError as exc:
                 return ("infrastructure", f"{replica.name}'s metrics did not answer: "
                         f"{exc.message}")
-        failures, successes = production_change(before, now, model=model, version=baseline)
-        before.update(now)
-        return judge.production(failures, successes, model=model, version=baseline)
+        failures, successes = production_change(self.before, now, model=self.model,
+                                                version=self.baseline)
+        self.before.update(now)
+        return self.judge.production(failures, successes, model=self.model,
+                                     version=self.baseline)
 
-    def probe() -> tuple[Kind, str] | None:
-        canary = clients.canary
-        if canary is None or (probe_s <= 0 or probe_rps <= 0):
+    def probe(self) -> tuple[Kind, str] | None:
+        """The paired probe on the canary, fed to the sequential canary's e-processes."""
+        canary, storage = self.clients.canary, self.clients.storage
+        if canary is None or (self.probe_s <= 0 or self.probe_rps <= 0):
             return None
-        if "rows" not in rows_box:
-            if clients.storage is None:
+        if self.payload is None:
+            if storage is None:
                 return None
-            rows_box["rows"], _ = load_payload(
-                clients.storage, getattr(clients, "registry", None),
-                repository_prefix=settings.repository_prefix, model=model, version=version,
-                rows=rows)
+            self.payload, _ = load_payload(
+                storage, getattr(self.clients, "registry", None),
+                repository_prefix=self.settings.repository_prefix, model=self.model,
+                version=self.version, rows=self.rows)
         # The probe is load on the shared canary Triton: it takes the canary slot, without
         # waiting. While another model's canary measures there, this look skips its probe
         # (the e-processes allow any number of looks), so neither measures the other.
         with ExitStack() as slot:
             try:
                 slot.enter_context(canary_slot(
-                    clients.storage, model=model, wait_s=0,
-                    owner=f"approval watch of {model} v{version} (pid {os.getpid()})"))
+                    storage, model=self.model, wait_s=0,
+                    owner=f"approval watch of {self.model} v{self.version} "
+                    f"(pid {os.getpid()})"))
             except ReleaseLocked:
                 return None
-            report = _probe(canary.endpoint.grpc, model, version, baseline, rows_box["rows"],
-                            seconds=probe_s, rps=probe_rps, timeout_s=settings.http_timeout_s)
-        return judge.probe(probe_batch(report.measured_records()))
+            report = _probe(canary.endpoint.grpc, self.model, self.version, self.baseline,
+                            self.payload, seconds=self.probe_s, rps=self.probe_rps,
+                            timeout_s=self.settings.http_timeout_s)
+        return self.judge.probe(probe_batch(report.measured_records()))
 
-    def evidence() -> tuple[Kind, str] | None:
+    def evidence(self) -> tuple[Kind, str] | None:
+        """What the approval rests on: every replica serves the baseline, the staged
+        manifest is the one the canary measured."""
+        model, baseline = self.model, self.baseline
         if baseline is not None:
-            for replica in clients.replicas:
+            for replica in self.clients.replicas:
                 if not replica.is_model_ready(model, str(baseline)):
                     return ("evidence", f"{replica.name} no longer serves {model} "
                             f"v{baseline}, the baseline the canary compared against")
-        if clients.storage is not None:
-            digest = read_candidate_digest(clients.storage,
-                                           repository_prefix=settings.repository_prefix,
-                                           model=model, version=version)
-            if digest.get("manifest_sha256") != candidate.get("manifest_sha256"):
-                return ("evidence", f"the staged {model} v{version} changed after its "
+        if self.clients.storage is not None:
+            digest = read_candidate_digest(self.clients.storage,
+                                           repository_prefix=self.settings.repository_prefix,
+                                           model=model, version=self.version)
+            was = self.candidate.get("manifest_sha256")
+            if digest.get("manifest_sha256") != was:
+                return ("evidence", f"the staged {model} v{self.version} changed after its "
                         f"canary (manifest {str(digest.get('manifest_sha256'))[:12]}, "
-                        f"canary saw {str(candidate.get('manifest_sha256'))[:12]})")
+                        f"canary saw {str(was)[:12]})")
         return None
 
-    def alive() -> tuple[Kind, str] | None:
-        if clients.canary is not None:
+    def canary_down(self) -> tuple[Kind, str] | None:
+        """The canary server stopped answering (an infrastructure finding)."""
+        if self.clients.canary is not None:
             try:
-                clients.canary.ping()
+                self.clients.canary.ping()
             except ModelshipError as exc:
                 return ("infrastructure", f"the canary server stopped answering: "
                         f"{exc.message}")
         return None
-
-    def check() -> Finding | None:
-        down = alive()
-        return judge.conclude([production(), down, None if down else probe(), evidence()])
-
-    return check
 
 
 def canary_cleanup(clients: Any, model: str, *, wait_s: float = 10.0) -> str:
