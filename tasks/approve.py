@@ -61,6 +61,7 @@ from modelship.approvals.rules import (
     check_decision,
     resolve_approvers,
 )
+from modelship.approvals.server import PrefectRuns
 from modelship.approvals.wire import approval_digest
 from modelship.errors import (
     ApprovalDenied,
@@ -74,7 +75,9 @@ from modelship.loadgen import LoadReport, LoadSpec, Target, run_load, run_paired
 from modelship.locks import canary_slot
 from modelship.policy import ApprovalPolicy, Policy
 from modelship.slack import blocks
+from modelship.slack.client import SlackClient
 from modelship.triton.metrics import Scrape, delta, scrape
+from tasks.canary import sequential_config
 from tasks.evidence import read_candidate_digest
 from tasks.payload import load_payload
 from tasks.sequential import SequentialCanary, SequentialConfig, log_e_over_budget
@@ -511,10 +514,6 @@ def channels_for(settings: Any, clients: Any, *, model: str, version: int,
     from ``gates`` (as :func:`tasks.canary.sequential_config` builds them for the canary),
     production's error budget and α from ``bake``, the probe's rows from ``export``.
     """
-    from modelship.approvals.server import PrefectRuns
-    from modelship.slack.client import SlackClient
-    from tasks.canary import sequential_config
-
     resolve: GroupResolver | None = None
     if settings.slack_api_url and settings.slack_token is not None:
         slack = SlackClient(settings.slack_api_url, settings.slack_token.get_secret_value(),

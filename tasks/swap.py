@@ -75,6 +75,7 @@ from modelship.triton.gpu import (
     plan_headroom,
 )
 from modelship.triton.infer import GoldenProbe, TritonInference
+from modelship.triton.metrics import scrape_text
 from modelship.triton.model_config import (
     ModelConfig,
     config_digest,
@@ -645,7 +646,6 @@ def _write_model_config(storage: S3Storage, *, model: str, config: ModelConfig,
 
 def _metrics_texts(replicas: Sequence[TritonServer], timeout_s: float) -> dict[str, str | None]:
     """Every replica's metrics text, in parallel; None where the scrape failed."""
-    from modelship.triton.metrics import scrape_text
 
     def one(server: TritonServer) -> str | None:
         try:
@@ -661,7 +661,7 @@ def _weights_reader(storage: S3Storage, *, model: str, target: int, repository_p
                     config: ModelConfig) -> Callable[[], int]:
     """Reads C's ONNX initializer bytes from its staged model file (the estimate's input;
     called only on a GPU fleet without a canary measurement)."""
-    import onnx
+    import onnx  # third-party and heavy; only this rare path needs it
 
     def read() -> int:
         name = config.default_model_filename or "model.onnx"
