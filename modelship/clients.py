@@ -12,9 +12,11 @@ from modelship.errors import ModelshipError
 from modelship.policy import Policy
 from modelship.prefect_api import PrefectApi
 from modelship.settings import Settings
-from modelship.slack.notifier import Notifier
+from modelship.slack.client import SlackClient
+from modelship.slack.notifier import Notifier, NullNotifier, SlackNotifier
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
+from modelship.triton.discovery import build_discovery
 
 
 @dataclass
@@ -51,8 +53,6 @@ def build_clients(settings: Settings) -> Clients:
     )
     slack = None
     if settings.slack_api_url and settings.slack_token:
-        from modelship.slack.client import SlackClient
-
         slack = SlackClient(settings.slack_api_url, settings.slack_token.get_secret_value(),
                             timeout_s=settings.http_timeout_s)
 
@@ -75,8 +75,6 @@ def build_clients(settings: Settings) -> Clients:
 def _fleet(settings: Settings) -> list[Any]:
     """The production replicas: static, or (when MODELSHIP_K8S_NAMESPACE is set) the ready
     endpoints of the Triton Service, listed once here at the edge."""
-    from modelship.triton.discovery import build_discovery
-
     kubernetes = settings.kubernetes_discovery()
     static = [] if kubernetes else list(settings.triton_replicas)
     if not kubernetes and not static:
@@ -152,8 +150,6 @@ def check_endpoints(clients: Clients, settings: Settings) -> list[EndpointCheck]
 def notifier_for(clients: Clients | None, settings: Settings, policy: Policy) -> Notifier:
     """The release thread's notifier, chosen once: Slack when it is configured and the
     policy enables notifications, else the null notifier."""
-    from modelship.slack.notifier import NullNotifier, SlackNotifier
-
     if clients is None or clients.slack is None or not policy.notifications.enabled:
         return NullNotifier()
     channel = policy.notifications.slack_channel or settings.slack_channel

@@ -75,6 +75,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote, unquote
 
+from botocore.exceptions import ClientError
+
 from modelship.errors import InfrastructureError, ReleaseLocked, UsageError
 from modelship.procinfo import process_start_ticks
 
@@ -255,8 +257,6 @@ class _S3Locks:
         return error
 
     def read(self, key: str) -> Observed:
-        from botocore.exceptions import ClientError
-
         try:
             got = self.storage.client.get_object(Bucket=self.storage.bucket, Key=key)
             body = got["Body"].read()
@@ -279,8 +279,6 @@ class _S3Locks:
     def write(self, key: str, doc: dict[str, Any], *, etag: str | None) -> str | None:
         """Create (``etag`` None) or compare-and-swap; the new ETag, None when another
         write came first (412, or 409 for a concurrent conditional write)."""
-        from botocore.exceptions import ClientError
-
         client, body = self.storage.client, json.dumps(doc).encode()
         try:
             if etag:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from modelship.errors import ModelshipError
 from modelship.faults import describe_traceback, translate
+from modelship.signals import exit_code_for, stop_signal
 
 T = TypeVar("T")
 
@@ -80,8 +81,6 @@ def failure_document(exc: BaseException) -> dict[str, Any]:
     :class:`~modelship.errors.Unreachable` naming the endpoint, the rest exit 1 naming the
     exception).
     """
-    from modelship.signals import exit_code_for, stop_signal
-
     signum = stop_signal(exc)
     if signum is not None:
         name = signal.Signals(signum).name

@@ -16,10 +16,11 @@ Nothing is read at import time: call :func:`load_settings` at the edge.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -194,8 +195,6 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        import os
-
         home = getattr(init_settings, "init_kwargs", {}).get("home") or os.environ.get(
             "MODELSHIP_HOME", ".modelship"
         )
@@ -283,8 +282,6 @@ def settings_from_stack_state(state: dict[str, Any]) -> dict[str, Any]:
 
 def load_settings(**overrides: Any) -> Settings:
     """Build settings at the edge; translate validation errors into a usage error."""
-    from pydantic import ValidationError
-
     try:
         return Settings(**overrides)
     except ValidationError as exc:

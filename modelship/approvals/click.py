@@ -8,12 +8,14 @@ Slack workspace.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
 from modelship.approvals.rules import pending_entry
+from modelship.approvals.server import NotPaused, PrefectRuns
 from modelship.approvals.wire import (
     APPROVE,
     REJECT,
@@ -21,6 +23,7 @@ from modelship.approvals.wire import (
     button_value,
     signed_request,
 )
+from modelship.clients import build_clients
 from modelship.errors import InfrastructureError, Unreachable, UsageError
 from modelship.ledger import LEDGER_PREFIX, Ledger, ReleaseRecord
 
@@ -90,8 +93,6 @@ def send(url: str, body: bytes, headers: dict[str, str], *, timeout_s: float
 
 def click(settings: Any, release_id: str, *, user: str, approve: bool) -> dict[str, Any]:
     """Click Approve or Reject on a release's approval message, as ``user``."""
-    from modelship.clients import build_clients
-
     url = embedded_only(settings)
     clients = build_clients(settings)
     if clients.storage is None:
@@ -112,10 +113,6 @@ def approve_when_asked(settings: Any, model: str, *, user: str, since: str,
 
     Returns the endpoint's answer, or ``{"ok": False, "error": "not_asked"}``.
     """
-    import time
-
-    from modelship.clients import build_clients
-
     url = embedded_only(settings)
     clients = build_clients(settings)
     if clients.storage is None:
@@ -145,9 +142,6 @@ def withdraw_pending(settings: Any, model: str, *, since: str, user: str,
 
     Returns the release id it withdrew, or None.
     """
-    from modelship.approvals.server import NotPaused, PrefectRuns
-    from modelship.clients import build_clients
-
     clients = build_clients(settings)
     if clients.storage is None:
         return None

@@ -40,13 +40,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol, cast
 from urllib.parse import parse_qs
+from uuid import UUID
 
+from prefect.client.orchestration import get_client
+from prefect.exceptions import FlowPauseTimeout, NotPausedError
+from prefect.flow_runs import resume_flow_run
 from slack_sdk.signature import Clock, SignatureVerifier
 
 from modelship.approvals.rules import check_decision, pending_entry, resolve_approvers
 from modelship.approvals.wire import ACTIONS, parse_button_value
-from modelship.errors import ModelshipError, StorageError
+from modelship.clients import build_clients
+from modelship.errors import ModelshipError, StorageError, UsageError
 from modelship.ledger import Ledger, ReleaseRecord
+from modelship.prefect_api import pointed_at
 from modelship.slack import blocks
 from modelship.slack.client import SlackClient
 
@@ -80,12 +86,6 @@ class PrefectRuns:
         self.api_url = api_url
 
     def state(self, flow_run_id: str) -> str | None:
-        from uuid import UUID
-
-        from prefect.client.orchestration import get_client
-
-        from modelship.prefect_api import pointed_at
-
         with pointed_at(self.api_url), get_client(sync_client=True) as client:
             try:
                 run = client.read_flow_run(UUID(flow_run_id))
@@ -94,13 +94,6 @@ class PrefectRuns:
         return run.state.type.value if run.state else None
 
     def resume(self, flow_run_id: str, run_input: dict[str, Any]) -> None:
-        from uuid import UUID
-
-        from prefect.exceptions import FlowPauseTimeout, NotPausedError
-        from prefect.flow_runs import resume_flow_run
-
-        from modelship.prefect_api import pointed_at
-
         with pointed_at(self.api_url):
             try:
                 resume_flow_run(UUID(flow_run_id), run_input=run_input)
@@ -430,9 +423,6 @@ class _Handler(BaseHTTPRequestHandler):
 
 def build_service(settings: Any, *, audit_path: Path | None) -> ApprovalService:
     """The service from settings: the ledger in S3, Prefect, Slack (built at the edge)."""
-    from modelship.clients import build_clients
-    from modelship.errors import UsageError
-
     if settings.slack_signing_secret is None:
         raise UsageError("approvals serve needs the Slack signing secret",
                          hint="set MODELSHIP_SLACK_SIGNING_SECRET, or run `modelship stack "

@@ -31,7 +31,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Final
 
-from modelship.errors import InfrastructureError, Unreachable
+from modelship.errors import InfrastructureError, Unreachable, UsageError
+from modelship.settings import load_settings
 from modelship.webhooks.verify import (
     CANDIDATE_ALIAS,
     MAX_BODY_BYTES,
@@ -101,6 +102,7 @@ class PromoteStarter:
 def ensure_mlflow_webhook(tracking_uri: str, url: str, secret: str, *,
                           name: str = MLFLOW_WEBHOOK_NAME) -> str:
     """Create (or point again) the MLflow webhook that calls this receiver; returns its id."""
+    # lazy: mlflow costs seconds at import; only registering the hook needs it, not the receiver
     from mlflow.entities.webhook import WebhookEvent
     from mlflow.exceptions import MlflowException
 
@@ -210,9 +212,6 @@ def make_server(receiver: Receiver, host: str, port: int,
 def serve(*, host: str, port: int, state_file: Path | None, register: bool,
           dry_run: bool) -> None:
     """Run the receiver until SIGTERM; settings (Prefect, MLflow, secret) from the stack."""
-    from modelship.errors import UsageError
-    from modelship.settings import load_settings
-
     settings = load_settings()
     secret = settings.mlflow_webhook_secret
     if secret is None or not settings.prefect_api_url:
