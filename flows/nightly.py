@@ -16,11 +16,14 @@ train → register → compare (offline, on held-out rows) → record → promot
 
 from __future__ import annotations
 
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
 from pydantic import BaseModel, Field
 
 from flows.promote import PromoteParams, promote_flow
@@ -88,8 +91,6 @@ def nightly_policy_file(params: NightlyParams, policies_dir: Path) -> str | None
 
 
 def _night_seed() -> int:
-    import time
-
     return int(time.time() // 86400)
 
 
@@ -167,8 +168,6 @@ def skipped_notice(model: str, version: int, comparison: training.Comparison) ->
 @flow(name="modelship-nightly", flow_run_name="nightly {params.model}", log_prints=True)
 def nightly_flow(params: NightlyParams) -> dict[str, Any]:
     """Retrain, register, compare offline, and promote only a better challenger."""
-    import tempfile
-
     settings = load_settings()
     if not settings.mlflow_tracking_uri:
         raise UsageError("the nightly run needs MLflow", hint="run `modelship stack up` or "
@@ -225,7 +224,5 @@ def nightly_flow(params: NightlyParams) -> dict[str, Any]:
 
 
 def _flow_run_id() -> str | None:
-    from prefect.context import FlowRunContext
-
     context = FlowRunContext.get()
     return str(context.flow_run.id) if context and context.flow_run else None

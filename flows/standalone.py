@@ -34,6 +34,7 @@ from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.slack.blocks import gate_lines
 from tasks import fleet
+from tasks.check import run_check
 from tasks.evidence import read_candidate_digest
 
 
@@ -173,8 +174,8 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
     Slack thread, so a later ``swap --to V`` finds its evidence. On a first release only
     absolute gates apply.
     """
+    # lazy: tasks.canary (load generator, stats) costs ~2.5 s at import; only `canary` needs it
     from tasks.canary import run_canary
-    from tasks.check import run_check
 
     if clients.storage is None or clients.canary is None:
         raise UsageError("the canary needs an S3 repository and a canary Triton",

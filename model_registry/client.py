@@ -52,6 +52,7 @@ def mlflow_client(tracking_uri: str, *, timeout_s: float) -> MlflowClient:
     """The one way modelship builds an ``MlflowClient``: ``timeout_s`` (seconds) per request
     and no retries of MLflow's own (its default retries a dead server for minutes; callers
     retry through :func:`modelship.faults.call_with_retries`, or not at all)."""
+    # lazy: mlflow costs ~4 s at import; only a call to MLflow needs it
     import mlflow
     from mlflow import MlflowClient
 
@@ -124,7 +125,7 @@ class RegistryClient:
                 hint="check that MLflow is running (`modelship doctor`) and "
                 "MLFLOW_TRACKING_URI is right, then run the command again",
                 endpoint=self.tracking_uri, transient=True)
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # lazy: mlflow (~4 s), as above
 
         if isinstance(exc, MlflowException):
             return InfrastructureError(
@@ -146,7 +147,7 @@ class RegistryClient:
         return self._call(f"read the aliases of {name}", body)
 
     def _registered_model(self, client: MlflowClient, name: str) -> Any:
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # lazy: mlflow (~4 s), as above
 
         try:
             return client.get_registered_model(name)
@@ -172,7 +173,7 @@ class RegistryClient:
 
     def _version_number(self, client: MlflowClient, name: str, version: int | None,
                         alias: str | None) -> int:
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # lazy: mlflow (~4 s), as above
 
         model = self._registered_model(client, name)
         if alias is not None:
@@ -204,6 +205,7 @@ class RegistryClient:
         download_dir: Path,
     ) -> ResolvedVersion:
         """Resolve a reference, download the model's artifacts and read its metadata."""
+        # lazy: mlflow costs ~4 s at import; only a call to MLflow needs it
         import mlflow.artifacts
         from mlflow.models import Model
 
@@ -241,6 +243,7 @@ class RegistryClient:
 
     def download_run_artifact(self, run_id: str, path: str, dst: Path) -> Path | None:
         """Download one artifact of a run, or None when it does not exist."""
+        # lazy: mlflow costs ~4 s at import; only a call to MLflow needs it
         import mlflow.artifacts
         from mlflow.exceptions import MlflowException
 

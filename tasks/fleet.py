@@ -35,7 +35,7 @@ from modelship.ledger import (
 )
 from modelship.policy import Policy
 from modelship.progress import Progress, quiet
-from modelship.repository import manifest_key, staged_config
+from modelship.repository import CONFIG_NAME, manifest_key, model_prefix, staged_config
 from modelship.settings import Settings
 from modelship.signals import stop_signal
 from modelship.signing import key_bytes
@@ -44,7 +44,7 @@ from tasks import recovery
 from tasks.evidence import read_candidate_digest, require_evidence
 from tasks.record import ReleaseJournal
 from tasks.stage import prune_versions
-from tasks.swap import SwapOptions, SwapTarget, fleet_status, swap_fleet
+from tasks.swap import SwapOptions, SwapTarget, fleet_status, recorded_footprint, swap_fleet
 
 
 def require_fleet(clients: Clients) -> None:
@@ -89,8 +89,6 @@ def recorded_footprint_for(records: list[ReleaseRecord], digest: dict[str, Any],
                         progress: Progress) -> dict[str, Any]:
     """C's canary-measured GPU footprint from the ledger, for the headroom preflight of a
     swap or rollback outside a release (``swap_unlocked``'s footprint keywords)."""
-    from tasks.swap import recorded_footprint
-
     found = recorded_footprint(records, digest=digest)
     progress(f"GPU footprint for the headroom preflight: {found.detail}")
     return {"footprint_bytes": found.bytes_per_gpu, "footprint_detail": found.detail,
@@ -116,8 +114,6 @@ def withdraw(settings: Settings, clients: Clients, *, model: str,
              progress: Progress = quiet) -> dict[str, Any]:
     """Undo a first release: no replica serves ``model``, and its production pin is gone,
     so reconcile (and a restarted replica) cannot load the withdrawn version back."""
-    from modelship.repository import CONFIG_NAME, model_prefix
-
     failed: dict[str, str] = {}
     for replica in clients.replicas:
         try:
@@ -463,8 +459,6 @@ def is_staged(settings: Settings, clients: Clients, *, model: str, version: int)
 def status(clients: Clients, *, model: str) -> dict[str, Any]:
     """What serves where: per replica the ready versions and the config digest, the
     aliases, and the last release in the ledger."""
-    from tasks.swap import fleet_status
-
     fleet = fleet_status(clients.replicas, model, storage=clients.storage)
     aliases: dict[str, int] = {}
     alias_error = None

@@ -31,6 +31,8 @@ from typing import Any, Literal
 from modelship.errors import ModelshipError, StagingError
 from modelship.progress import Progress, quiet
 from modelship.repository import CONFIG_NAME, model_prefix, read_verified
+from modelship.settings import TritonEndpoint
+from modelship.signing import key_bytes
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
 from modelship.triton.model_config import ModelConfig, from_pbtxt, serving_digest, to_pbtxt
@@ -332,9 +334,6 @@ def reconcile_stack(state: dict[str, Any], *, progress: Progress = quiet,
     Builds the clients from the stack state (``stack.json``), reconciles every pinned model
     on the production replicas (not the canary) and closes them again.
     """
-    from modelship.settings import TritonEndpoint
-    from modelship.signing import key_bytes
-
     storage = S3Storage(endpoint=state["s3_endpoint"], bucket=state["bucket"],
                         access_key=state["access_key"], secret_key=state["secret_key"],
                         region=state.get("region", "us-east-1"))

@@ -46,6 +46,8 @@ from modelship.ledger import RELEASE_ID_TAG, ReleaseRecord, now_iso, sort_newest
 from modelship.procinfo import process_start_ticks
 from modelship.progress import Progress, quiet
 from modelship.signals import deferred, exit_code_for, stop_signal
+from tasks.reconcile import read_pin
+from tasks.swap import fleet_status
 
 __all__ = ["KEEP", "UNKNOWN", "Closing", "Decision", "Effects", "FleetTo", "SetAlias",
            "Seen", "Step", "TagRelease", "Target", "apply", "carry_out", "close", "closing_for",
@@ -579,9 +581,6 @@ def observe_seen(clients: Any, *, model: str, version: int | None, release_id: s
     """What the fleet, the pin and MLflow say now about ``model`` (and the release tag of
     ``version``); whatever cannot be read is :data:`UNKNOWN`, with the reason in
     ``problems``. Never raises for a server that is down."""
-    from tasks.reconcile import read_pin
-    from tasks.swap import fleet_status
-
     problems: list[str] = []
     fleet: int | None | str = UNKNOWN
     if clients.replicas:

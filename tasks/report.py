@@ -30,6 +30,7 @@ import numpy as np
 from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.triton.gpu import GpuEvidence
 from tasks.gate_report import GateReport
+from tasks.gates import markdown_table
 
 MARKDOWN_NAME = "canary.md"
 PLOT_NAME = "canary.png"
@@ -175,8 +176,6 @@ def _mib(value: float | None) -> str:
 
 def render_markdown(result: CanaryReportSource, *, plot_name: str | None = PLOT_NAME) -> str:
     """The whole report as Markdown (pure); ``plot_name`` is linked relative to the file."""
-    from tasks.gates import markdown_table
-
     snapshot = result.snapshot
     against = f"v{result.baseline}" if result.baseline is not None else "no baseline"
     load = result.load
@@ -241,6 +240,7 @@ def plot_latency_ecdf(snapshot: CanarySnapshot, path: Path) -> Path:
     Uses matplotlib's Agg canvas directly, not pyplot, so it never touches a display or
     pyplot's global state (safe in worker threads and Prefect tasks).
     """
+    # lazy: matplotlib costs ~1 s at import; only the latency plot needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -321,6 +321,7 @@ def publish_markdown_artifact(markdown: str, *, key: str,
     """
     if "prefect" not in sys.modules:
         return False
+    # lazy: prefect costs ~3 s at import and tasks.canary does not load it; only a Prefect run
     from prefect.artifacts import create_markdown_artifact
     from prefect.context import FlowRunContext, TaskRunContext
 

@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from modelship.errors import UsageError
+from model_registry.client import mlflow_client
+from modelship.errors import InfrastructureError, UsageError
 
 N_FEATURES = 8
 LABEL = "label"
@@ -74,7 +75,7 @@ def transactions(rows: int, *, seed: int, drift: float) -> tuple[Any, np.ndarray
     Returns:
         (features as a DataFrame with columns f0..f7, float64; labels 0/1 as int64).
     """
-    import pandas as pd
+    import pandas as pd  # lazy: pandas costs ~0.8 s at import; flows.nightly does not load it
 
     if rows < 1 or not math.isfinite(drift) or drift < 0:
         raise UsageError(f"cannot generate {rows} rows with drift {drift}",
@@ -101,7 +102,7 @@ def log_candidate(estimator: Any, request: TrainRequest, *, train: Any, train_la
     Returns:
         The logged model's URI (``models:/m-...``), for the nightly flow to register.
     """
-    import mlflow
+    import mlflow  # lazy: mlflow costs ~4 s at import; only the MLflow calls need it
 
     mlflow.set_tracking_uri(request.tracking_uri)
     mlflow.set_experiment(request.experiment)
@@ -126,6 +127,7 @@ def log_candidate(estimator: Any, request: TrainRequest, *, train: Any, train_la
 
 def train_builtin(request: TrainRequest) -> str:
     """The default trainer: scaler + logistic regression on tonight's transactions."""
+    # lazy: scikit-learn costs ~2 s at import; only the built-in trainer needs it
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -241,6 +243,7 @@ def compare(rule: ComparisonRule, challenger: dict[str, float],
 
     No held-out rows, or a NaN metric on either side, is ``inconclusive``: never better.
     """
+    # lazy: mlflow costs ~4 s at import; only the MLflow calls need it
     import mlflow
     from mlflow.models import MetricThreshold
     from mlflow.models.evaluation.base import EvaluationResult
@@ -288,15 +291,11 @@ def compare(rule: ComparisonRule, challenger: dict[str, float],
 
 def _client(tracking_uri: str) -> Any:
     """The one MLflow client factory; artifact uploads get a minute per request."""
-    from model_registry.client import mlflow_client
-
     return mlflow_client(tracking_uri, timeout_s=60.0)
 
 
 def _translated(what: str, tracking_uri: str, exc: Exception) -> Exception:
-    from mlflow.exceptions import MlflowException
-
-    from modelship.errors import InfrastructureError
+    from mlflow.exceptions import MlflowException  # lazy: mlflow (~4 s), as above
 
     if isinstance(exc, MlflowException):
         return InfrastructureError(f"MLflow at {tracking_uri} failed to {what}: {exc.message}",
@@ -306,7 +305,7 @@ def _translated(what: str, tracking_uri: str, exc: Exception) -> Exception:
 
 def register(tracking_uri: str, model_uri: str, model: str) -> dict[str, Any]:
     """Register ``model_uri`` as a new version of ``model``; returns version and run id."""
-    import mlflow
+    import mlflow  # lazy: mlflow costs ~4 s at import; only the MLflow calls need it
 
     _client(tracking_uri)
     try:
@@ -322,6 +321,7 @@ def register(tracking_uri: str, model_uri: str, model: str) -> dict[str, Any]:
 
 def heldout_set(tracking_uri: str, run_id: str, workdir: Path) -> tuple[Any, Any]:
     """The held-out rows (features, labels) the trainer logged on its run."""
+    # lazy: mlflow (~4 s) and pandas (~0.8 s) at import; only the MLflow calls need them
     import mlflow.artifacts
     import pandas as pd
 
@@ -342,7 +342,7 @@ def heldout_set(tracking_uri: str, run_id: str, workdir: Path) -> tuple[Any, Any
 
 def predict(tracking_uri: str, model: str, version: int, features: Any) -> Any:
     """Predicted labels of one registered version (its MLflow pyfunc)."""
-    import mlflow.pyfunc
+    import mlflow.pyfunc  # lazy: mlflow costs ~4 s at import; only the MLflow calls need it
 
     _client(tracking_uri)
     try:
@@ -359,7 +359,7 @@ def predict(tracking_uri: str, model: str, version: int, features: Any) -> Any:
 def champion_vs_challenger(tracking_uri: str, *, model: str, version: int, run_id: str,
                            rule: ComparisonRule, workdir: Path) -> Comparison:
     """Score the challenger and the production champion on the same held-out rows."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: mlflow (~4 s), as above
 
     client = _client(tracking_uri)
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
 from modelship.errors import ModelshipError, Unreachable, ValidationFailed
 from modelship.policy import ParityPolicy
@@ -37,8 +38,6 @@ def load_files(files: Mapping[str, Path], version: int = 1) -> dict[str, bytes]:
 
 def run_onnxruntime(onnx_path: Path, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Reference answers from onnxruntime in this process."""
-    import onnxruntime as ort
-
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, dict(feed)), strict=True))
