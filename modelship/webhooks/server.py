@@ -102,7 +102,7 @@ class PromoteStarter:
 def ensure_mlflow_webhook(tracking_uri: str, url: str, secret: str, *,
                           name: str = MLFLOW_WEBHOOK_NAME) -> str:
     """Create (or point again) the MLflow webhook that calls this receiver; returns its id."""
-    # lazy: mlflow costs seconds at import; only registering the hook needs it, not the receiver
+    # lazy: mlflow (~4 s) and its client only to register the hook; the receiver never needs them
     from mlflow.entities.webhook import WebhookEvent
     from mlflow.exceptions import MlflowException
 
