@@ -24,6 +24,7 @@ from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
+from modelship.candidate import ReleaseCandidate
 from modelship.clients import Clients, build_clients, notifier_for
 from modelship.errors import (
     BakeBreached,
@@ -49,7 +50,8 @@ from tasks.approve import (
     channels_for,
 )
 from tasks.canary_sizing import SEQUENTIAL_SHARE, plan_rules
-from tasks.evidence import read_candidate_digest
+from tasks.check import CheckReport
+from tasks.evidence import release_candidate
 from tasks.prefect_tasks import (
     approve_task,
     bake_task,
@@ -69,6 +71,9 @@ from tasks.record import ReleaseJournal
 
 if TYPE_CHECKING:  # annotation only: the canary imports the load generator
     from tasks.canary import CanaryResult
+
+#: The baseline window and the bake probe with the golden feed's first rows.
+BAKE_ROWS = 64
 
 
 class PromoteParams(BaseModel):
@@ -161,16 +166,15 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
                 _repair_noop(settings, clients, policy, journal, version)
             journal.finish("noop", 0, f"{model} v{version} already serves on every replica")
             return record.to_dict()
-        staged = _check_and_stage(settings, clients, policy, params, journal, version)
+        staged, report = _check_and_stage(settings, clients, policy, params, journal, version)
         if params.dry_run:
             plan = release_plan(settings, clients, policy, record, approval, staged)
             journal.record.gates = {"plan": plan}
             journal.finish("planned", 0, "dry run: nothing in production was changed")
             return {**record.to_dict(), "plan": plan}
-        record.candidate = read_candidate_digest(
-            clients.storage, repository_prefix=settings.repository_prefix, model=model,
-            version=version)
-        _release(settings, clients, policy, ledger, journal, approval, serving,
+        release = _candidate_of(settings, clients, report)
+        record.candidate = dict(release.digest)
+        _release(settings, clients, policy, ledger, journal, approval, serving, release,
                  progress=progress)
         publish_record(record)
         return record.to_dict()
@@ -186,9 +190,9 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
 
 def _check_and_stage(settings: Settings, clients: Clients, policy: Policy,
                      params: PromoteParams, journal: ReleaseJournal,
-                     version: int) -> dict[str, Any]:
+                     version: int) -> tuple[dict[str, Any], CheckReport]:
     """The check and stage stages, in a work folder removed after them: what was staged
-    (or, in a dry run, the staging plan)."""
+    (or, in a dry run, the staging plan), and the check's report."""
     with tempfile.TemporaryDirectory(prefix="modelship-promote-") as tmp:
         with journal.stage("check") as entry:
             report = check_task(settings, clients, policy, params.model, version, Path(tmp),
@@ -199,16 +203,26 @@ def _check_and_stage(settings: Settings, clients: Clients, policy: Policy,
                                 params.dry_run)
             entry.details.update({k: staged.get(k) for k in
                                   ("bytes_uploaded", "already_staged", "manifest_key")})
-    return staged
+    return staged, report
+
+
+def _candidate_of(settings: Settings, clients: Clients, report: CheckReport
+                  ) -> ReleaseCandidate:
+    """The candidate every stage after the stage takes: the check's resolved version,
+    golden feed and rendered config, and the staged manifest's digest (read once)."""
+    assert clients.storage is not None and report.resolved is not None \
+        and report.golden is not None and report.config_pbtxt is not None
+    return release_candidate(clients.storage, repository_prefix=settings.repository_prefix,
+                             resolved=report.resolved, feed=report.feed,
+                             feed_source=report.golden.source,
+                             config_pbtxt=report.config_pbtxt)
 
 
 def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger,
-             journal: ReleaseJournal, approval: ApprovalRequest, serving: int | None, *,
-             progress: Progress) -> None:
+             journal: ReleaseJournal, approval: ApprovalRequest, serving: int | None,
+             release: ReleaseCandidate, *, progress: Progress) -> None:
     """Under the model's release lock: canary, gates and approval, then the fleet
     (baseline, swap, bake, record), ended by :func:`tasks.fleet.end_release`."""
-    from tasks.payload import load_payload  # heavy (mlflow, onnx): once the release gets here
-
     record = journal.record
     model, version = record.model, int(record.to_version or 0)
     assert clients.storage is not None  # run_promote refused a promotion without it
@@ -217,10 +231,9 @@ def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledge
             _unload_kept_canary(clients, journal, keep=approval.required):
         _note_takeover(journal, lock)
         _recover_first(settings, clients, policy, ledger, journal, lock)
-        result = _canary_to_approval(settings, clients, policy, journal, approval, serving)
-        payload, _ = load_payload(clients.storage, clients.registry,
-                                  repository_prefix=settings.repository_prefix,
-                                  model=model, version=version)
+        result = _canary_to_approval(settings, clients, policy, journal, approval, serving,
+                                     release)
+        payload = release.rows(BAKE_ROWS)
         baseline = None
         if serving is not None and policy.bake.duration_s > 0:
             with journal.stage("baseline") as entry:
@@ -236,7 +249,8 @@ def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledge
         try:
             with journal.stage("swap") as entry:
                 record.swap = swap_task(settings, clients, policy, model, version,
-                                        serving, result.candidate_bytes)
+                                        serving, result.candidate_bytes,
+                                        release.config_pbtxt)
                 entry.details["skew_ms"] = record.swap.get("skew_ms")
             with journal.stage("bake") as entry:
                 _bake(settings, clients, policy, record, payload, baseline,
@@ -259,13 +273,13 @@ def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledge
 
 def _canary_to_approval(settings: Settings, clients: Clients, policy: Policy,
                         journal: ReleaseJournal, approval: ApprovalRequest,
-                        serving: int | None) -> CanaryResult:
+                        serving: int | None, release: ReleaseCandidate) -> CanaryResult:
     """The canary, gates and approve stages; returns the canary's result."""
     record = journal.record
     model, version = record.model, int(record.to_version or 0)
     with journal.stage("canary") as entry:
         result = canary_task(settings, clients, policy, model, version, serving,
-                             approval.required)
+                             approval.required, release)
         journal.attach_gates(result)
         record.candidate["canary_report_id"] = record.id
         entry.details["verdict"] = result.verdict

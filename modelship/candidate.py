@@ -103,3 +103,43 @@ class ExportedModel:
             "outputs": [asdict(t) for t in self.spec.outputs],
             "parity": self.parity,
         }
+
+
+@dataclass(frozen=True, eq=False)
+class ReleaseCandidate:
+    """The candidate of one release, built once after check and stage; every later stage
+    (canary, baseline, swap, bake, record) takes it instead of reading MLflow or S3 again.
+
+    The one read that stays is the swap's verification of the staged bytes against the
+    manifest (DESIGN §4): what serves is what verified, never what this object says.
+
+    Attributes:
+        resolved: The MLflow version the check resolved (and downloaded, once).
+        feed: The golden feed: input name -> batch-first rows (the check's, at most
+            ``export.golden_max_rows``), which the canary replays and the bake probes with.
+        feed_source: Where the rows came from (``artifact``, ``input_example``,
+            ``synthetic``).
+        config_pbtxt: The rendered Triton config, exactly as staged.
+        digest: The digest a canary, an approval and a swap are bound to
+            (:func:`modelship.ledger.candidate_digest`, from the staged manifest).
+        probe: The golden probe recorded in the manifest (``GoldenProbe.to_dict``), or None.
+    """
+
+    resolved: ResolvedVersion
+    feed: dict[str, Any] = field(repr=False)
+    feed_source: str
+    config_pbtxt: str = field(repr=False)
+    digest: dict[str, Any]
+    probe: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def model(self) -> str:
+        return self.resolved.name
+
+    @property
+    def version(self) -> int:
+        return self.resolved.version
+
+    def rows(self, count: int) -> dict[str, Any]:
+        """The first ``count`` rows of the feed (the bake's probe load takes 64)."""
+        return {name: rows[:count] for name, rows in self.feed.items()}

@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from modelship.candidate import ReleaseCandidate
 from modelship.clients import Clients
 from modelship.errors import GatesInconclusive, InfrastructureError, ModelshipError, UsageError
 from modelship.jsonable import jsonable
@@ -87,7 +88,7 @@ from modelship.triton.metrics import (
     scrape,
     scrape_text,
 )
-from modelship.triton.model_config import ModelConfig, to_json, with_versions
+from modelship.triton.model_config import ModelConfig, from_pbtxt, to_json, with_versions
 from modelship.triton.target import render_for_servers
 from tasks.agreement import BASELINE, CANDIDATE, compute_agreement, rows_agree
 from tasks.canary_plan import (
@@ -635,11 +636,21 @@ def _canary_clients(clients: Clients, model: str, candidate: int,
 
 
 def _candidate_inputs(settings: Settings, clients: Clients, storage: S3Storage, *,
-                      policy: Policy, model: str, candidate: int, baseline: int | None
+                      policy: Policy, model: str, candidate: int, baseline: int | None,
+                      release: ReleaseCandidate | None = None
                       ) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
     """Both versions verified as staged, C's staged config for ``[P, C]``, and the rows
-    to replay (the golden inputs, else rows shaped by the config) with their source."""
+    to replay (the golden inputs, else rows shaped by the config) with their source.
+
+    With ``release`` (a promotion, which staged C itself) C's config and rows are the
+    release's own: neither S3 nor MLflow is read again for C."""
     versions = [v for v in (baseline, candidate) if v is not None]
+    if release is not None:
+        if baseline is not None:
+            verify_staged(storage, model=model, version=baseline,
+                          repository_prefix=settings.repository_prefix)
+        return (with_versions(from_pbtxt(release.config_pbtxt), versions), release.feed,
+                release.feed_source)
     for version in versions:
         verify_staged(storage, model=model, version=version,
                       repository_prefix=settings.repository_prefix)
@@ -690,7 +701,8 @@ def _publish(result: CanaryResult, out_dir: Path, progress: Progress) -> None:
 def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: str,
                candidate: int, baseline: int | None,
                progress: Progress = quiet, report_dir: Path | None = None,
-               keep_loaded: bool = False) -> CanaryResult:
+               keep_loaded: bool = False,
+               release: ReleaseCandidate | None = None) -> CanaryResult:
     """Run the canary of ``candidate`` against ``baseline`` and judge it with the gates.
 
     Args:
@@ -703,6 +715,8 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
         baseline: The production version, staged; None on a first release.
         progress: Receives one line per step, for the CLI's stderr.
         report_dir: Where the report goes; default ``home/reports/canary-MODEL-vC-STAMP``.
+        release: The promotion's candidate (config and rows), so nothing about C is read
+            again; None (a standalone canary): read from S3 and MLflow.
 
     Returns:
         The result; its ``verdict`` is the gates' verdict (``passed``, ``failed``,
@@ -734,7 +748,7 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     server, storage = _canary_clients(clients, model, candidate, baseline)
     config, payload, source = _candidate_inputs(settings, clients, storage, policy=policy,
                                                 model=model, candidate=candidate,
-                                                baseline=baseline)
+                                                baseline=baseline, release=release)
     notes: list[str] = []
     empty_text = _metrics_text(server, settings.http_timeout_s, notes, "before the load")
     on_gpu = empty_text is not None and fleet_target(empty_text) == "gpu"

@@ -12,6 +12,7 @@ import hashlib
 import json
 from typing import Any
 
+from modelship.candidate import ReleaseCandidate, ResolvedVersion
 from modelship.errors import EvidenceMissing, ModelNotFound
 from modelship.ledger import (
     Ledger,
@@ -20,7 +21,7 @@ from modelship.ledger import (
     passing_canary,
     served_before,
 )
-from modelship.repository import manifest_key
+from modelship.repository import PROBE_FIELD, manifest_key
 from modelship.storage import S3Storage
 
 
@@ -31,6 +32,30 @@ def read_candidate_digest(storage: S3Storage, *, repository_prefix: str, model: 
     Raises:
         ModelNotFound: the version is not staged.
     """
+    return _read_manifest(storage, repository_prefix=repository_prefix, model=model,
+                          version=version)[0]
+
+
+def release_candidate(storage: S3Storage, *, repository_prefix: str,
+                      resolved: ResolvedVersion, feed: dict[str, Any], feed_source: str,
+                      config_pbtxt: str) -> ReleaseCandidate:
+    """The candidate a release carries from its stage on: what the check resolved, its
+    golden feed and rendered config, and the staged manifest's digest and probe (the one
+    read of the manifest before the swap's verification).
+
+    Raises:
+        ModelNotFound: the version is not staged.
+    """
+    digest, manifest = _read_manifest(storage, repository_prefix=repository_prefix,
+                                      model=resolved.name, version=resolved.version)
+    return ReleaseCandidate(resolved=resolved, feed=feed, feed_source=feed_source,
+                            config_pbtxt=config_pbtxt, digest=digest,
+                            probe=manifest.get(PROBE_FIELD))
+
+
+def _read_manifest(storage: S3Storage, *, repository_prefix: str, model: str,
+                   version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The digest of a staged version and its parsed manifest ({} when not JSON)."""
     key = manifest_key(repository_prefix, model, version)
     if not storage.exists(key):
         raise ModelNotFound(
@@ -42,7 +67,10 @@ def read_candidate_digest(storage: S3Storage, *, repository_prefix: str, model: 
         manifest = json.loads(body)
     except ValueError:
         manifest = {}
-    return candidate_digest(model, version, manifest, hashlib.sha256(body).hexdigest())
+    if not isinstance(manifest, dict):
+        manifest = {}
+    return (candidate_digest(model, version, manifest, hashlib.sha256(body).hexdigest()),
+            manifest)
 
 
 def require_evidence(records: list[ReleaseRecord], *, model: str, digest: dict[str, Any],

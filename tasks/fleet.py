@@ -39,7 +39,7 @@ from modelship.repository import CONFIG_NAME, manifest_key, model_prefix, staged
 from modelship.settings import Settings
 from modelship.signals import stop_signal
 from modelship.signing import key_bytes
-from modelship.triton.model_config import example_request
+from modelship.triton.model_config import example_request, from_pbtxt
 from tasks import recovery
 from tasks.evidence import read_candidate_digest, require_evidence
 from tasks.record import ReleaseJournal
@@ -65,16 +65,20 @@ def swap_unlocked(settings: Settings, clients: Clients, policy: Policy, *, model
                   target: int, dry_run: bool = False, converge: bool = False,
                   progress: Progress = quiet,
                   footprint_bytes: int | None = None,
-                  footprint_detail: str | None = None) -> dict[str, Any]:
+                  footprint_detail: str | None = None,
+                  config_pbtxt: str | None = None) -> dict[str, Any]:
     """The fleet swap itself (DESIGN §4); the caller holds the model's release lock.
 
     ``footprint_bytes`` is C's GPU footprint measured by the canary, for the headroom
     preflight (None: estimated from C's initializers); ``footprint_detail`` says where it
-    was read (a release record)."""
+    was read (a release record). ``config_pbtxt`` is C's staged config when the caller has
+    it (a promotion's candidate), else it is read from S3; either way the preflight
+    verifies the staged bytes against the manifest."""
     require_fleet(clients)
     assert clients.storage is not None
-    config = staged_config(clients.storage, repository_prefix=settings.repository_prefix,
-                           model=model, version=target)
+    config = from_pbtxt(config_pbtxt) if config_pbtxt is not None else staged_config(
+        clients.storage, repository_prefix=settings.repository_prefix, model=model,
+        version=target)
     candidate = SwapTarget.from_settings(
         settings, clients.storage, model=model, version=target,
         probe_feed=example_request(config), probe_outputs=[o.name for o in config.output],

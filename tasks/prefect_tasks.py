@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from modelship.candidate import ReleaseCandidate
 from modelship.clients import Clients
 from modelship.errors import GateFailed, GatesInconclusive, PreflightError, UsageError
 from modelship.ledger import Ledger, ReleaseRecord
@@ -77,15 +78,16 @@ def stage_task(settings: Settings, clients: Clients, policy: Policy, report: Che
 @task(name="canary", task_run_name="canary {model} v{candidate} vs {baseline}",
       cache_policy=NO_CACHE)
 def canary_task(settings: Settings, clients: Clients, policy: Policy, model: str,
-                candidate: int, baseline: int | None, keep_loaded: bool = False
-                ) -> CanaryResult:
+                candidate: int, baseline: int | None, keep_loaded: bool = False,
+                release: ReleaseCandidate | None = None) -> CanaryResult:
     """The candidate next to production on the canary Triton, under load; with
-    ``keep_loaded`` (approval required) it stays loaded for the approval wait's watcher."""
+    ``keep_loaded`` (approval required) it stays loaded for the approval wait's watcher.
+    ``release`` carries C's config and golden rows (nothing about C is read again)."""
     from tasks.canary import run_canary
 
     return run_canary(settings, clients, policy, model=model, candidate=candidate,
                       baseline=baseline, progress=get_run_logger().info,
-                      keep_loaded=keep_loaded)
+                      keep_loaded=keep_loaded, release=release)
 
 
 @task(name="gates", task_run_name="gates {model} v{candidate}", cache_policy=NO_CACHE)
@@ -124,12 +126,15 @@ def approve_task(request: ApprovalRequest, journal: ReleaseJournal,
 @task(name="swap", task_run_name="swap {model} v{from_version} -> v{version}",
       cache_policy=NO_CACHE)
 def swap_task(settings: Settings, clients: Clients, policy: Policy, model: str, version: int,
-              from_version: int | None, footprint_bytes: int | None = None) -> dict[str, Any]:
+              from_version: int | None, footprint_bytes: int | None = None,
+              config_pbtxt: str | None = None) -> dict[str, Any]:
     """Every replica to the candidate at once, batching paused (DESIGN §4); the GPU
-    headroom preflight uses the canary's measured footprint when there is one."""
+    headroom preflight uses the canary's measured footprint when there is one.
+    ``config_pbtxt`` is C's staged config when the release carries it (the preflight
+    still verifies the staged bytes against the manifest)."""
     return fleet.swap_unlocked(settings, clients, policy, model=model, target=version,
                                progress=get_run_logger().info,
-                               footprint_bytes=footprint_bytes)
+                               footprint_bytes=footprint_bytes, config_pbtxt=config_pbtxt)
 
 
 @task(name="baseline", task_run_name="pre-swap window {model} v{version}",
