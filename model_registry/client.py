@@ -48,18 +48,29 @@ PREVIOUS_ALIAS = "previous"
 T = TypeVar("T")
 
 
+def point_mlflow_at(tracking_uri: str) -> None:
+    """Point MLflow's process-wide tracking AND registry URIs at one server.
+
+    ``mlflow.set_tracking_uri`` alone leaves a registry URI set earlier in the process (for
+    another server) in place, and ``log_model(registered_model_name=...)`` then registers the
+    version on that other server.
+    """
+    import mlflow  # lazy: mlflow costs ~4 s at import; only a call to MLflow needs it
+
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+
+
 def mlflow_client(tracking_uri: str, *, timeout_s: float) -> MlflowClient:
     """The one way modelship builds an ``MlflowClient``: ``timeout_s`` (seconds) per request
     and no retries of MLflow's own (its default retries a dead server for minutes; callers
     retry through :func:`modelship.faults.call_with_retries`, or not at all)."""
     # lazy: mlflow costs ~4 s at import; only a call to MLflow needs it
-    import mlflow
     from mlflow import MlflowClient
 
     # Some MLflow helpers (logged-model URIs behind models:/name/N) consult the global
     # tracking URI whatever is passed to them; without this they create ./mlflow.db.
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
+    point_mlflow_at(tracking_uri)
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, timeout_s)))
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)

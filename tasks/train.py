@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from model_registry.client import mlflow_client
+from model_registry.client import mlflow_client, point_mlflow_at
 from modelship.errors import InfrastructureError, UsageError
 
 N_FEATURES = 8
@@ -104,7 +104,7 @@ def log_candidate(estimator: Any, request: TrainRequest, *, train: Any, train_la
     """
     import mlflow  # lazy: mlflow costs ~4 s at import; only the MLflow calls need it
 
-    mlflow.set_tracking_uri(request.tracking_uri)
+    point_mlflow_at(request.tracking_uri)
     mlflow.set_experiment(request.experiment)
     with mlflow.start_run(run_name=f"nightly {request.model} seed={request.seed} "
                           f"drift={request.drift:g}"):

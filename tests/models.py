@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from model_registry.client import point_mlflow_at
+
 N_FEATURES = 6
 
 
@@ -34,7 +36,7 @@ def register_sklearn(tracking_uri: str, name: str, *, n_features: int = N_FEATUR
     import mlflow
 
     model, frame = sklearn_classifier(n_features, seed)
-    mlflow.set_tracking_uri(tracking_uri)
+    point_mlflow_at(tracking_uri)
     with mlflow.start_run():
         info = mlflow.sklearn.log_model(model, name="model", registered_model_name=name,
                                         input_example=frame.head(16))
@@ -68,7 +70,7 @@ def register_onnx(tracking_uri: str, name: str, onnx_model: Any, *, signature: A
     """Log and register an ONNX graph (mlflow.onnx) with a tensor signature."""
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri)
+    point_mlflow_at(tracking_uri)
     if signature is None:
         signature = tensor_signature()
     with mlflow.start_run():
@@ -81,7 +83,7 @@ def register_directory(tracking_uri: str, name: str, model_dir: Path) -> int:
     """Register a hand-made MLflow model directory (to build corrupt or odd candidates)."""
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri)
+    point_mlflow_at(tracking_uri)
     with mlflow.start_run() as run:
         mlflow.log_artifacts(str(model_dir), artifact_path="model")
     version = mlflow.register_model(f"runs:/{run.info.run_id}/model", name)

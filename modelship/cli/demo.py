@@ -40,13 +40,15 @@ def train_and_register(tracking_uri: str, *, name: str, strength: float, seed: i
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
+    from model_registry.client import point_mlflow_at
+
     x, y = make_classification(n_samples=2000, n_features=N_FEATURES, n_informative=5,
                                n_classes=2, weights=[0.7, 0.3], random_state=seed)
     frame = pd.DataFrame(x, columns=[f"f{i}" for i in range(N_FEATURES)])
     train, test = frame.iloc[:1500], frame.iloc[1500:]
     model = make_pipeline(StandardScaler(), LogisticRegression(C=strength, max_iter=1000))
     model.fit(train, y[:1500])
-    mlflow.set_tracking_uri(tracking_uri)
+    point_mlflow_at(tracking_uri)
     mlflow.set_experiment("modelship-demo")
     with mlflow.start_run():
         mlflow.log_metric("accuracy", float(model.score(test, y[1500:])))

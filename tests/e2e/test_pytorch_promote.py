@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from model_registry.client import point_mlflow_at
 from modelship.clients import build_clients
 from modelship.settings import Settings
 from tests import models
@@ -48,7 +49,7 @@ def _register(tracking_uri: str, module: Any, rows: np.ndarray) -> int:
 
     with torch.no_grad():
         out = module(torch.from_numpy(rows)).numpy()
-    mlflow.set_tracking_uri(tracking_uri)
+    point_mlflow_at(tracking_uri)
     with mlflow.start_run():
         info = mlflow.pytorch.log_model(
             module, name="model", registered_model_name=MODEL,

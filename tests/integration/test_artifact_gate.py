@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from flows.check import run_check
+from model_registry.client import point_mlflow_at
 from modelship.clients import Clients, build_clients
 from modelship.errors import ModelNotFound, ModelshipError
 from modelship.policy import Policy, policy_for
@@ -127,7 +128,7 @@ def test_good_onnx_candidate_with_external_data_passes(
     import mlflow
 
     uri = str(stack_settings.mlflow_tracking_uri)
-    mlflow.set_tracking_uri(uri)
+    point_mlflow_at(uri)
     with mlflow.start_run():
         info = mlflow.onnx.log_model(models.sklearn_onnx(), name="model",
                                      registered_model_name="gate-onnx",
@@ -143,7 +144,7 @@ def test_onnx_candidate_without_signature_gets_golden_rows_from_its_graph(
         stack_settings: Settings, clients: Clients, tmp_path: Path) -> None:
     import mlflow
 
-    mlflow.set_tracking_uri(str(stack_settings.mlflow_tracking_uri))
+    point_mlflow_at(str(stack_settings.mlflow_tracking_uri))
     with mlflow.start_run():
         info = mlflow.onnx.log_model(models.sklearn_onnx(), name="model",
                                      registered_model_name="gate-nosig")
@@ -158,7 +159,7 @@ def test_sklearn_candidate_without_signature_gets_golden_rows_from_its_features(
     import mlflow
 
     model, _ = models.sklearn_classifier()
-    mlflow.set_tracking_uri(str(stack_settings.mlflow_tracking_uri))
+    point_mlflow_at(str(stack_settings.mlflow_tracking_uri))
     with mlflow.start_run():
         info = mlflow.sklearn.log_model(model, name="model",
                                         registered_model_name="gate-sk-nosig",

@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from model_registry.client import point_mlflow_at
 from modelship.clients import build_clients, check_endpoints
 from modelship.errors import CredentialsRejected
 from modelship.settings import Settings
@@ -48,7 +49,7 @@ def test_mlflow_registers_a_model_whose_artifacts_land_in_s3(stack_settings: Set
     from mlflow import MlflowClient
     from sklearn.linear_model import LogisticRegression
 
-    mlflow.set_tracking_uri(stack_settings.mlflow_tracking_uri)
+    point_mlflow_at(str(stack_settings.mlflow_tracking_uri))
     try:
         mlflow.set_experiment("stack-test")
         model = LogisticRegression().fit([[0.0], [1.0], [2.0], [3.0]], [0, 0, 1, 1])
