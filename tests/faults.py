@@ -403,7 +403,10 @@ def _release_tag(tracking_uri: str, model: str, version: int | None) -> str | No
 
     if version is None:
         return None
-    tags = MlflowClient(tracking_uri).get_model_version(model, str(version)).tags
+    # the registry named too: a process-wide registry URI (set for another stack) wins
+    # over the tracking URI otherwise
+    tags = MlflowClient(tracking_uri, registry_uri=tracking_uri).get_model_version(
+        model, str(version)).tags
     return tags.get(RELEASE_ID_TAG)
 
 

@@ -130,8 +130,9 @@ def _snapshot(settings: Settings) -> dict[str, Any]:
     stack = json.loads(run_cli("stack", "status", "--json", home=home).stdout)
     status = json.loads(run_cli("status", MODEL, "--json", home=home).stdout)
     history = json.loads(run_cli("history", MODEL, "--json", home=home).stdout)
+    uri = str(settings.mlflow_tracking_uri)
     registered = sorted(int(v.version) for v in mlflow.MlflowClient(
-        str(settings.mlflow_tracking_uri)).search_model_versions(f"name='{MODEL}'"))
+        uri, registry_uri=uri).search_model_versions(f"name='{MODEL}'"))
     clients = build_clients(settings)
     try:
         assert clients.storage is not None

@@ -56,7 +56,8 @@ def _status(settings: Settings) -> dict[str, Any]:
 def _version_tags(settings: Settings, version: int) -> dict[str, str]:
     from mlflow import MlflowClient
 
-    client = MlflowClient(str(settings.mlflow_tracking_uri))
+    uri = str(settings.mlflow_tracking_uri)
+    client = MlflowClient(uri, registry_uri=uri)
     return dict(client.get_model_version(MODEL, str(version)).tags)
 
 

@@ -143,7 +143,8 @@ def test_deploy_then_a_worker_runs_nightly_and_promote(
     tracking = str(stack_settings.mlflow_tracking_uri)
     uri = training.train_builtin(training.TrainRequest(tracking, MODEL, seed=12, drift=1.0))
     candidate = training.register(tracking, uri, MODEL)["version"]
-    MlflowClient(tracking).set_registered_model_alias(MODEL, "candidate", str(candidate))
+    MlflowClient(tracking, registry_uri=tracking).set_registered_model_alias(
+        MODEL, "candidate", str(candidate))
     promote = _wait_for_webhook_run(stack_settings, MODEL, candidate)
     assert promote["state_type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
     assert promote["deployment_id"] == deployments["promote"]["id"]

@@ -123,7 +123,7 @@ def test_a_real_mlflow_alias_delivery_starts_one_promote_run(
     uri = training.train_builtin(training.TrainRequest(tracking, model, seed=21, rows=300))
     version = training.register(tracking, uri, model)["version"]
     before = {r["id"] for r in _webhook_runs(stack_settings)}
-    client = MlflowClient(tracking)
+    client = MlflowClient(tracking, registry_uri=tracking)
     client.set_registered_model_alias(model, "champion", str(version))  # starts nothing
     client.set_registered_model_alias(model, "candidate", str(version))
     deadline = time.monotonic() + 30
