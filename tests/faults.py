@@ -265,11 +265,15 @@ def own_stack(home: Path, runtime: Path, *, replicas: int = 2) -> Iterator[Any]:
     """A stack of its own (not the session's: faults kill parts of it), always stopped."""
     from modelship.settings import Settings, load_settings
     from modelship.stack import manager
+    from tests.conftest import mlflow_pointers_hidden
 
-    base = Settings(home=home, triton_runtime=runtime)
+    with mlflow_pointers_hidden():  # else they would point at the stack an earlier test used
+        base = Settings(home=home, triton_runtime=runtime)
     try:
         manager.up(base, replicas=replicas)
-        yield load_settings(home=home, triton_runtime=runtime)
+        with mlflow_pointers_hidden():
+            settings = load_settings(home=home, triton_runtime=runtime)
+        yield settings
     finally:
         manager.down(base)
 

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from modelship.settings import Settings, load_settings
+from modelship.settings import Settings
 from modelship.stack import manager
-from tests.conftest import RUNTIME_VENV
+from tests.conftest import base_settings, stack_settings_at
 
 
 @pytest.fixture(scope="session")
 def stack_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Bring the whole stack up once (2 replicas + canary) and always bring it down."""
     home = tmp_path_factory.mktemp("stack") / ".modelship"
-    settings = Settings(home=home, triton_runtime=RUNTIME_VENV)
+    settings = base_settings(home)
     try:
         manager.up(settings, replicas=2)
         yield home
@@ -30,4 +30,4 @@ def stack_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def stack_settings(stack_home: Path) -> Settings:
     """Settings as every command sees them: filled in from the stack's stack.json."""
-    return load_settings(home=stack_home, triton_runtime=RUNTIME_VENV)
+    return stack_settings_at(stack_home)

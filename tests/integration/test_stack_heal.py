@@ -21,7 +21,7 @@ from flows.check import run_check
 from modelship.clients import Clients, build_clients
 from modelship.errors import UsageError
 from modelship.policy import Policy, SwapPolicy
-from modelship.settings import Settings, load_settings
+from modelship.settings import Settings
 from modelship.signing import key_bytes
 from modelship.stack import manager
 from modelship.stack.process import ProcessRecord, group_members, shm_regions, stop_process
@@ -30,7 +30,7 @@ from modelship.triton.infer import TritonInference
 from tasks.reconcile import reconcile, reconcile_stack
 from tasks.swap import SwapOptions, SwapTarget, fleet_status, pin_signature, swap_fleet
 from tests import models
-from tests.conftest import RUNTIME_VENV
+from tests.conftest import base_settings, stack_settings_at
 
 pytestmark = pytest.mark.integration
 
@@ -59,10 +59,10 @@ def hook(state: dict[str, object]) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnStack]:
     home = tmp_path_factory.mktemp("heal") / ".modelship"
-    base = Settings(home=home, triton_runtime=RUNTIME_VENV)
+    base = base_settings(home)
     try:
         manager.up(base, replicas=1, on_ready=hook)
-        settings = load_settings(home=home, triton_runtime=RUNTIME_VENV)
+        settings = stack_settings_at(home)
         clients = build_clients(settings)
         assert clients.storage is not None
         version = models.register_sklearn(str(settings.mlflow_tracking_uri), MODEL, seed=5)
