@@ -180,6 +180,22 @@ class Settings(BaseSettings):
     k8s_metrics_port_name: str = Field(
         default="metrics", description="Service port name for Prometheus metrics."
     )
+    k8s_route: str | None = Field(
+        default=None,
+        description="The Kubernetes Gateway API HTTPRoute in front of the fleet, as "
+        "namespace/name (infra: modelship/triton-inference). Set: live traffic is split and "
+        "mirrored by patching it (the Gateway API router); unset: the embedded stack's local "
+        "gateway.",
+    )
+    k8s_route_production: str = Field(
+        default="triton:8000",
+        description="The route's production backendRef (the fleet's Service), as service:port.",
+    )
+    k8s_route_canary: str = Field(
+        default="triton-canary:8000",
+        description="The route's canary backendRef (the canary Triton's Service), as "
+        "service:port; it gets the canary weight and the RequestMirror filter.",
+    )
     triton_runtime: Path = Field(
         default=Path(".venv-triton"),
         description="The server runtime venv holding nvidia-pytriton (tritonserver) and "
@@ -211,6 +227,19 @@ class Settings(BaseSettings):
             "http_port_name": self.k8s_http_port_name,
             "grpc_port_name": self.k8s_grpc_port_name,
             "metrics_port_name": self.k8s_metrics_port_name, "timeout_s": self.http_timeout_s,
+        }
+        return {key: value for key, value in values.items() if value is not None}
+
+    def gateway_api_router(self) -> dict[str, Any] | None:
+        """The keys of ``build_gateway_api_router``, or None: no route is configured, so
+        the router is the embedded stack's local gateway."""
+        if not self.k8s_route:
+            return None
+        values = {
+            "route": self.k8s_route, "production": self.k8s_route_production,
+            "canary": self.k8s_route_canary, "api_url": self.k8s_api_url,
+            "kubeconfig": self.k8s_kubeconfig, "context": self.k8s_context,
+            "timeout_s": self.http_timeout_s,
         }
         return {key: value for key, value in values.items() if value is not None}
 

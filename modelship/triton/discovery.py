@@ -327,8 +327,8 @@ class KubernetesDiscovery:
                     _preload_content=False,
                     _request_timeout=self.timeout_s,
                 )
-                body = _read_json(response)
-            except _transport_errors() as exc:
+                body = read_json(response)
+            except transport_errors() as exc:
                 raise self._translate(exc, "list EndpointSlices") from exc
         items = body.get("items") if isinstance(body, dict) else None
         if not isinstance(items, list):
@@ -351,12 +351,12 @@ class KubernetesDiscovery:
                     str(self.service), self.namespace,
                     _preload_content=False, _request_timeout=self.timeout_s,
                 )
-                _read_json(response)  # drain it, so the connection closes cleanly
+                read_json(response)  # drain it, so the connection closes cleanly
             except ApiException as exc:
                 if exc.status in (401, 403):
                     return  # not allowed to look: report the empty fleet instead
                 raise self._translate(exc, "get the Service") from exc
-            except _transport_errors() as exc:
+            except transport_errors() as exc:
                 raise self._translate(exc, "get the Service") from exc
 
     def _translate(self, exc: Exception, action: str) -> ModelshipError:
@@ -372,7 +372,7 @@ class KubernetesDiscovery:
                 "api_server": host, "status": status, "namespace": self.namespace,
                 "service": self.service, "label_selector": self.label_selector,
             }
-            reason = _status_message(exc)
+            reason = status_message(exc)
             if status == 404:
                 subject = (f"service {self.service} not found in namespace {self.namespace}"
                            if action == "get the Service"
@@ -433,7 +433,7 @@ class KubernetesDiscovery:
         )
 
 
-def _transport_errors() -> tuple[type[Exception], ...]:
+def transport_errors() -> tuple[type[Exception], ...]:
     """What a Kubernetes API call raises on the wire (imported lazily: the client is big)."""
     import urllib3.exceptions
     from kubernetes.client.exceptions import ApiException
@@ -441,7 +441,7 @@ def _transport_errors() -> tuple[type[Exception], ...]:
     return (ApiException, urllib3.exceptions.HTTPError, OSError, json.JSONDecodeError)
 
 
-def _read_json(response: Any) -> Any:
+def read_json(response: Any) -> Any:
     try:
         return json.loads(response.data or b"null")
     finally:
@@ -453,7 +453,7 @@ def _release(response: Any) -> None:
     response.release_conn()
 
 
-def _status_message(exc: Any) -> str:
+def status_message(exc: Any) -> str:
     """The ``message`` of a Kubernetes Status body, else the HTTP reason."""
     try:
         body = json.loads(exc.body or "")

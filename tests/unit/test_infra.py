@@ -4,7 +4,8 @@
   (unknown fields fail), for the oldest and the newest Kubernetes version we support.
 - The Gateway API HTTPRoute is a CRD, which kubernetes-validate skips: its structure is
   checked here against the v1 fields we use (parentRefs, hostnames, rules.matches,
-  rules.backendRefs with name/port/weight).
+  rules.backendRefs with name/port/weight, rules.filters RequestMirror with percent or
+  fraction: what modelship's Gateway API router writes, tests/unit/test_gateway_api.py).
 - Cross-references: Service selectors and Deployment pods, port names as modelship's
   discovery reads them (fed through the real ``endpoints_from_slices``), RBAC, the settings
   ConfigMap parsed by the real ``Settings`` class, Secrets, volumes, kustomizations.
@@ -266,9 +267,15 @@ def httproute_errors(route: dict[str, Any]) -> list[str]:
         rules = []
     for i, rule in enumerate(rules):
         where = f"spec.rules[{i}]"
-        errors += _unknown(rule, {"matches", "backendRefs"}, where)
+        errors += _unknown(rule, {"matches", "backendRefs", "filters"}, where)
         if not isinstance(rule, dict):
             continue
+        filters = rule.get("filters", [])
+        if not isinstance(filters, list) or len(filters) > 16:
+            errors.append(f"{where}.filters: at most 16 filters")
+            filters = []
+        for j, flt in enumerate(filters):
+            errors += _request_mirror_errors(flt, f"{where}.filters[{j}]")
         matches = rule.get("matches", [])
         if not isinstance(matches, list) or len(matches) > 64:
             errors.append(f"{where}.matches: at most 64 matches")
@@ -305,6 +312,47 @@ def httproute_errors(route: dict[str, Any]) -> list[str]:
                 errors.append(f"{bwhere}.port: an integer 1-65535 required")
             if "weight" in ref and not _int_in(ref["weight"], 0, 1_000_000):
                 errors.append(f"{bwhere}.weight: an integer 0-1000000 required")
+    return errors
+
+
+def _request_mirror_errors(flt: Any, where: str) -> list[str]:
+    """A RequestMirror filter (the only filter type we use), as the v1.3+ standard CRD
+    validates it: a Service backendRef, and at most one of percent (0-100) and fraction
+    (numerator <= denominator, denominator >= 1, default 100)."""
+    errors = _unknown(flt, {"type", "requestMirror"}, where)
+    if not isinstance(flt, dict):
+        return errors
+    if flt.get("type") != "RequestMirror" or "requestMirror" not in flt:
+        return errors + [f"{where}.type: only RequestMirror (with requestMirror) is checked"]
+    mirror = flt["requestMirror"]
+    errors += _unknown(mirror, {"backendRef", "percent", "fraction"}, f"{where}.requestMirror")
+    if not isinstance(mirror, dict):
+        return errors
+    ref = mirror.get("backendRef")
+    rwhere = f"{where}.requestMirror.backendRef"
+    errors += _unknown(ref, {"group", "kind", "name", "namespace", "port"}, rwhere)
+    if isinstance(ref, dict):
+        if not isinstance(ref.get("name"), str) or not 1 <= len(ref["name"]) <= 253:
+            errors.append(f"{rwhere}.name: a string of 1-253 characters required")
+        if ref.get("group", "") == "" and ref.get("kind", "Service") == "Service" and (
+                not _int_in(ref.get("port"), 1, 65535)):
+            errors.append(f"{rwhere}.port: required for a Service, 1-65535")
+    if "percent" in mirror and "fraction" in mirror:
+        errors.append(f"{where}.requestMirror: only one of percent or fraction")
+    if "percent" in mirror and not _int_in(mirror["percent"], 0, 100):
+        errors.append(f"{where}.requestMirror.percent: an integer 0-100 required")
+    if "fraction" in mirror:
+        fraction = mirror["fraction"]
+        fwhere = f"{where}.requestMirror.fraction"
+        errors += _unknown(fraction, {"numerator", "denominator"}, fwhere)
+        if isinstance(fraction, dict):
+            numerator, denominator = fraction.get("numerator"), fraction.get("denominator", 100)
+            if not _int_in(numerator, 0, 2**31 - 1):
+                errors.append(f"{fwhere}.numerator: an integer >= 0 required")
+            if not _int_in(denominator, 1, 2**31 - 1):
+                errors.append(f"{fwhere}.denominator: an integer >= 1 required")
+            elif _int_in(numerator, 0, 2**31 - 1) and numerator > denominator:
+                errors.append(f"{fwhere}: numerator must be <= denominator")
     return errors
 
 
@@ -859,6 +907,7 @@ def test_rbac_verbs_are_least_privilege() -> None:
         ("modelship-job-launcher", "", "pods"): {"get", "list", "watch"},
         ("modelship-job-launcher", "", "pods/log"): {"get", "list", "watch"},
         ("modelship-job-launcher", "", "events"): {"list", "watch"},
+        ("modelship-traffic", "gateway.networking.k8s.io", "httproutes"): {"get", "patch"},
     }
     assert not docs_of("ClusterRole") and not docs_of("ClusterRoleBinding")
     tokens = {w["metadata"]["name"] for w in pod_workloads()
