@@ -22,6 +22,8 @@ plus ``metadata.resourceVersion``: the API server then applies it only to the ve
 read and answers 409 to a route changed in between, instead of overwriting someone's edit.
 A conflict is read again and retried (a few times, as client-go's ``RetryOnConflict``).
 A JSON patch (RFC 6902) would address a rule by its index, which an edit can shift.
+``fieldValidation=Strict`` makes the API server refuse a field its CRD lacks (400)
+instead of pruning it; the read-back catches a server that prunes all the same.
 
 Every call has ``_request_timeout`` and no urllib3 retries. Errors, translated here:
 
