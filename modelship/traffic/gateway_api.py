@@ -396,8 +396,8 @@ class GatewayApiRouter:
         message = (f"{self.target} holds {got.to_dict()} after a patch for "
                    f"{wanted.to_dict()}: the API server dropped fields it does not know")
         if got.mirror_pct > wanted.mirror_pct:
-            try:  # never leave more mirrored than asked
-                self._patch(route_patch(answer, self.target, mirror_pct=0))
+            try:  # never leave more mirrored than asked (read again, retried on conflict)
+                self.mirror(0)
                 message += "; the mirror was removed"
             except ModelshipError as exc:
                 message += f"; removing the mirror failed too ({exc})"

@@ -59,6 +59,7 @@ class FakeRoutes:
     objects: dict[str, dict[str, Any]] = field(default_factory=dict)
     faults: dict[str, kmock.KubernetesError] = field(default_factory=dict)
     conflicts: int = 0  # the next N patches find the route changed by someone else
+    conflict_at: set[int] = field(default_factory=set)  # these patches (1-based) too
     old_crd: bool = False
     patches: list[dict[str, Any]] = field(default_factory=list)
     patch_headers: list[dict[str, str]] = field(default_factory=list)
@@ -99,8 +100,8 @@ class FakeRoutes:
                                         message=f"the body of the request was in an unknown "
                                         f"format - accepted media types include: "
                                         f"application/merge-patch+json ({headers})")
-        if self.conflicts:
-            self.conflicts -= 1
+        if self.conflicts or len(self.patches) in self.conflict_at:
+            self.conflicts = max(0, self.conflicts - 1)
             self._bump(current)  # someone else wrote the route after we read it
         patch = json.loads(request.body)
         wanted = (patch.get("metadata") or {}).get("resourceVersion")
@@ -255,6 +256,15 @@ def test_an_old_crd_that_drops_the_share_leaves_no_mirror(api: FakeRoutes) -> No
     assert "v1.3" in str(info.value.hint)
     assert "the mirror was removed" in info.value.message
     assert api.router().live() == PRODUCTION_ONLY, "a pruned 5 % would have mirrored all"
+
+
+def test_the_pruned_mirror_is_removed_even_through_a_conflict(api: FakeRoutes) -> None:
+    api.old_crd = True
+    api.conflict_at = {2}  # someone writes the route between our patch and its removal
+    with pytest.raises(InfrastructureError, match="the mirror was removed"):
+        api.router().mirror(5)
+    assert api.router().live() == PRODUCTION_ONLY
+    assert len(api.patches) == 3
 
 
 @pytest.mark.parametrize(("status", "error", "hint"), [
