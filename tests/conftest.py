@@ -9,6 +9,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from modelship.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,3 +85,88 @@ def cli_env(home: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 # The session's embedded stack (tests/stack_fixtures.py), shared by integration and e2e tests.
 pytest_plugins = ["tests.stack_fixtures"]
+
+
+# --- how `make test` shares the files out between its two xdist workers (--dist loadgroup) ---
+
+#: Worker seconds of the heaviest files (the last full run's durations, setup included):
+#: groups go out heaviest first, so the two workers end together (longest job first).
+#: A file missing here is estimated from its number of tests (:data:`SECONDS_PER_TEST`).
+#: Refresh from a run's ``--durations=0`` when a file's weight changes a lot.
+FILE_SECONDS = {
+    "tests/e2e/test_crash.py": 1500, "tests/e2e/test_promote.py": 610,
+    "tests/e2e/test_demo.py": 420, "tests/e2e/test_fleet_cli.py": 280,
+    "tests/e2e/test_stack_cli.py": 260, "tests/integration/test_prefect_deployments.py": 240,
+    "tests/integration/test_swap.py": 220, "tests/e2e/test_bake_traffic.py": 200,
+    "tests/integration/test_stack_heal.py": 200, "tests/e2e/test_nightly.py": 155,
+    "tests/integration/test_artifact_gate.py": 150, "tests/e2e/test_approvals_promote.py": 130,
+    "tests/integration/test_release_transaction.py": 130,
+    "tests/e2e/test_gpu_policy_on_cpu.py": 120,
+    "tests/integration/test_standalone_journal.py": 110, "tests/e2e/test_pytorch_promote.py": 110,
+    "tests/integration/test_swap_faults.py": 100, "tests/integration/test_exits.py": 100,
+    "tests/integration/test_wheel.py": 90, "tests/unit/test_sequential.py": 90,
+    "tests/unit/test_bake_traffic.py": 80, "tests/unit/test_gates_calibration.py": 80,
+}
+SECONDS_PER_TEST = {"tests/e2e": 60.0, "tests/integration": 8.0}
+#: Files of independent cells (each starts from whatever the one before left, and sets up
+#: what it needs: see test_crash's ``_start``) split into this many groups, one per worker,
+#: where their tests carry no ``xdist_group`` mark of their own (a file's own marks say
+#: better where to cut). The 16-cell fault matrix alone is a third of the suite's worker
+#: time. Each group brings up the file's own stack (about a minute), maybe on another worker.
+SPLIT = {"tests/e2e/test_crash.py": 2}
+
+
+def xdist_groups(tests: list[tuple[str, str | None]]) -> list[tuple[str, list[int]]]:
+    """The groups of a collection, heaviest first: (name, indices of its tests in
+    collection order). ``tests`` holds each test's file and the xdist group it is marked
+    with (None: unmarked). A marked test stays in its group; the unmarked ones of a file
+    form one group, except in the files of :data:`SPLIT`, which deal them round-robin
+    into their parts. A group weighs its share of its file's :data:`FILE_SECONDS`. Pure;
+    the hook below applies it."""
+    groups: dict[str, list[int]] = {}
+    per_file: dict[str, int] = {}
+    unmarked: dict[str, int] = {}
+    for index, (path, marked) in enumerate(tests):
+        per_file[path] = per_file.get(path, 0) + 1
+        if marked is None:
+            parts, nth = SPLIT.get(path, 1), unmarked.get(path, 0)
+            unmarked[path] = nth + 1
+            marked = path if parts == 1 else f"{path}-part{nth % parts + 1}of{parts}"
+        groups.setdefault(marked, []).append(index)
+
+    def weight(item: tuple[str, list[int]]) -> float:
+        _, indices = item
+        seconds = 0.0
+        for index in indices:
+            path = tests[index][0]
+            per_test = next((s for d, s in SECONDS_PER_TEST.items() if path.startswith(d)), 0.1)
+            seconds += FILE_SECONDS[path] / per_file[path] if path in FILE_SECONDS else per_test
+        return seconds
+
+    return sorted(groups.items(), key=weight, reverse=True)  # stable: ties keep their order
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook appends the group to each nodeid
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (make test): every file is one xdist group (its module
+    fixtures stay in one process, as with loadfile), tests keep an ``xdist_group`` mark of
+    their own, the files of :data:`SPLIT` are cut in parts, and the groups are ordered
+    heaviest first (xdist hands them out in collection order with
+    ``--no-loadscope-reorder``)."""
+    if config.getoption("dist", default="no") != "loadgroup":
+        return
+    tests = [(item.nodeid.split("::", 1)[0], _marked_group(item)) for item in items]
+    ordered: list[pytest.Item] = []
+    for name, indices in xdist_groups(tests):
+        for index in indices:
+            if tests[index][1] is None:
+                items[index].add_marker(pytest.mark.xdist_group(name))
+            ordered.append(items[index])
+    items[:] = ordered
+
+
+def _marked_group(item: pytest.Item) -> str | None:
+    """The group of a test's own ``xdist_group`` marks, named as xdist names it."""
+    names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+             for m in item.iter_markers("xdist_group")}
+    return "_".join(sorted(names)) if names else None
