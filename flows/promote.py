@@ -172,7 +172,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
             journal.record.gates = {"plan": plan}
             journal.finish("planned", 0, "dry run: nothing in production was changed")
             return {**record.to_dict(), "plan": plan}
-        release = _candidate_of(settings, clients, report)
+        release = release_candidate(report)  # what the stage verified: nothing read again
         record.candidate = dict(release.digest)
         _release(settings, clients, policy, ledger, journal, approval, serving, release,
                  progress=progress)
@@ -204,18 +204,6 @@ def _check_and_stage(settings: Settings, clients: Clients, policy: Policy,
             entry.details.update({k: staged.get(k) for k in
                                   ("bytes_uploaded", "already_staged", "manifest_key")})
     return staged, report
-
-
-def _candidate_of(settings: Settings, clients: Clients, report: CheckReport
-                  ) -> ReleaseCandidate:
-    """The candidate every stage after the stage takes: the check's resolved version,
-    golden feed and rendered config, and the staged manifest's digest (read once)."""
-    assert clients.storage is not None and report.resolved is not None \
-        and report.golden is not None and report.config_pbtxt is not None
-    return release_candidate(clients.storage, repository_prefix=settings.repository_prefix,
-                             resolved=report.resolved, feed=report.feed,
-                             feed_source=report.golden.source,
-                             config_pbtxt=report.config_pbtxt)
 
 
 def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger,
@@ -292,8 +280,8 @@ def _canary_to_approval(settings: Settings, clients: Clients, policy: Policy,
         gates_task(result, model, version)
     with journal.stage("approve") as entry:
         channels = channels_for(
-            settings, clients, model=model, version=version, baseline=serving,
-            candidate=record.candidate, notifier=journal.thread.notifier,
+            settings, clients, release=release, baseline=serving,
+            notifier=journal.thread.notifier,
             plot=Path(result.report_paths.get("png") or "") if
             result.report_paths.get("png") else None, timeout_s=approval.timeout_s,
             max_error_rate=policy.bake.max_error_rate, policy=policy)

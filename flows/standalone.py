@@ -35,7 +35,7 @@ from modelship.settings import Settings
 from modelship.slack.blocks import gate_lines
 from tasks import fleet
 from tasks.check import run_check
-from tasks.evidence import read_candidate_digest
+from tasks.evidence import read_candidate_digest, release_candidate
 
 
 def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, target: int,
@@ -181,11 +181,13 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
         raise UsageError("the canary needs an S3 repository and a canary Triton",
                          hint="run `modelship stack up` or set MODELSHIP_S3_ENDPOINT and "
                          "MODELSHIP_TRITON_CANARY")
+    release = None  # staged before: its config and rows are read from S3 and MLflow
     if not fleet.is_staged(settings, clients, model=model, version=version):
         progress(f"{model} v{version} is not staged yet: checking and staging it first")
         with tempfile.TemporaryDirectory(prefix="modelship-canary-") as tmp:
-            run_check(settings, clients, policy, model=model, version=version,
-                      workdir=Path(tmp), stage=True, progress=progress)
+            release = release_candidate(run_check(  # checked here: nothing read again
+                settings, clients, policy, model=model, version=version, workdir=Path(tmp),
+                stage=True, progress=progress))
     baseline, doc = fleet.serving_now(clients, model) if clients.replicas else (None, {})
     if baseline is None and fleet.converge_needed(doc):
         raise PreflightError(
@@ -197,11 +199,11 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
         progress(f"{model} v{version} is already in production: nothing to compare")
         return {"model": model, "candidate": version, "baseline": baseline, "verdict": "noop",
                 "message": f"v{version} already serves in production"}
+    digest = release.digest if release is not None else read_candidate_digest(
+        clients.storage, repository_prefix=settings.repository_prefix, model=model,
+        version=version)
     record = ReleaseRecord.start("canary", model, from_version=baseline, to_version=version,
-                                 candidate=read_candidate_digest(
-                                     clients.storage,
-                                     repository_prefix=settings.repository_prefix,
-                                     model=model, version=version))
+                                 candidate=dict(digest))
     journal = fleet.journal_for(settings, clients, policy, record, progress)
     with release_lock(model, storage=clients.storage, home=settings.home,
                       release_id=record.id, kind="canary"):
@@ -209,7 +211,7 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
         try:
             with journal.stage("canary") as entry:
                 result = run_canary(settings, clients, policy, model=model, candidate=version,
-                                    baseline=baseline, progress=progress)
+                                    baseline=baseline, progress=progress, release=release)
                 journal.attach_gates(result)
                 record.candidate["canary_report_id"] = record.id
                 entry.details["verdict"] = result.verdict

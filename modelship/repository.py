@@ -119,6 +119,13 @@ def remote_digest(head: Mapping[str, Any] | None) -> FileDigest | None:
 
 def read_manifest(storage: S3Storage, key: str) -> dict[str, Any] | None:
     """The parsed manifest, None when absent; StagingError when it is not valid."""
+    found = read_manifest_body(storage, key)
+    return None if found is None else found[0]
+
+
+def read_manifest_body(storage: S3Storage, key: str) -> tuple[dict[str, Any], str] | None:
+    """The parsed manifest and the sha256 of the bytes it was parsed from (one read), None
+    when absent; StagingError when it is not valid."""
     if storage.head(key) is None:
         return None
     raw = storage.get_bytes(key)
@@ -134,7 +141,7 @@ def read_manifest(storage: S3Storage, key: str) -> dict[str, Any] | None:
             hint=TAMPERED_HINT, key=key, problems=problems,
         )
     assert isinstance(manifest, dict)
-    return manifest
+    return manifest, hashlib.sha256(raw).hexdigest()
 
 
 TAMPERED_HINT = (
@@ -214,6 +221,8 @@ class VerifiedVersion:
 
     Attributes:
         manifest: The parsed (and, when a key was given, signature-checked) manifest.
+        manifest_sha256: The sha256 of the manifest's bytes as read for this verification
+            (what :func:`modelship.ledger.candidate_digest` binds a release to).
         config_pbtxt: The version's ``config.pbtxt`` as read (and hashed) during the check.
         probe: The golden probe recorded at staging, None when the manifest has none.
         bytes_hashed: Bytes streamed and hashed (0 unless ``deep``).
@@ -221,6 +230,7 @@ class VerifiedVersion:
     """
 
     manifest: dict[str, Any]
+    manifest_sha256: str
     config_pbtxt: str
     probe: GoldenProbe | None
     bytes_hashed: int
@@ -250,8 +260,8 @@ def read_verified(
     check_version(version)
     vprefix = version_prefix(repository_prefix, model, version)
     mkey = f"{vprefix}/{MANIFEST_NAME}"
-    manifest = _trusted_manifest(storage, mkey, model=model, version=version,
-                                 signing_key=signing_key)
+    manifest, manifest_sha256 = _trusted_manifest(storage, mkey, model=model,
+                                                  version=version, signing_key=signing_key)
     problems, config_bytes, hashed = _check_files(storage, vprefix, manifest, deep=deep)
     if problems:
         raise StagingError(
@@ -266,26 +276,28 @@ def read_verified(
         except (TypeError, ValueError) as exc:
             raise StagingError(f"manifest {mkey} has a malformed probe ({exc})",
                                hint=TAMPERED_HINT, model=model, version=version) from exc
-    return VerifiedVersion(manifest, config_bytes.decode(), probe, hashed,
+    return VerifiedVersion(manifest, manifest_sha256, config_bytes.decode(), probe, hashed,
                            time.monotonic() - started)
 
 
 def _trusted_manifest(storage: S3Storage, mkey: str, *, model: str, version: int,
-                      signing_key: bytes | None) -> dict[str, Any]:
-    """The manifest at ``mkey``, once it is known to be signed (with a key) and to describe
-    ``model``/``version``: the file digests it lists are then worth checking.
+                      signing_key: bytes | None) -> tuple[dict[str, Any], str]:
+    """The manifest at ``mkey`` and its bytes' sha256, once it is known to be signed (with
+    a key) and to describe ``model``/``version``: the file digests it lists are then worth
+    checking.
 
     Raises:
         StagingError: the manifest is missing, unsigned or forged, or names another version.
     """
-    manifest = read_manifest(storage, mkey)
-    if manifest is None:
+    found = read_manifest_body(storage, mkey)
+    if found is None:
         raise StagingError(
             f"version {version} of {model} is not staged: s3://{storage.bucket}/{mkey} does "
             "not exist",
             hint=f"run `modelship stage {model} --version {version}` first",
             model=model, version=version, manifest_key=mkey,
         )
+    manifest, sha256 = found
     if signing_key is not None:
         problem = signature_problem(manifest, signing_key)
         if problem is not None:
@@ -302,7 +314,7 @@ def _trusted_manifest(storage: S3Storage, mkey: str, *, model: str, version: int
             f"not {model}/{version}",
             hint=TAMPERED_HINT, model=model, version=version, manifest_key=mkey,
         )
-    return manifest
+    return manifest, sha256
 
 
 def _check_files(storage: S3Storage, vprefix: str, manifest: dict[str, Any], *,

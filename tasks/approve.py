@@ -63,6 +63,7 @@ from modelship.approvals.rules import (
 )
 from modelship.approvals.server import PrefectRuns
 from modelship.approvals.wire import approval_digest
+from modelship.candidate import ReleaseCandidate
 from modelship.errors import (
     ApprovalDenied,
     ApprovalUnavailable,
@@ -74,12 +75,11 @@ from modelship.ledger import now_iso
 from modelship.loadgen import LoadReport, LoadSpec, Target, run_load, run_paired
 from modelship.locks import canary_slot
 from modelship.policy import ApprovalPolicy, Policy
+from modelship.repository import manifest_key, remote_digest
 from modelship.slack import blocks
 from modelship.slack.client import SlackClient
 from modelship.triton.metrics import Scrape, delta, scrape
 from tasks.canary import sequential_config
-from tasks.evidence import read_candidate_digest
-from tasks.payload import load_payload
 from tasks.sequential import SequentialCanary, SequentialConfig, log_e_over_budget
 
 #: Seconds between two checks of "has the run been resumed?" (Prefect's default is 10 s).
@@ -504,15 +504,17 @@ class _Watcher:
                     return
 
 
-def channels_for(settings: Any, clients: Any, *, model: str, version: int,
-                 baseline: int | None, candidate: dict[str, Any], notifier: Any,
-                 plot: Path | None, timeout_s: int, max_error_rate: float = 0.01,
+def channels_for(settings: Any, clients: Any, *, release: ReleaseCandidate,
+                 baseline: int | None, notifier: Any, plot: Path | None, timeout_s: int,
+                 max_error_rate: float = 0.01,
                  policy: Policy | None = None) -> ApprovalChannels:
     """The approval's channels from settings and clients (the wiring, at the edge).
 
-    With ``policy``, the watch takes its tests from it: the sequential canary's settings
-    from ``gates`` (as :func:`tasks.canary.sequential_config` builds them for the canary),
-    production's error budget and α from ``bake``, the probe's rows from ``export``.
+    The watch probes with the release's golden rows and holds the staged manifest to the
+    release's digest (nothing about the candidate is loaded again). With ``policy``, the
+    watch takes its tests from it: the sequential canary's settings from ``gates`` (as
+    :func:`tasks.canary.sequential_config` builds them for the canary), production's error
+    budget and α from ``bake``, the probe's rows from ``export``.
     """
     resolve: GroupResolver | None = None
     if settings.slack_api_url and settings.slack_token is not None:
@@ -526,11 +528,10 @@ def channels_for(settings: Any, clients: Any, *, model: str, version: int,
         alpha=policy.bake.alpha if policy is not None else 0.01)
     return ApprovalChannels(
         notifier=notifier, resolve_group=resolve, resume=runs.resume,
-        watch=evidence_watch(settings, clients, model=model, version=version,
-                             baseline=baseline, candidate=candidate, judge=judge,
-                             rows=policy.export.golden_max_rows if policy is not None
-                             else 64),
-        cleanup=lambda: canary_cleanup(clients, model), plot=plot,
+        watch=evidence_watch(settings, clients, release=release, baseline=baseline,
+                             judge=judge, rows=policy.export.golden_max_rows
+                             if policy is not None else 64),
+        cleanup=lambda: canary_cleanup(clients, release.model), plot=plot,
         reminder_s=max(30.0, timeout_s / 4))
 
 
@@ -711,58 +712,52 @@ def _probe(url: str, model: str, version: int, baseline: int | None,
     return report
 
 
-def evidence_watch(settings: Any, clients: Any, *, model: str, version: int,
-                   baseline: int | None, candidate: dict[str, Any],
-                   max_error_rate: float = 0.001, judge: EvidenceJudge | None = None,
-                   payload: Mapping[str, np.ndarray] | None = None, rows: int = 64,
+def evidence_watch(settings: Any, clients: Any, *, release: ReleaseCandidate,
+                   baseline: int | None, max_error_rate: float = 0.001,
+                   judge: EvidenceJudge | None = None, rows: int = 64,
                    probe_s: float = PROBE_S, probe_rps: float = PROBE_RPS) -> Check:
     """One look at what the approval rests on, each time it is called (the I/O; the
     verdict is :class:`EvidenceJudge`'s).
 
     Each look: production's counters on every replica, the paired probe of the candidate
-    and the baseline on the canary (when there is a canary), whether every replica still
-    serves the baseline, the staged manifest, the canary's liveness.
+    and the baseline on the canary (when there is a canary) with the release's first
+    ``rows`` golden rows, whether every replica still serves the baseline, the staged
+    manifest's digest (its HEAD) against the release's, the canary's liveness.
 
     Args:
+        release: The candidate as its stage handed it over (rows and digest: nothing about
+            it is loaded from MLflow or read from S3 again).
         judge: The always-valid tests (default: the sequential canary's defaults and
             ``max_error_rate``).
-        payload: Rows to probe with; default the candidate's golden rows, loaded at the
-            first look.
     """
-    return _EvidenceWatch(settings, clients, model=model, version=version, baseline=baseline,
-                          candidate=candidate,
+    return _EvidenceWatch(settings, clients, release=release, baseline=baseline,
                           judge=judge or EvidenceJudge(max_error_rate=max_error_rate),
-                          rows=rows, probe_s=probe_s, probe_rps=probe_rps, payload=payload)
+                          payload=release.rows(rows), probe_s=probe_s, probe_rps=probe_rps)
 
 
 @dataclass
 class _EvidenceWatch:
     """The looks of :func:`evidence_watch`: each call reads every source once and asks the
-    judge. Between looks it keeps production's last scrape (the next look counts from it)
-    and the probe's rows (loaded once).
+    judge. Between looks it keeps production's last scrape (the next look counts from it).
 
     Attributes:
+        release: The candidate (its digest as its canary saw it: ``manifest_sha256``).
         baseline: The version production serves (None on a first release: no production
             to watch, the candidate probed alone).
-        candidate: The candidate's digest as its canary saw it (``manifest_sha256``).
-        rows: How many golden rows to probe with, when ``payload`` is not given.
+        payload: The rows the probe sends (the release's first golden rows).
         probe_s: Seconds of paired probe per look (0: no probe).
         probe_rps: Pairs per second of the probe.
-        payload: The rows the probe sends (loaded at the first probe when None).
         before: Every replica's previous scrape, by name.
     """
 
     settings: Any
     clients: Any
-    model: str
-    version: int
+    release: ReleaseCandidate
     baseline: int | None
-    candidate: dict[str, Any]
     judge: EvidenceJudge
-    rows: int
+    payload: Mapping[str, np.ndarray]
     probe_s: float
     probe_rps: float
-    payload: Mapping[str, np.ndarray] | None = None
     before: dict[str, Scrape] = field(default_factory=dict)
 
     def __call__(self) -> Finding | None:
@@ -782,10 +777,10 @@ class _EvidenceWatch:
             except ModelshipError as exc:
                 return ("infrastructure", f"{replica.name}'s metrics did not answer: "
                         f"{exc.message}")
-        failures, successes = production_change(self.before, now, model=self.model,
+        failures, successes = production_change(self.before, now, model=self.release.model,
                                                 version=self.baseline)
         self.before.update(now)
-        return self.judge.production(failures, successes, model=self.model,
+        return self.judge.production(failures, successes, model=self.release.model,
                                      version=self.baseline)
 
     def probe(self) -> tuple[Kind, str] | None:
@@ -793,47 +788,40 @@ class _EvidenceWatch:
         canary, storage = self.clients.canary, self.clients.storage
         if canary is None or (self.probe_s <= 0 or self.probe_rps <= 0):
             return None
-        if self.payload is None:
-            if storage is None:
-                return None
-            self.payload, _ = load_payload(
-                storage, getattr(self.clients, "registry", None),
-                repository_prefix=self.settings.repository_prefix, model=self.model,
-                version=self.version, rows=self.rows)
+        model, version = self.release.model, self.release.version
         # The probe is load on the shared canary Triton: it takes the canary slot, without
         # waiting. While another model's canary measures there, this look skips its probe
         # (the e-processes allow any number of looks), so neither measures the other.
         with ExitStack() as slot:
             try:
                 slot.enter_context(canary_slot(
-                    storage, model=self.model, wait_s=0,
-                    owner=f"approval watch of {self.model} v{self.version} "
-                    f"(pid {os.getpid()})"))
+                    storage, model=model, wait_s=0,
+                    owner=f"approval watch of {model} v{version} (pid {os.getpid()})"))
             except ReleaseLocked:
                 return None
-            report = _probe(canary.endpoint.grpc, self.model, self.version, self.baseline,
-                            self.payload, seconds=self.probe_s, rps=self.probe_rps,
+            report = _probe(canary.endpoint.grpc, model, version, self.baseline, self.payload,
+                            seconds=self.probe_s, rps=self.probe_rps,
                             timeout_s=self.settings.http_timeout_s)
         return self.judge.probe(probe_batch(report.measured_records()))
 
     def evidence(self) -> tuple[Kind, str] | None:
         """What the approval rests on: every replica serves the baseline, the staged
-        manifest is the one the canary measured."""
-        model, baseline = self.model, self.baseline
+        manifest is the one the canary measured (its HEAD's sha256, written with it at
+        staging; the swap verifies the bytes themselves, DESIGN §4)."""
+        model, version, baseline = self.release.model, self.release.version, self.baseline
         if baseline is not None:
             for replica in self.clients.replicas:
                 if not replica.is_model_ready(model, str(baseline)):
                     return ("evidence", f"{replica.name} no longer serves {model} "
                             f"v{baseline}, the baseline the canary compared against")
         if self.clients.storage is not None:
-            digest = read_candidate_digest(self.clients.storage,
-                                           repository_prefix=self.settings.repository_prefix,
-                                           model=model, version=self.version)
-            was = self.candidate.get("manifest_sha256")
-            if digest.get("manifest_sha256") != was:
-                return ("evidence", f"the staged {model} v{self.version} changed after its "
-                        f"canary (manifest {str(digest.get('manifest_sha256'))[:12]}, "
-                        f"canary saw {str(was)[:12]})")
+            found = remote_digest(self.clients.storage.head(manifest_key(
+                self.settings.repository_prefix, model, version)))
+            now = "absent" if found is None else found.sha256 or "unmarked"
+            was = str(self.release.digest.get("manifest_sha256"))
+            if now != was:
+                return ("evidence", f"the staged {model} v{version} changed after its "
+                        f"canary (manifest {now[:12]}, canary saw {was[:12]})")
         return None
 
     def canary_down(self) -> tuple[Kind, str] | None:

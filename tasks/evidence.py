@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from modelship.candidate import ReleaseCandidate, ResolvedVersion
-from modelship.errors import EvidenceMissing, ModelNotFound
+from modelship.candidate import ReleaseCandidate
+from modelship.errors import EvidenceMissing, ModelNotFound, StagingError
 from modelship.ledger import (
     Ledger,
     ReleaseRecord,
@@ -24,38 +24,18 @@ from modelship.ledger import (
 from modelship.repository import PROBE_FIELD, manifest_key
 from modelship.storage import S3Storage
 
+if TYPE_CHECKING:  # annotation only: tasks.check imports the whole check
+    from tasks.check import CheckReport
+
 
 def read_candidate_digest(storage: S3Storage, *, repository_prefix: str, model: str,
                           version: int) -> dict[str, Any]:
-    """The digest of a staged version, from its manifest (one read).
+    """The digest of a staged version, from its manifest (one read; a manifest that is no
+    JSON object gives a digest without files).
 
     Raises:
         ModelNotFound: the version is not staged.
     """
-    return _read_manifest(storage, repository_prefix=repository_prefix, model=model,
-                          version=version)[0]
-
-
-def release_candidate(storage: S3Storage, *, repository_prefix: str,
-                      resolved: ResolvedVersion, feed: dict[str, Any], feed_source: str,
-                      config_pbtxt: str) -> ReleaseCandidate:
-    """The candidate a release carries from its stage on: what the check resolved, its
-    golden feed and rendered config, and the staged manifest's digest and probe (the one
-    read of the manifest before the swap's verification).
-
-    Raises:
-        ModelNotFound: the version is not staged.
-    """
-    digest, manifest = _read_manifest(storage, repository_prefix=repository_prefix,
-                                      model=resolved.name, version=resolved.version)
-    return ReleaseCandidate(resolved=resolved, feed=feed, feed_source=feed_source,
-                            config_pbtxt=config_pbtxt, digest=digest,
-                            probe=manifest.get(PROBE_FIELD))
-
-
-def _read_manifest(storage: S3Storage, *, repository_prefix: str, model: str,
-                   version: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The digest of a staged version and its parsed manifest ({} when not JSON)."""
     key = manifest_key(repository_prefix, model, version)
     if not storage.exists(key):
         raise ModelNotFound(
@@ -69,8 +49,41 @@ def _read_manifest(storage: S3Storage, *, repository_prefix: str, model: str,
         manifest = {}
     if not isinstance(manifest, dict):
         manifest = {}
-    return (candidate_digest(model, version, manifest, hashlib.sha256(body).hexdigest()),
-            manifest)
+    return candidate_digest(model, version, manifest, hashlib.sha256(body).hexdigest())
+
+
+def release_candidate(report: CheckReport) -> ReleaseCandidate:
+    """The candidate a release carries from its stage on, from a check that staged it
+    (``run_check(stage=True)``, or the promote flow's check and stage stages): what the
+    check resolved, its golden feed and rendered config, and the digest and probe of the
+    manifest the stage verified (``report.staged``: ``StagedVersion.to_dict()``, with the
+    sha256 of the manifest's bytes as read back). Pure: nothing is read again.
+
+    Raises:
+        StagingError: the report carries no verified manifest of this version (a dry
+            run's plan, or a check that did not stage); the release stops before its
+            canary.
+    """
+    resolved, staged = report.resolved, report.staged or {}
+    model = resolved.name if resolved is not None else report.model
+    version = resolved.version if resolved is not None else report.version
+    manifest, sha256 = staged.get("manifest"), staged.get("manifest_sha256")
+    if resolved is None or report.golden is None or report.config_pbtxt is None \
+            or not isinstance(manifest, dict) or not isinstance(sha256, str) \
+            or len(sha256) != 64 or manifest.get("model") != model \
+            or manifest.get("version") != version:
+        raise StagingError(
+            f"the stage of {model} v{version} handed over no verified manifest of it "
+            f"(manifest_sha256 {sha256!r}), so the release has no digest to bind its canary, "
+            "approval and swap to",
+            hint=f"stage it again (`modelship stage {model} --version {version}`), then "
+            f"`modelship promote {model} --version {version}`", model=model, version=version)
+    return ReleaseCandidate(resolved=resolved, feed=report.feed,
+                            feed_source=report.golden.source,
+                            config_pbtxt=report.config_pbtxt,
+                            digest=candidate_digest(resolved.name, resolved.version,
+                                                    manifest, sha256),
+                            probe=manifest.get(PROBE_FIELD))
 
 
 def require_evidence(records: list[ReleaseRecord], *, model: str, digest: dict[str, Any],

@@ -47,6 +47,7 @@ from modelship.repository import (
     SCHEMA_VERSION,
     SHA256_METADATA,
     FileDigest,
+    VerifiedVersion,
     blob_key,
     check_model,
     check_version,
@@ -54,8 +55,8 @@ from modelship.repository import (
     digest_mismatch,
     model_prefix,
     read_manifest,
+    read_verified,
     remote_digest,
-    verify_staged,
     version_folders,
     version_prefix,
 )
@@ -174,6 +175,10 @@ class StagedVersion:
         metadata_bytes: Bytes of ``config.pbtxt`` and ``release.json`` written.
         skipped: Files already in place (a resumed staging), not copied again.
         seconds: Wall time of the whole staging, hashing included, in s.
+        manifest: The published manifest, as the stage's verification read it back.
+        manifest_sha256: The sha256 of its bytes, as read back: the digest the release is
+            bound to (:func:`modelship.ledger.candidate_digest`), so no later stage reads
+            the manifest again.
     """
 
     model: str
@@ -188,6 +193,7 @@ class StagedVersion:
     model_config_written: bool
     seconds: float
     manifest: dict[str, Any]
+    manifest_sha256: str
     actions: list[StagingAction] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,6 +211,7 @@ class StagedVersion:
             "seconds": round(self.seconds, 3),
             "actions": [a.to_dict() for a in self.actions],
             "manifest": self.manifest,
+            "manifest_sha256": self.manifest_sha256,
         }
 
 
@@ -500,10 +507,11 @@ def stage_version(
     mkey = f"{plan.version_prefix}/{MANIFEST_NAME}"
     if plan.already_staged:
         progress(f"{model}/{version}: already staged with this content; verifying")
-        manifest = verify_staged(storage, model=model, version=version,
-                                 repository_prefix=repository_prefix, signing_key=signing_key)
+        found = read_verified(storage, model=model, version=version, deep=False,
+                              repository_prefix=repository_prefix, signing_key=signing_key)
         return StagedVersion(model, version, mkey, plan.digests, 0, 0, 0, [], True, False,
-                             time.monotonic() - started, manifest)
+                             time.monotonic() - started, found.manifest,
+                             found.manifest_sha256)
 
     provenance_json = _json_provenance(plan, provenance)
     _execute(storage, plan, files, policy, progress)
@@ -595,18 +603,19 @@ def _publish_manifest(storage: S3Storage, mkey: str, manifest: dict[str, Any],
 
 
 def _verify_or_unpublish(storage: S3Storage, plan: StagingPlan, mkey: str, *,
-                         repository_prefix: str, signing_key: bytes) -> dict[str, Any]:
-    """Verify the version just published; on any failure delete its manifest, so no
-    manifest is left that points at bad files."""
+                         repository_prefix: str, signing_key: bytes) -> VerifiedVersion:
+    """Verify the version just published (its files by HEAD, its manifest and config read
+    back); on any failure delete its manifest, so no manifest is left that points at bad
+    files."""
     try:
-        return verify_staged(storage, model=plan.model, version=plan.version,
+        return read_verified(storage, model=plan.model, version=plan.version, deep=False,
                              repository_prefix=repository_prefix, signing_key=signing_key)
     except Exception:
         storage.delete_key(mkey)
         raise
 
 
-def _staged_report(plan: StagingPlan, mkey: str, verified: dict[str, Any], *,
+def _staged_report(plan: StagingPlan, mkey: str, verified: VerifiedVersion, *,
                    metadata_bytes: int, model_config_written: bool, started: float,
                    progress: Progress) -> StagedVersion:
     """What staging moved (uploaded, copied server-side, skipped) and how long it took."""
@@ -619,7 +628,7 @@ def _staged_report(plan: StagingPlan, mkey: str, verified: dict[str, Any], *,
              f"{len(skipped)} skipped)")
     return StagedVersion(plan.model, plan.version, mkey, plan.digests, uploaded, copied,
                          metadata_bytes, skipped, False, model_config_written, seconds,
-                         verified, list(plan.actions))
+                         verified.manifest, verified.manifest_sha256, list(plan.actions))
 
 
 def _file_size(path: Path) -> int:

@@ -27,6 +27,7 @@ from prefect.context import FlowRunContext
 
 from flows.check import run_check
 from modelship.approvals.server import PrefectRuns
+from modelship.candidate import ReleaseCandidate, ResolvedVersion
 from modelship.clients import Clients, build_clients
 from modelship.errors import ModelshipError
 from modelship.ledger import ReleaseRecord
@@ -45,7 +46,7 @@ from tasks.approve import (
     evidence_watch,
 )
 from tasks.canary import KEPT_LOADED, run_canary, sequential_config
-from tasks.evidence import read_candidate_digest
+from tasks.evidence import release_candidate
 from tasks.record import ReleaseJournal
 from tests import models
 from tests.integration.test_approvals_security import BOXES, _in_thread, _wait_for
@@ -196,6 +197,15 @@ class _Clients:
         self.canary = None
 
 
+def _bare_release(model: str, version: int) -> ReleaseCandidate:
+    """A candidate with no rows and no digest (this watch has no canary and no S3)."""
+    resolved = ResolvedVersion(name=model, version=version, flavor="onnx", flavors=("onnx",),
+                               source="", run_id=None, signature=None, metrics={},
+                               aliases=(), tags={}, local_dir=Path("/nowhere"))
+    return ReleaseCandidate(resolved=resolved, feed={}, feed_source="synthetic",
+                            config_pbtxt="", digest={})
+
+
 def test_the_evidence_watch_judges_production_with_an_e_process_and_evidence_twice(
         stack_settings: Settings) -> None:
     """A real metrics endpoint the test moves: production within its budget never breaches,
@@ -205,9 +215,9 @@ def test_the_evidence_watch_judges_production_with_an_e_process_and_evidence_twi
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         clients = _Clients(f"http://127.0.0.1:{server.server_address[1]}/metrics")
-        check = evidence_watch(stack_settings, clients, model="m", version=2, baseline=1,
-                               candidate={}, judge=EvidenceJudge(max_error_rate=0.01,
-                                                                 alpha=0.01))
+        check = evidence_watch(stack_settings, clients, release=_bare_release("m", 2),
+                               baseline=1, judge=EvidenceJudge(max_error_rate=0.01,
+                                                               alpha=0.01))
         replica, counts = clients.replicas[0], _Metrics.counts
         assert check() is None
         replica.serves = False
@@ -248,8 +258,9 @@ WATCH_POLICY: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def watched(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[Clients, int, int]]:
-    """Two staged versions of one model (the same sklearn model registered twice)."""
+            ) -> Iterator[tuple[Clients, int, ReleaseCandidate]]:
+    """Two staged versions of one model (the same sklearn model registered twice): the
+    clients, the baseline and the candidate as its check and stage hand it over."""
     clients = build_clients(stack_settings)
     uri = str(stack_settings.mlflow_tracking_uri)
     staged = []
@@ -258,8 +269,8 @@ def watched(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory
         report = run_check(stack_settings, clients, Policy(), model=WATCHED, version=version,
                            workdir=tmp_path_factory.mktemp(f"watch{version}"), stage=True)
         assert report.verdict == "passed", report
-        staged.append(version)
-    yield clients, staged[0], staged[1]
+        staged.append(release_candidate(report))
+    yield clients, staged[0].version, staged[1]
     canary_cleanup(clients, WATCHED)
     clients.close()
 
@@ -305,25 +316,24 @@ def watched_flow(key: str, timeout_s: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("outcome", ["approve", "reject", "expire", "canary_lost"])
 def test_the_candidate_stays_loaded_and_probed_while_waiting_then_is_unloaded(
-        stack_settings: Settings, watched: tuple[Clients, int, int], tmp_path: Path,
-        outcome: str) -> None:
-    clients, baseline, candidate = watched
+        stack_settings: Settings, watched: tuple[Clients, int, ReleaseCandidate],
+        tmp_path: Path, outcome: str) -> None:
+    clients, baseline, release = watched
+    candidate = release.version
     policy = Policy.model_validate(WATCH_POLICY)
     result = run_canary(stack_settings, clients, policy, model=WATCHED, candidate=candidate,
-                        baseline=baseline, report_dir=tmp_path / "report", keep_loaded=True)
+                        baseline=baseline, report_dir=tmp_path / "report", keep_loaded=True,
+                        release=release)
     assert result.cleanup == KEPT_LOADED
     assert _loaded(clients) == sorted([str(baseline), str(candidate)])
-    assert clients.storage is not None
-    digest = read_candidate_digest(clients.storage,
-                                   repository_prefix=stack_settings.repository_prefix,
-                                   model=WATCHED, version=candidate)
+    digest = release.digest
     # The replicas do not serve this model: the watch looks at the canary only.
     canary_only = dataclasses.replace(clients, replicas=[])
     runs = PrefectRuns(stack_settings.prefect_api_url)
     box: dict[str, Any] = {
         "runs": runs, "digest": digest, "version": candidate,
-        "watch": evidence_watch(stack_settings, canary_only, model=WATCHED, version=candidate,
-                                baseline=baseline, candidate=digest, rows=16, probe_s=0.5,
+        "watch": evidence_watch(stack_settings, canary_only, release=release,
+                                baseline=baseline, rows=16, probe_s=0.5,
                                 judge=EvidenceJudge(sequential_config(policy.gates))),
         "cleanup": lambda: canary_cleanup(clients, WATCHED)}
     before = _inferences(clients, candidate)
@@ -384,23 +394,23 @@ def test_an_infrastructure_finding_fails_the_release_not_the_candidate(
 
 
 def test_the_bake_probe_records_per_request_latencies_on_a_real_triton(
-        stack_settings: Settings, watched: tuple[Clients, int, int], tmp_path: Path) -> None:
+        stack_settings: Settings, watched: tuple[Clients, int, ReleaseCandidate],
+        tmp_path: Path) -> None:
     """The bake's window (tasks/bake.py measure_window) keeps each answered probe
     request's client latency, the samples of the always-valid latency rules, next to
     Triton's server-side mean; two windows of the same version judge as passed."""
     from modelship.policy import BakePolicy
     from tasks.bake import judge_windows, measure_window
-    from tasks.payload import load_payload
 
-    clients, baseline, candidate = watched
+    clients, baseline, release = watched
+    candidate = release.version
     policy = Policy.model_validate(WATCH_POLICY)
     run_canary(stack_settings, clients, policy, model=WATCHED, candidate=candidate,
-               baseline=baseline, report_dir=tmp_path / "report", keep_loaded=True)
+               baseline=baseline, report_dir=tmp_path / "report", keep_loaded=True,
+               release=release)
     try:
-        assert clients.canary is not None and clients.storage is not None
-        payload, _ = load_payload(clients.storage, clients.registry,
-                                  repository_prefix=stack_settings.repository_prefix,
-                                  model=WATCHED, version=candidate, rows=16)
+        assert clients.canary is not None
+        payload = release.rows(16)
         bake = BakePolicy(probe_rps=40, alpha=0.01, max_latency_increase_pct=200)  # busy box
         windows = [measure_window([clients.canary], index=i, model=WATCHED,
                                   version=candidate, payload=payload, policy=bake,

@@ -5,10 +5,10 @@ storage's reads.
 
 The check resolves and downloads the candidate from MLflow once; after the stage the
 release carries it (:class:`modelship.candidate.ReleaseCandidate`), so the canary, the
-bake and the swap read neither MLflow nor the staged config again. The staged manifest is
-read back once by the stage (its publish check) and once for the release's digest, the
-config once (the stage's read-back), and the swap's preflight verifies the staged bytes
-against the manifest (DESIGN §4): that read stays, and is counted apart.
+bake and the swap read neither MLflow nor the staged config again. The staged manifest and
+config are read back once, by the stage's publish check, which hands the manifest's digest
+to the release; the swap's preflight verifies the staged bytes against the manifest
+(DESIGN §4): that read stays, and is counted apart.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ import pytest
 
 from flows.promote import PromoteParams, promote_flow
 from model_registry.client import RegistryClient
+from modelship.clients import build_clients
 from modelship.prefect_api import run_flow
 from modelship.repository import CONFIG_NAME, MANIFEST_NAME
 from modelship.settings import Settings
 from modelship.storage import S3Storage
 from tasks import swap as swap_module
+from tasks.evidence import read_candidate_digest
 from tests import models
 from tests.conftest import RUNTIME_VENV
 
@@ -107,13 +109,22 @@ def test_one_promotion_downloads_the_candidate_once_and_reads_its_staging_once(
     artifacts = [key for kind, key, _ in reads.calls if kind == "artifact"]
     assert len(artifacts) == len(set(artifacts)), artifacts
     # S3, outside the swap's verification: the stage reads back what it published (its
-    # manifest and config, once: tasks/stage.py _verify_or_unpublish) and the release reads
-    # the manifest once more for its digest; no later stage reads either again (before
-    # this: manifest 3, config 5). The swap's verification reads both, once.
+    # manifest and config, once: tasks/stage.py _verify_or_unpublish) and hands the
+    # manifest's digest on; no later stage reads either again (before issue 19 item 1:
+    # manifest 3, config 5). The swap's verification reads both, once.
     folder = f"{MODEL}/{version}/"
     manifest, config = folder + MANIFEST_NAME, folder + CONFIG_NAME
-    assert reads.count("get", manifest, verifying=False) == 2, reads.calls
+    assert reads.count("get", manifest, verifying=False) == 1, reads.calls
     assert reads.count("get", config, verifying=False) == 1, reads.calls
     assert verifications == [version]
     assert reads.count("get", manifest, verifying=True) == 1, reads.calls
     assert reads.count("get", config, verifying=True) == 1, reads.calls
+    # the digest handed over is the staged manifest's (what a standalone swap binds to)
+    clients = build_clients(stack_settings)
+    try:
+        assert clients.storage is not None
+        staged = read_candidate_digest(clients.storage, model=MODEL, version=version,
+                                       repository_prefix=stack_settings.repository_prefix)
+    finally:
+        clients.close()
+    assert {k: record["candidate"][k] for k in staged} == staged

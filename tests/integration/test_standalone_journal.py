@@ -1,9 +1,10 @@
-"""Standalone ``swap`` and ``rollback`` are journaled as a release is (issue 19 item 2): a
-ledger record with its stages, and one Slack thread (the stack's Slack emulator) whose
+"""Standalone ``swap``, ``rollback`` and ``canary`` are journaled as a release is (issue 19
+item 2): a ledger record with its stages, and one Slack thread (the stack's Slack emulator) whose
 parent is updated in place and whose replies follow the stages.
 
 Cheap: the session stack, one model with two small versions checked and staged once, and
-three fleet changes (a first swap, a swap, a rollback) plus a no-op swap.
+three fleet changes (a first swap, a swap, a rollback) plus a no-op swap; then the
+standalone canary of a third version, which it checks and stages itself.
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ from modelship.ledger import Ledger, ReleaseRecord
 from modelship.policy import Policy
 from modelship.settings import Settings
 from tasks.check import run_check
+from tasks.evidence import read_candidate_digest
 from tests import models
 
 pytestmark = pytest.mark.integration
 
 MODEL = "standalone-journal"
+CANARY: dict[str, Any] = {  # the cheapest canary: a deterministic error gate, 1 s windows
+    "canary": {"warmup_s": 0.5, "window_s": 1.0, "max_duration_s": 60.0, "min_samples": 50},
+    "gates": [{"name": "errors", "metric": "error_rate", "test": "threshold", "max": 0.01}],
+}
 
 
 def _messages(settings: Settings) -> list[dict[str, Any]]:
@@ -88,5 +94,20 @@ def test_standalone_swap_and_rollback_leave_a_record_with_stages_and_a_slack_thr
             assert "swap ok" in replies, replies
             assert any(record.status in text for text in replies), replies
         assert ledger.read(MODEL, rolled["release_id"]).reason == f"rolled back from v{v2}"
+
+        # the canary of a version not staged yet: it checks and stages it, then measures
+        # it with what its check found (its ReleaseCandidate), journaled the same way
+        v3 = models.register_sklearn(uri, MODEL, seed=2)
+        canaried = standalone.canary(settings, clients, Policy.model_validate(CANARY),
+                                     model=MODEL, version=v3)
+        assert (canaried["verdict"], canaried["baseline"]) == ("passed", v1), canaried
+        record = ledger.read(MODEL, canaried["release_id"])
+        assert (record.kind, record.status) == ("canary", "passed")
+        assert [s.name for s in record.stages] == ["canary"]
+        assert record.candidate == {**read_candidate_digest(
+            clients.storage, repository_prefix=settings.repository_prefix, model=MODEL,
+            version=v3), "canary_report_id": record.id}
+        parent, replies = _thread(settings, record)
+        assert "passed" in parent["text"] and "canary ok" in replies, (parent, replies)
     finally:
         clients.close()

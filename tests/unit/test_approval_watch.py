@@ -10,18 +10,27 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
+from modelship.candidate import ReleaseCandidate, ResolvedVersion
+from modelship.repository import SHA256_METADATA, manifest_key
+from tasks import approve as approve_module
 from tasks.approve import (
+    BASELINE,
+    CANDIDATE,
     ApprovalChannels,
     EvidenceJudge,
     Finding,
     ProbeBatch,
     _Watcher,
     canary_cleanup,
+    evidence_watch,
     probe_batch,
     production_change,
 )
@@ -252,3 +261,99 @@ def test_promote_unloads_a_kept_canary_when_anything_fails_before_the_wait(
     assert canary.unloads == unloads
     assert journal.notes == (["canary kept for the approval wait: unloaded from the canary"]
                              if keep else [])
+
+
+# --------------------------------------------------------------------------------------
+# the watch takes the release candidate: nothing about the candidate is loaded again
+
+SHA = "ab" * 32
+
+
+class _Storage:
+    """The staged manifest's HEAD; any other call fails the test."""
+
+    def __init__(self, sha256: str | None) -> None:
+        self.sha256 = sha256
+        self.heads: list[str] = []
+
+    def head(self, key: str) -> dict[str, Any] | None:
+        self.heads.append(key)
+        if self.sha256 is None:
+            return None
+        return {"size": 10, "metadata": {SHA256_METADATA: self.sha256}}
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the watch called storage.{name}")
+
+
+class _NoRegistry:
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the watch called registry.{name}")
+
+
+class _Pinging:
+    endpoint = SimpleNamespace(grpc="127.0.0.1:1")
+
+    def ping(self) -> None:
+        return None
+
+
+def _release() -> ReleaseCandidate:
+    resolved = ResolvedVersion(name="m", version=2, flavor="onnx", flavors=("onnx",),
+                               source="models:/m-1", run_id="r", signature=None,
+                               metrics={}, aliases=(), tags={}, local_dir=Path("/nowhere"))
+    return ReleaseCandidate(resolved=resolved, feed={"x": np.arange(200.0).reshape(100, 2)},
+                            feed_source="artifact", config_pbtxt='name: "m"',
+                            digest={"model": "m", "version": 2, "manifest_sha256": SHA})
+
+
+def _answered(n: int) -> SimpleNamespace:
+    records = [SimpleNamespace(tag=tag, ok=True, latency_ms=2.0, error=None)
+               for _ in range(n) for tag in (BASELINE, CANDIDATE)]
+    return SimpleNamespace(measured_records=lambda: records)
+
+
+def _watch(monkeypatch: pytest.MonkeyPatch, storage: _Storage
+           ) -> tuple[Any, list[Any]]:
+    sent: list[Any] = []
+
+    def probe(url: str, model: str, version: int, baseline: int | None, payload: Any,
+              **_: Any) -> SimpleNamespace:
+        sent.append((model, version, baseline, payload))
+        return _answered(20)
+
+    monkeypatch.setattr(approve_module, "_probe", probe)
+    monkeypatch.setattr(approve_module, "canary_slot", lambda *a, **k: nullcontext())
+    clients = SimpleNamespace(replicas=[], canary=_Pinging(), storage=storage,
+                              registry=_NoRegistry())
+    settings = SimpleNamespace(repository_prefix="P", http_timeout_s=1.0)
+    watch = evidence_watch(settings, clients, release=_release(), baseline=1, rows=16,
+                           judge=EvidenceJudge(CONFIG))
+    return watch, sent
+
+
+def test_the_watch_probes_with_the_release_rows_and_loads_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = _Storage(SHA)
+    watch, sent = _watch(monkeypatch, storage)
+    for _ in range(3):
+        assert watch() is None
+    assert len(sent) == 3
+    for model, version, baseline, payload in sent:
+        assert (model, version, baseline) == ("m", 2, 1)
+        np.testing.assert_array_equal(payload["x"], _release().feed["x"][:16])
+    # one HEAD of the staged manifest per look; no GET, no MLflow
+    assert storage.heads == [manifest_key("P", "m", 2)] * 3
+
+
+@pytest.mark.parametrize(("staged", "says"), [("cd" * 32, "manifest cdcdcdcdcdcd"),
+                                              (None, "manifest absent"),
+                                              ("", "manifest unmarked")])
+def test_a_staged_manifest_that_changed_or_went_is_evidence_on_the_second_look(
+        monkeypatch: pytest.MonkeyPatch, staged: str | None, says: str) -> None:
+    watch, _ = _watch(monkeypatch, _Storage(staged))
+    assert watch() is None  # once is a blip
+    found = watch()
+    assert found is not None and found.kind == "evidence"
+    assert "the staged m v2 changed after its canary" in found.reason
+    assert says in found.reason and f"canary saw {SHA[:12]}" in found.reason
