@@ -234,7 +234,7 @@ def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledge
                                        aliases=fleet.aliases_now(clients, model),
                                        release_id=record.id)
         journal.save()
-        try:
+        with fleet.ending(settings, clients, policy, journal, progress=progress):
             with journal.stage("swap") as entry:
                 record.swap = swap_task(settings, clients, policy, model, version,
                                         serving, result.candidate_bytes,
@@ -249,14 +249,6 @@ def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledge
             with journal.stage("record") as entry:
                 entry.details.update(record_task(settings, clients, policy, record,
                                                  model, version))
-        except BaseException as exc:
-            if record.status != "running":
-                raise
-            fleet.end_release(settings, clients, policy, record, exc,
-                              write=journal.write_ending, progress=progress)
-            raise  # end_release raises; this line is for the type checker
-        fleet.end_release(settings, clients, policy, record, None, write=journal.write_ending,
-                          progress=progress)
 
 
 def _canary_to_approval(settings: Settings, clients: Clients, policy: Policy,

@@ -76,7 +76,7 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
         record.gates = {"evidence": evidence}
         _note_recovered(record, recovered)
         fleet.begin_change(settings, journal, clients, doc=doc, target=target)
-        try:
+        with fleet.ending(settings, clients, policy, journal, progress=progress):
             with journal.stage("swap") as entry:
                 report = fleet.swap_unlocked(settings, clients, policy, model=model,
                                              target=target, converge=fleet.converge_needed(doc),
@@ -94,14 +94,6 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
                                + (f"; repaired {'; '.join(repaired)}" if repaired else ""))
                 return {**report, "release_id": record.id, "evidence": evidence,
                         "footprint": footprint["evidence"], "repaired": repaired}
-        except BaseException as exc:
-            if record.status != "running":
-                raise
-            fleet.end_release(settings, clients, policy, record, exc,
-                              write=journal.write_ending, progress=progress)
-            raise  # end_release raises; this line is for the type checker
-        fleet.end_release(settings, clients, policy, record, None, write=journal.write_ending,
-                          progress=progress)
     return {**report, "release_id": record.id, "evidence": evidence,
             "footprint": footprint["evidence"], "status": record.status}
 
@@ -138,7 +130,13 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
         record.candidate, record.forced = plan["digest"], plan["forced"]
         _note_recovered(record, recovered)
         fleet.begin_change(settings, journal, clients, doc=doc, target=target)
-        try:
+
+        def stopped(exc: BaseException) -> None:
+            progress(f"rollback stopped ({type(exc).__name__}): putting the fleet and alias "
+                     f"{PRODUCTION_ALIAS} back on {'nothing' if current is None else current}")
+
+        with fleet.ending(settings, clients, policy, journal, progress=progress,
+                          on_stop=stopped):
             with journal.stage("swap") as entry:
                 progress(f"moving alias {PRODUCTION_ALIAS} of {model} to v{target} (first)")
                 fleet.set_production(clients, model, target)
@@ -150,16 +148,6 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
                 record.swap = report
                 entry.details.update(kind=report.get("kind"), skew_ms=report.get("skew_ms"))
                 record.intent["committed_at"] = now_iso()  # switched: the point of no return
-        except BaseException as exc:
-            if record.status != "running":
-                raise
-            progress(f"rollback stopped ({type(exc).__name__}): putting the fleet and alias "
-                     f"{PRODUCTION_ALIAS} back on {'nothing' if current is None else current}")
-            fleet.end_release(settings, clients, policy, record, exc,
-                              write=journal.write_ending, progress=progress)
-            raise  # end_release raises; this line is for the type checker
-        fleet.end_release(settings, clients, policy, record, None, write=journal.write_ending,
-                          progress=progress)
         fleet.note_rolled_back(clients, journal, current=current, target=target)
     return {"model": model, "from_version": current, "to_version": target, "dry_run": False,
             "release_id": record.id, "aliases": fleet.aliases_now(clients, model),

@@ -9,7 +9,8 @@ ledger, MLflow); the decisions are pure and live in :mod:`tasks.recovery` and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from model_registry.client import PREVIOUS_ALIAS, PRODUCTION_ALIAS
@@ -284,6 +285,32 @@ def end_release(settings: Settings, clients: Clients, policy: Policy, record: Re
     if isinstance(exc, ModelshipError):
         exc.details["record"] = record.to_dict()
     raise exc
+
+
+@contextmanager
+def ending(settings: Settings, clients: Clients, policy: Policy, journal: ReleaseJournal, *,
+           progress: Progress = quiet,
+           on_stop: Callable[[BaseException], object] | None = None) -> Iterator[None]:
+    """Around the stages of a fleet change that wrote its intent (promote, swap, rollback):
+    every way out goes through :func:`end_release`. An exception (a stop request too)
+    first calls ``on_stop``, then ends the release with it and goes on (or the error
+    end_release raises instead); a normal exit ends it released. A body that ended the
+    record itself (a no-op swap's finish) is left as it ended.
+    """
+    record = journal.record
+    try:
+        yield
+    except BaseException as exc:
+        if record.status != "running":
+            raise
+        if on_stop is not None:
+            on_stop(exc)
+        end_release(settings, clients, policy, record, exc, write=journal.write_ending,
+                    progress=progress)
+        raise
+    if record.status == "running":
+        end_release(settings, clients, policy, record, None, write=journal.write_ending,
+                    progress=progress)
 
 
 def repair_noop(settings: Settings, clients: Clients, policy: Policy, *, model: str,
