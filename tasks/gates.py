@@ -455,13 +455,41 @@ def _agreement_hint(snapshot: CanarySnapshot) -> str:
             "policy)")
 
 
+@dataclass(frozen=True)
+class _LatencyInputs:
+    """What a comparative latency test judges, once its shared checks passed.
+
+    Attributes:
+        c: The candidate's latencies, ms (cleaned).
+        b: The baseline's, ms.
+        tol_ms: The tolerance, ms: ``max(max_increase_pct % of the baseline's metric,
+            min_effect_ms)``.
+        ratio: The tolerance as a scale: ``1 + tol_ms / base_value``.
+        value: The candidate's metric, ms, over ``n`` requests.
+        base_value: The baseline's, over ``m``.
+    """
+
+    c: np.ndarray
+    b: np.ndarray
+    tol_ms: float
+    ratio: float
+    value: float
+    n: int
+    base_value: float
+    m: int
+
+    @property
+    def bound_ms(self) -> float:
+        """The candidate's metric may reach this: the baseline's plus the tolerance."""
+        return self.base_value + self.tol_ms
+
+
 def _latency_prologue(snapshot: CanarySnapshot, rule: MannWhitneyRule | QuantileRule, test: str,
-                      min_samples: int
-                      ) -> RuleResult | tuple[np.ndarray, np.ndarray, float, float]:
+                      min_samples: int) -> RuleResult | _LatencyInputs:
     """Shared checks of the comparative latency tests: a result when they cannot run.
 
     Returns either the verdict (inconclusive without data or baseline, error on a broken
-    measurement) or ``(candidate ms, baseline ms, tolerance ms, tolerance ratio)``.
+    measurement) or the inputs of the test.
     """
     metric = rule.metric
     cand = snapshot.candidate
@@ -490,10 +518,11 @@ def _latency_prologue(snapshot: CanarySnapshot, rule: MannWhitneyRule | Quantile
     if not base_value > 0:
         return result(Verdict.INCONCLUSIVE, f"{rule.name}: the baseline's {metric} is "
                       f"{base_value:g} ms; a relative tolerance needs a positive latency")
+    assert value is not None  # _missing_reason refused a missing one
     tol_ms = max(float(rule.max_increase_pct or 0.0) / 100.0 * base_value,
                  float(rule.min_effect_ms or 0.0))
-    return (_clean_latency(cand.latency_ms), _clean_latency(base.latency_ms), tol_ms,
-            1.0 + tol_ms / base_value)
+    return _LatencyInputs(_clean_latency(cand.latency_ms), _clean_latency(base.latency_ms),
+                          tol_ms, 1.0 + tol_ms / base_value, value, n, base_value, m)
 
 
 def _tol_text(rule: MannWhitneyRule | QuantileRule) -> str:
@@ -530,28 +559,23 @@ def _judge_latency(snapshot: CanarySnapshot, rule: MannWhitneyRule,
     distribution-free interval at confidence ``1 - 2·alpha`` (its lower end matches the
     one-sided test) and the median pairwise difference in ms.
     """
-    metric = rule.metric
-    inputs = _latency_prologue(snapshot, rule, "mann_whitney", min_samples)
-    if isinstance(inputs, RuleResult):
-        return inputs
-    c, b, tol_ms, ratio = inputs
-    value, n = metric_value(snapshot, metric)
-    base_value, m = metric_value(snapshot, metric, arm="baseline")
-    assert value is not None and base_value is not None
-    bound_ms = base_value + tol_ms
-    threshold = (f"≤ {bound_ms:.3g} ms: baseline {base_value:.3g} ms + {_tol_text(rule)} "
-                 f"= {tol_ms:.3g} ms (scale ×{ratio:.3f})")
+    x = _latency_prologue(snapshot, rule, "mann_whitney", min_samples)
+    if isinstance(x, RuleResult):
+        return x
+    ratio = x.ratio
+    threshold = (f"≤ {x.bound_ms:.3g} ms: baseline {x.base_value:.3g} ms + {_tol_text(rule)} "
+                 f"= {x.tol_ms:.3g} ms (scale ×{ratio:.3f})")
 
     def result(verdict: Verdict, message: str, p: float | None = None,
                details: Mapping[str, Any] | None = None) -> RuleResult:
-        return _result(rule, "mann_whitney", verdict, value, base_value, threshold, bound_ms,
-                       p, (n, m), message, details)
+        return _result(rule, "mann_whitney", verdict, x.value, x.base_value, threshold,
+                       x.bound_ms, p, (x.n, x.m), message, details)
 
-    p_iid = float(stats.mannwhitneyu(c, b * ratio, alternative="greater").pvalue)
+    p_iid = float(stats.mannwhitneyu(x.c, x.b * ratio, alternative="greater").pvalue)
     if math.isnan(p_iid):
         return result(Verdict.ERROR, f"{rule.name}: the Mann-Whitney test is undefined on "
-                      f"these samples (n={n}, m={m})")
-    p, details, how = _order_evidence(snapshot, rule, c, b, tol_ms, ratio, p_iid)
+                      f"these samples (n={x.n}, m={x.m})")
+    p, details, how = _order_evidence(snapshot, rule, x, p_iid)
     if p < rule.alpha:
         return result(Verdict.FAILED, f"{rule.name}: typical latency of {_arm_name(snapshot)} "
                       f"is slower than the baseline × {ratio:.3f}: {how}; p={p:.2g} < "
@@ -561,9 +585,8 @@ def _judge_latency(snapshot: CanarySnapshot, rule: MannWhitneyRule,
                   f"α={rule.alpha:g}", p, details)
 
 
-def _order_evidence(snapshot: CanarySnapshot, rule: MannWhitneyRule, c: np.ndarray,
-                    b: np.ndarray, tol_ms: float, ratio: float, p_iid: float
-                    ) -> tuple[float, dict[str, Any], str]:
+def _order_evidence(snapshot: CanarySnapshot, rule: MannWhitneyRule, x: _LatencyInputs,
+                    p_iid: float) -> tuple[float, dict[str, Any], str]:
     """The stochastic-order rule's evidence beyond the whole-run U test (pure): the
     time-block test, the Hodges-Lehmann estimates, and the sentence that states them.
 
@@ -572,9 +595,8 @@ def _order_evidence(snapshot: CanarySnapshot, rule: MannWhitneyRule, c: np.ndarr
         ``p_iid``), the result's details, and the measured figures in words.
     """
     metric = rule.metric
-    value, _ = metric_value(snapshot, metric)
-    base_value, _ = metric_value(snapshot, metric, arm="baseline")
-    assert value is not None and base_value is not None
+    c, b, tol_ms, ratio = x.c, x.b, x.tol_ms, x.ratio
+    value, base_value = x.value, x.base_value
     blocks = snapshot_blocks(snapshot)
     assert blocks.baseline is not None
     p_block, diag, test = _block_latency_test(c / ratio, blocks.candidate, b,
@@ -681,17 +703,14 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: QuantileRule, min_samples: i
     order-statistic interval at ``1 - alpha/2`` (joint confidence ≥ ``1 - alpha``).
     """
     metric = rule.metric
-    inputs = _latency_prologue(snapshot, rule, "quantile", min_samples)
-    if isinstance(inputs, RuleResult):
-        return inputs
-    c, b, tol_ms, ratio = inputs
-    value, n = metric_value(snapshot, metric)
-    base_value, m = metric_value(snapshot, metric, arm="baseline")
-    assert value is not None and base_value is not None
-    bound_ms = base_value + tol_ms
+    x = _latency_prologue(snapshot, rule, "quantile", min_samples)
+    if isinstance(x, RuleResult):
+        return x
+    tol_ms, ratio, value, n, base_value, m = x.tol_ms, x.ratio, x.value, x.n, x.base_value, x.m
+    bound_ms = x.bound_ms
     threshold = (f"{metric} ≤ {bound_ms:.3g} ms: baseline {base_value:.3g} ms + "
                  f"{_tol_text(rule)} = {tol_ms:.3g} ms (×{ratio:.3f})")
-    above = int(np.count_nonzero(b >= base_value))
+    above = int(np.count_nonzero(x.b >= base_value))
     if above < tail_reference:
         need = tail_reference_floor(rule)
         return _result(rule, "quantile", Verdict.INCONCLUSIVE, value, base_value, threshold,
@@ -702,7 +721,7 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: QuantileRule, min_samples: i
                        "(canary.min_samples, within canary.max_duration_s)",
                        {"reference_too_small": True, "reference_above": above,
                         "reference_needed": need, "key": "canary.min_samples"})
-    p, details, how = _tail_evidence(snapshot, rule, c, b, tol_ms, ratio)
+    p, details, how = _tail_evidence(snapshot, rule, x)
     result_args = (rule, "quantile")
     if p < rule.alpha:
         return _result(*result_args, Verdict.FAILED, value, base_value, threshold, bound_ms, p,
@@ -713,8 +732,7 @@ def _judge_quantile(snapshot: CanarySnapshot, rule: QuantileRule, min_samples: i
                    f"the baseline's × {ratio:.3f}: {how}; p={p:.2g} ≥ α={rule.alpha:g}", details)
 
 
-def _tail_evidence(snapshot: CanarySnapshot, rule: QuantileRule, c: np.ndarray,
-                   b: np.ndarray, tol_ms: float, ratio: float
+def _tail_evidence(snapshot: CanarySnapshot, rule: QuantileRule, x: _LatencyInputs
                    ) -> tuple[float, dict[str, Any], str]:
     """The quantile rule's evidence (pure): Fisher's test at the pooled split, the same
     split judged per time block, the ratio's interval, and the sentence that states them.
@@ -725,9 +743,8 @@ def _tail_evidence(snapshot: CanarySnapshot, rule: QuantileRule, c: np.ndarray,
     """
     metric = rule.metric
     q = _PERCENTILES[metric] / 100.0
-    value, n = metric_value(snapshot, metric)
-    base_value, m = metric_value(snapshot, metric, arm="baseline")
-    assert value is not None and base_value is not None
+    c, b, tol_ms, ratio = x.c, x.b, x.tol_ms, x.ratio
+    value, n, base_value, m = x.value, x.n, x.base_value, x.m
     p_iid, kc, kb, xi = quantile_exceedance(c, b, q, ratio)
     blocks = snapshot_blocks(snapshot)
     assert blocks.baseline is not None
