@@ -712,11 +712,19 @@ def _parity(
         outputs[name] = _compare(name, expected, got[name], atol, rtol, ties, subject)
     for name in got:
         outputs.setdefault(name, {"compared": False, "reason": "no native counterpart"})
+    compared = [o for o in outputs.values() if o.get("compared")]
+    if not compared:  # a parity check that compared nothing has not passed
+        raise ValidationFailed(
+            f"parity of {subject}: no output of the ONNX graph ({sorted(got)}) could be "
+            f"compared with the native model's ({sorted(native)})",
+            hint="the native model returned nothing comparable on the golden rows: check "
+            "that its pyfunc predicts them, and that its outputs are named like the graph's",
+            outputs=sorted(got))
     report = {
         "rows": len(rows),
         "atol": atol,
         "rtol": rtol,
-        "passed": all(o.get("passed", True) for o in outputs.values()),
+        "passed": all(o["passed"] is True for o in compared),
         "outputs": outputs,
     }
     for name, result in outputs.items():

@@ -51,6 +51,8 @@ class CanaryReportSource(Protocol):
     gate_report: GateReport
     load: dict[str, Any]
     seconds: float
+    skipped_rules: list[str]
+    gpu: GpuEvidence | None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of the result."""
@@ -208,9 +210,8 @@ def render_markdown(result: CanaryReportSource, *, plot_name: str | None = PLOT_
     lines += ["", "## Gates", "", markdown_table(result.gate_report).rstrip(), ""]
     messages = [r.message for r in result.gate_report.results]
     lines += [f"- {m}" for m in messages if m]
-    skipped = getattr(result, "skipped_rules", None)
-    if skipped:
-        lines.append(f"- Not judged without a baseline: {', '.join(skipped)}")
+    if result.skipped_rules:
+        lines.append(f"- Not judged without a baseline: {', '.join(result.skipped_rules)}")
     lines += ["", "## Latency (client side)", "", latency_table(snapshot).rstrip(), ""]
     if plot_name:
         lines += [f"![Latency ECDF, baseline against candidate]({plot_name})", ""]
@@ -221,7 +222,7 @@ def render_markdown(result: CanaryReportSource, *, plot_name: str | None = PLOT_
               "windows only). Client overhead = client mean latency − Triton's request "
               "time: the part of the client latency the model version does not cause.", "",
               server_table(snapshot).rstrip(), ""]
-    gpu = getattr(result, "gpu", None)
+    gpu = result.gpu
     if gpu is not None:
         lines += ["## GPU (canary server)", "", gpu_table(gpu).rstrip(), "",
                   *[f"- {line}" for line in gpu.report_lines()], ""]

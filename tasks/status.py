@@ -171,9 +171,8 @@ def _summary(record: ReleaseRecord, verdict: Truth) -> dict[str, Any]:
         "holder": {k: record.holder.get(k) for k in ("host", "pid") if k in record.holder}}
     if record.id in verdict.processes:
         doc["process"] = verdict.processes[record.id]
-    incomplete = getattr(record, "incomplete", None)
-    if incomplete:
-        doc["incomplete"] = incomplete
+    if record.incomplete:
+        doc["incomplete"] = record.incomplete
     return doc
 
 

@@ -248,7 +248,7 @@ def record_seen(record: ReleaseRecord, *, pid_running: bool | None) -> RecordSee
 
 def _reason(record: ReleaseRecord) -> str | None:
     """Why the record ended as it did; for ``incomplete``, its goal and what is missing."""
-    incomplete = getattr(record, "incomplete", None) or {}
+    incomplete = record.incomplete
     if record.status != "incomplete" or not incomplete:
         return record.reason
     missing = [str(m) for m in incomplete.get("missing") or []]

@@ -14,6 +14,7 @@ import pytest
 
 from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.policy import gate_rule
+from modelship.triton.gpu import GpuEvidence
 from tasks.gates import GateReport, evaluate
 from tasks.report import (
     agreement_line,
@@ -77,6 +78,7 @@ class FakeResult:
         "required_samples": 1500, "samples": {"baseline": 2000, "candidate": 2000},
         "payload_rows": 16, "payload_source": "input_example"})
     skipped_rules: list[str] = field(default_factory=list)
+    gpu: GpuEvidence | None = None  # a CPU canary measures none
 
     @property
     def verdict(self) -> str:
