@@ -16,7 +16,8 @@ key path (``policies/fraud.yaml: unknown key 'gates.0.mxa'``).
     │                                        gpu (accelerators, warmup, swap headroom)
     ├── export          ExportPolicy         opsets, parity tolerances, golden rows
     ├── validation      ValidationPolicy     input expectations, output checks, class mix
-    ├── canary          CanaryPolicy         load shape, windows, agreement
+    ├── canary          CanaryPolicy         load shape, windows, agreement, traffic mode
+    │                                        (replay, shadow, progressive steps)
     ├── gates           list[GateRule]       the rules the canary is judged by, one class
     │                                        per test (a union discriminated on ``test``)
     ├── approval        ApprovalPolicy       required, approvers, timeout
@@ -54,6 +55,10 @@ from pydantic import (
 from modelship.errors import PolicyError
 
 __all__ = [
+    "DEFAULT_MIRROR_PCT",
+    "DEFAULT_STEPS",
+    "DEFAULT_STEP_MAX_S",
+    "DEFAULT_STEP_MIN_S",
     "FAMILY_ALPHA",
     "GPU_METRICS",
     "KNOWN_METRICS",
@@ -63,6 +68,7 @@ __all__ = [
     "AgreementPolicy",
     "ApprovalPolicy",
     "CanaryPolicy",
+    "CanaryTraffic",
     "ColumnExpectation",
     "DynamicBatchingPolicy",
     "ExportPolicy",
@@ -93,6 +99,7 @@ __all__ = [
     "load_policy",
     "policy_for",
     "policy_reference_markdown",
+    "traffic_problems",
 ]
 
 Target = Literal["cpu", "gpu"]
@@ -485,8 +492,20 @@ class AgreementPolicy(_Section):
     )
 
 
+CanaryTraffic = Literal["replay", "shadow", "progressive"]
+"""What a canary judges the candidate on: golden rows, mirrored live requests, or a share
+of live requests it answers."""
+
+#: The defaults of the traffic modes (a ``null`` key under its own mode).
+DEFAULT_MIRROR_PCT = 10.0
+DEFAULT_STEPS: tuple[float, ...] = (1.0, 5.0, 25.0, 50.0)
+DEFAULT_STEP_MIN_S = 10.0
+DEFAULT_STEP_MAX_S = 60.0
+
+
 class CanaryPolicy(_Section):
-    """The replay load run against candidate and baseline side by side."""
+    """The canary: the replay load run against candidate and baseline side by side, or
+    live traffic through the router (``traffic``)."""
 
     mode: Literal["concurrency", "rate"] = Field(
         default="concurrency",
@@ -565,6 +584,51 @@ class CanaryPolicy(_Section):
         default_factory=AgreementPolicy,
         description="Output agreement settings (see the keys below).",
     )
+    traffic: CanaryTraffic = Field(
+        default="replay",
+        description="What the candidate is judged on. `replay`: golden rows sent to the "
+        "canary Triton (the load keys above). `shadow`: a copy of `mirror_pct` % of live "
+        "requests goes to the candidate through the router; its answers are compared with "
+        "production's and thrown away, never sent to a client. `progressive`: the "
+        "candidate answers a growing share of live requests, weight by weight (`steps`), "
+        "the sequential judge between steps, back to 0 % on a breach, then the atomic swap "
+        "of the fleet. Shadow and progressive need a traffic router (the stack's gateway, "
+        "or `MODELSHIP_K8S_ROUTE`). Default `replay`.",
+    )
+    mirror_pct: float | None = Field(
+        default=None,
+        gt=0,
+        le=100,
+        description="`shadow` only: the share of live requests copied to the candidate, in "
+        f"%. Float in (0, 100], or `null`: {DEFAULT_MIRROR_PCT:g} under `shadow`. "
+        "Refused with another `traffic`. Default `null`.",
+    )
+    steps: list[float] | None = Field(
+        default=None,
+        description="`progressive` only: the candidate's share of live requests at each "
+        "step, in %, strictly increasing, each in (0, 100) (after the last step the atomic "
+        "swap moves the whole fleet; a step of 100 would bypass it). `null`: "
+        f"{list(DEFAULT_STEPS)} under `progressive`. Refused with another `traffic`. "
+        "Default `null`.",
+    )
+    step_min_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="`progressive` only: the least time a step's weight is live before it "
+        "may advance, in s (a breach steps back at once). Float > 0, or `null`: "
+        f"{DEFAULT_STEP_MIN_S:g} under `progressive`. Refused with another `traffic`. "
+        "Default `null`.",
+    )
+    step_max_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="`progressive` only: a step's ceiling, in s: a step that has neither "
+        "passed nor breached by then advances (no evidence against it, and the next weight "
+        "brings more); at the last step it ends the canary inconclusive (weight back to 0, "
+        "no swap). Float > 0 and ≥ `step_min_s`, or `null`: "
+        f"{DEFAULT_STEP_MAX_S:g} under `progressive`. Refused with another `traffic`. "
+        "Default `null`.",
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> CanaryPolicy:
@@ -573,7 +637,65 @@ class CanaryPolicy(_Section):
                 f"warmup_s + window_s ({self.warmup_s + self.window_s:g} s) exceed "
                 f"max_duration_s ({self.max_duration_s:g} s)"
             )
+        problems = traffic_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def mirror_share_pct(self) -> float:
+        """The share mirrored under ``shadow`` (0 otherwise)."""
+        if self.traffic != "shadow":
+            return 0.0
+        return DEFAULT_MIRROR_PCT if self.mirror_pct is None else self.mirror_pct
+
+    @property
+    def progressive_steps(self) -> tuple[float, ...]:
+        """The weights of ``progressive``, in order (empty otherwise)."""
+        if self.traffic != "progressive":
+            return ()
+        return DEFAULT_STEPS if self.steps is None else tuple(self.steps)
+
+    @property
+    def step_bounds_s(self) -> tuple[float, float]:
+        """``(minimum, ceiling)`` of one progressive step, in s."""
+        low = DEFAULT_STEP_MIN_S if self.step_min_s is None else self.step_min_s
+        high = DEFAULT_STEP_MAX_S if self.step_max_s is None else self.step_max_s
+        return low, high
+
+
+_ONLY_WITH: dict[str, CanaryTraffic] = {"mirror_pct": "shadow", "steps": "progressive",
+                                        "step_min_s": "progressive",
+                                        "step_max_s": "progressive"}
+
+
+def traffic_problems(canary: CanaryPolicy) -> list[str]:
+    """What is incoherent in the canary's traffic keys, each naming its key (pure; empty
+    when coherent). A key of another mode is refused, never ignored: a policy that says
+    `mirror_pct: 5` under `replay` would otherwise promise a shadow it never runs."""
+    problems = [f"canary.{key} is only read with canary.traffic: {mode} (traffic is "
+                f"{canary.traffic}); remove it, or set traffic: {mode}"
+                for key, mode in _ONLY_WITH.items()
+                if getattr(canary, key) is not None and canary.traffic != mode]
+    if canary.steps is not None:
+        steps = canary.steps
+        if not steps:
+            problems.append("canary.steps is empty; give at least one weight, e.g. "
+                            f"{list(DEFAULT_STEPS)}, or remove it for the default")
+        outside = [s for s in steps if not 0 < s < 100]
+        if outside:
+            problems.append(f"canary.steps {steps}: each weight must be in (0, 100) %; "
+                            f"{outside} is not (the atomic swap moves the fleet after the "
+                            "last step)")
+        if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+            problems.append(f"canary.steps {steps} must strictly increase (a step back to 0 "
+                            "is what a breach does, never a planned step)")
+    if canary.step_min_s is not None and canary.step_max_s is not None \
+            and canary.step_min_s > canary.step_max_s:
+        problems.append(f"canary.step_min_s ({canary.step_min_s:g} s) exceeds "
+                        f"canary.step_max_s ({canary.step_max_s:g} s); a step's minimum "
+                        "must fit under its ceiling")
+    return problems
 
 
 # --------------------------------------------------------------------------------------
@@ -1226,6 +1348,18 @@ class BakePolicy(_Section):
         "row (it is always-valid over every window). Accepted so older policies still load. "
         "Integer ≥ 1. Default 2.",
     )
+    holdback_pct: float = Field(
+        default=0.0,
+        ge=0,
+        le=50,
+        description="A concurrent control for the bake: the share of live requests, in %, "
+        "the canary Triton answers with the previous version while the fleet serves the "
+        "new one, through the traffic router; the bake then compares the fleet with the "
+        "holdback on the same traffic at the same time (a surge reaches both). Back to 0 "
+        "at the end of the bake and on every failure path. Needs a router and a bake "
+        "(`duration_s` > 0); ignored on a first release (no previous version). Float in "
+        "[0, 50]. Default 0: no holdback (the bake compares with the pre-swap reference).",
+    )
 
     @field_validator("latency_quantiles")
     @classmethod
@@ -1234,6 +1368,14 @@ class BakePolicy(_Section):
         if bad:
             raise ValueError(f"latency quantiles must be in (0, 1), got {bad}")
         return sorted(set(value))
+
+    @model_validator(mode="after")
+    def _holdback_needs_a_bake(self) -> BakePolicy:
+        if self.holdback_pct > 0 and self.duration_s == 0:
+            raise ValueError(
+                f"bake.holdback_pct ({self.holdback_pct:g} %) needs a bake, but "
+                "bake.duration_s is 0 (no bake); set duration_s > 0, or holdback_pct: 0")
+        return self
 
 
 # --------------------------------------------------------------------------------------
