@@ -245,12 +245,15 @@ def read_verified(
     repository_prefix: str,
     deep: bool = True,
     signing_key: bytes | None = None,
+    manifest_read: tuple[dict[str, Any], str] | None = None,
 ) -> VerifiedVersion:
     """Verify a staged version (see :func:`verify_staged`) and keep its config and probe.
 
     The config is taken from the bytes that were hashed, so it is exactly what verified
     (never read a second time). The swap preflight and reconcile call this with ``deep``
-    and the signing key.
+    and the signing key. ``manifest_read`` is the manifest and its sha256 as the caller
+    has just read them (:func:`read_manifest_body`), so it is not read twice; it is
+    verified all the same.
 
     Raises:
         StagingError: as :func:`verify_staged`, plus a malformed probe.
@@ -260,8 +263,9 @@ def read_verified(
     check_version(version)
     vprefix = version_prefix(repository_prefix, model, version)
     mkey = f"{vprefix}/{MANIFEST_NAME}"
-    manifest, manifest_sha256 = _trusted_manifest(storage, mkey, model=model,
-                                                  version=version, signing_key=signing_key)
+    manifest, manifest_sha256 = _trusted_manifest(
+        storage, mkey, model=model, version=version, signing_key=signing_key,
+        found=manifest_read if manifest_read is not None else read_manifest_body(storage, mkey))
     problems, config_bytes, hashed = _check_files(storage, vprefix, manifest, deep=deep)
     if problems:
         raise StagingError(
@@ -281,15 +285,15 @@ def read_verified(
 
 
 def _trusted_manifest(storage: S3Storage, mkey: str, *, model: str, version: int,
-                      signing_key: bytes | None) -> tuple[dict[str, Any], str]:
-    """The manifest at ``mkey`` and its bytes' sha256, once it is known to be signed (with
-    a key) and to describe ``model``/``version``: the file digests it lists are then worth
-    checking.
+                      signing_key: bytes | None, found: tuple[dict[str, Any], str] | None
+                      ) -> tuple[dict[str, Any], str]:
+    """The manifest at ``mkey`` (``found``: as read, with its bytes' sha256), once it is
+    known to be signed (with a key) and to describe ``model``/``version``: the file digests
+    it lists are then worth checking.
 
     Raises:
         StagingError: the manifest is missing, unsigned or forged, or names another version.
     """
-    found = read_manifest_body(storage, mkey)
     if found is None:
         raise StagingError(
             f"version {version} of {model} is not staged: s3://{storage.bucket}/{mkey} does "

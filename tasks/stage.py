@@ -54,7 +54,7 @@ from modelship.repository import (
     clean_prefix,
     digest_mismatch,
     model_prefix,
-    read_manifest,
+    read_manifest_body,
     read_verified,
     remote_digest,
     version_folders,
@@ -127,6 +127,8 @@ class StagingPlan:
         actions: The steps, uploads first; empty when already staged.
         already_staged: The version has a manifest with exactly this content.
         model_config_exists: ``P/<model>/config.pbtxt`` is there (it is then left alone).
+        manifest_read: When already staged: its manifest and the sha256 of its bytes, as
+            read for the plan (the verification that follows does not read it again).
     """
 
     model: str
@@ -137,6 +139,7 @@ class StagingPlan:
     actions: list[StagingAction]
     already_staged: bool
     model_config_exists: bool
+    manifest_read: tuple[dict[str, Any], str] | None = None
 
     def describe(self) -> list[str]:
         """Human-readable lines, one per step."""
@@ -417,9 +420,9 @@ def prepare_staging(
     mkey = f"{vprefix}/{MANIFEST_NAME}"
     model_config_exists = storage.exists(f"{model_prefix(repository_prefix, model)}/{CONFIG_NAME}")
 
-    manifest = read_manifest(storage, mkey)
-    if manifest is not None:
-        conflicts = manifest_conflicts(manifest, local, config_sha)
+    staged = read_manifest_body(storage, mkey)
+    if staged is not None:
+        conflicts = manifest_conflicts(staged[0], local, config_sha)
         if conflicts:
             raise StagingError(
                 f"version {version} of {model} is already staged with different content "
@@ -428,7 +431,7 @@ def prepare_staging(
                 model=model, version=version, conflicts=conflicts, manifest_key=mkey,
             )
         return StagingPlan(model, version, vprefix, local, config_sha, [], True,
-                           model_config_exists)
+                           model_config_exists, staged)
 
     existing_files: dict[str, FileDigest] = {}
     for key in storage.list_keys(vprefix + "/"):
@@ -508,7 +511,8 @@ def stage_version(
     if plan.already_staged:
         progress(f"{model}/{version}: already staged with this content; verifying")
         found = read_verified(storage, model=model, version=version, deep=False,
-                              repository_prefix=repository_prefix, signing_key=signing_key)
+                              repository_prefix=repository_prefix, signing_key=signing_key,
+                              manifest_read=plan.manifest_read)
         return StagedVersion(model, version, mkey, plan.digests, 0, 0, 0, [], True, False,
                              time.monotonic() - started, found.manifest,
                              found.manifest_sha256)

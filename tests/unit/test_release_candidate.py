@@ -15,7 +15,7 @@ import pytest
 from modelship.candidate import GoldenInputs, ResolvedVersion
 from modelship.errors import StagingError
 from modelship.policy import StagingPolicy
-from modelship.repository import CONFIG_NAME, manifest_key
+from modelship.repository import CONFIG_NAME, manifest_key, read_verified
 from tasks.check import CheckReport
 from tasks.evidence import read_candidate_digest, release_candidate
 from tasks.stage import stage_version
@@ -116,7 +116,10 @@ def test_the_stage_reads_its_manifest_back_once_and_hands_over_its_digest(
 def test_staging_the_same_content_again_hands_over_the_same_digest(tmp_path: Path) -> None:
     storage = MemoryS3()
     first = _stage(storage, tmp_path)
+    storage.reads.clear()
     again = _stage(storage, tmp_path)
+    # the plan reads the manifest (and finds it staged), the verification reuses that read
+    assert storage.reads == [manifest_key("P", "m", 3), f"P/m/3/{CONFIG_NAME}"]
     assert again["already_staged"] and again["manifest_sha256"] == first["manifest_sha256"]
     assert _candidate(again).digest == _candidate(first).digest
 
@@ -165,3 +168,17 @@ def test_a_check_without_its_findings_is_no_candidate(tmp_path: Path, missing: s
     staged = _stage(MemoryS3(), tmp_path)
     with pytest.raises(StagingError, match="no verified manifest"):
         release_candidate(_report(staged, **{missing: None}))
+
+
+def test_a_manifest_handed_to_the_verification_is_verified_all_the_same(
+        tmp_path: Path) -> None:
+    storage = MemoryS3()
+    staged = _stage(storage, tmp_path)
+    forged = {**staged["manifest"], "config_sha256": "0" * 64}  # its signature no longer fits
+    with pytest.raises(StagingError, match="refused"):
+        read_verified(storage, model="m", version=3, repository_prefix="P",  # type: ignore[arg-type]
+                      signing_key=KEY, deep=False, manifest_read=(forged, "f" * 64))
+    found = read_verified(storage, model="m", version=3, repository_prefix="P",  # type: ignore[arg-type]
+                          signing_key=KEY, deep=False,
+                          manifest_read=(staged["manifest"], staged["manifest_sha256"]))
+    assert found.manifest_sha256 == staged["manifest_sha256"]
