@@ -487,9 +487,10 @@ def is_staged(settings: Settings, clients: Clients, *, model: str, version: int)
     return clients.storage.exists(manifest_key(settings.repository_prefix, model, version))
 
 
-def status(clients: Clients, *, model: str) -> dict[str, Any]:
+def status(clients: Clients, *, model: str, last: bool = True) -> dict[str, Any]:
     """What serves where: per replica the ready versions and the config digest, the
-    aliases, and the last release in the ledger."""
+    aliases, and (unless not ``last``: it reads every record of the model) the last
+    release in the ledger."""
     fleet = fleet_status(clients.replicas, model, storage=clients.storage)
     aliases: dict[str, int] = {}
     alias_error = None
@@ -501,16 +502,16 @@ def status(clients: Clients, *, model: str) -> dict[str, Any]:
     served = {tuple(r.get("ready_versions", [])) for r in fleet["replicas"]}
     serving = next(iter(served))[0] if fleet["consistent"] and len(served) == 1 and \
         len(next(iter(served))) == 1 else None
-    last = None
-    if clients.storage is not None:
+    found_last: dict[str, Any] | None = None
+    if clients.storage is not None and last:
         try:
             found = last_release(ledger_of(clients).records(model))
-            last = None if found is None else {
+            found_last = None if found is None else {
                 "id": found.id, "kind": found.kind, "status": found.status,
                 "from_version": found.from_version, "to_version": found.to_version,
                 "finished_at": found.finished_at, "exit_code": found.exit_code}
         except ModelshipError as exc:
-            last = {"error": exc.message}
+            found_last = {"error": exc.message}
     return {
         **{k: v for k, v in fleet.items() if k not in ("model", "replicas", "consistent")},
         "model": model,
@@ -518,7 +519,7 @@ def status(clients: Clients, *, model: str) -> dict[str, Any]:
         "aliases": aliases,
         "consistent": fleet["consistent"],
         "replicas": fleet["replicas"],
-        "last_release": last,
+        "last_release": found_last,
         **({"registry_error": alias_error} if alias_error else {}),
     }
 

@@ -42,7 +42,8 @@ def resolve_task(clients: Clients, model: str, version: int | None,
         raise UsageError("promote needs MLflow", hint="run `modelship stack up` or set "
                          "MLFLOW_TRACKING_URI")
     number = clients.registry.version_number(model, version=version, alias=alias)
-    status = fleet.status(clients, model=model) if clients.replicas else {}
+    # what serves and the aliases; the last release (every record of the model) is unused
+    status = fleet.status(clients, model=model, last=False) if clients.replicas else {}
     serving = status.get("production_version")
     if serving is None and any(r.get("ready_versions") for r in status.get("replicas", [])):
         raise PreflightError(
@@ -202,6 +203,20 @@ def publish_record(record: ReleaseRecord) -> None:
 
 def needs_recovery(ledger: Ledger, model: str, current: str) -> bool:
     """Whether ``model`` has dead (``running``, process gone) or ``incomplete`` records
-    other than ``current``'s, which the release must finish or undo first."""
-    return bool(dead_runs(ledger, model, current)) or any(
-        r.status == "incomplete" for r in unfinished(ledger.records(model), current))
+    other than ``current``'s, which the release must finish or undo first.
+
+    The model's records are read once (a list and one read per record) for both
+    questions: the ledger grows with every release, and a promote asks twice."""
+    records = ledger.records(model)
+    return bool(dead_runs(_ReadOnce(records), model, current)) or any(
+        r.status == "incomplete" for r in unfinished(records, current))
+
+
+class _ReadOnce:
+    """Records already read, in the shape :func:`tasks.recovery.dead_runs` reads."""
+
+    def __init__(self, records: list[ReleaseRecord]) -> None:
+        self._records = records
+
+    def records(self, model: str) -> list[ReleaseRecord]:
+        return self._records
