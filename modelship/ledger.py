@@ -111,6 +111,12 @@ class ReleaseRecord:
             (``released`` or ``undone``), ``missing`` (the steps left, in words),
             ``error`` (why they could not be done), and the ``status``, ``exit_code`` and
             ``reason`` the record gets once they are done.
+        traffic: The release's hold on the traffic router (issue 20), written **before**
+            each change of the router (:func:`tasks.traffic_state.traffic_intent`):
+            ``router``, ``split`` (the last split it set or is about to set), ``at``, and
+            ``events`` (each step of a progressive canary,
+            :class:`tasks.traffic_plan.StepEvent`). Empty for a release that never
+            touched the router; a killed run's split is restored by the next command.
     """
 
     id: str
@@ -138,6 +144,7 @@ class ReleaseRecord:
     holder: dict[str, Any] = field(default_factory=dict)
     intent: dict[str, Any] = field(default_factory=dict)
     incomplete: dict[str, Any] = field(default_factory=dict)
+    traffic: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def start(cls, kind: Kind, model: str, *, trigger: str = "cli",
@@ -173,6 +180,7 @@ class ReleaseRecord:
             "forced": self.forced, "dry_run": self.dry_run, "notes": list(self.notes),
             "slack": jsonable(self.slack), "holder": jsonable(self.holder),
             "intent": jsonable(self.intent), "incomplete": jsonable(self.incomplete),
+            "traffic": jsonable(self.traffic),
         }
 
     @classmethod

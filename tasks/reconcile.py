@@ -233,6 +233,7 @@ def reconcile(
     lock: Lock | None = None,
     recover: Callable[[str], dict[str, Any]] | None = None,
     progress: Progress = quiet,
+    traffic: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Bring every reachable replica to each pinned model's production; report changes.
 
@@ -252,13 +253,19 @@ def reconcile(
             (:func:`tasks.fleet.recover_model`), so the pin read next is the truth; what
             it did is reported as ``recovered``. Skipped on a dry run.
         progress: Receives one human line per step.
+        traffic: With a traffic router, ``traffic()``
+            (:func:`tasks.traffic_state.reconcile_hook`) first returns an orphaned split
+            (no live release owns it) to 100 % production; its report is ``traffic``, and
+            a router that could not be restored makes the round fail (``ok`` false, exit 1)
+            while the replicas are still reconciled. Skipped on a dry run.
 
     Returns:
         ``{"models": [{"model", "version", "status", "ok", "changed", "skipped",
         "replicas": [{"replica", "action", "reason", "ok", ...}]}], "changed": N,
         "ok": bool}``; a model whose pin or version does not verify has ``ok: false``
-        and an ``error`` (nothing was loaded for it).
+        and an ``error`` (nothing was loaded for it); ``traffic`` with a ``traffic`` hook.
     """
+    routed = traffic() if traffic is not None and not dry_run else None
     names = [model] if model is not None else pinned_models(
         storage, repository_prefix=repository_prefix)
     results = []
@@ -286,7 +293,8 @@ def reconcile(
             results.append({"model": name, "ok": False, "changed": [], "error": exc.message,
                             "hint": exc.hint, "exit_code": exc.exit_code})
     return {"models": results, "changed": sum(len(r["changed"]) for r in results),
-            "ok": all(r["ok"] for r in results), "dry_run": dry_run}
+            "ok": all(r["ok"] for r in results) and not (routed and "error" in routed),
+            "dry_run": dry_run, **({"traffic": routed} if routed is not None else {})}
 
 
 def _recover(recover: Callable[[str], dict[str, Any]], model: str,

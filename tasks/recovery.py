@@ -504,17 +504,25 @@ def mark_found(record: ReleaseRecord, by: str) -> None:
 
 
 def recover(ledger: Any, model: str, *, by: str, observe: Callable[[ReleaseRecord], Seen],
-            effects: Effects, progress: Progress = quiet) -> dict[str, Any]:
+            effects: Effects, progress: Progress = quiet,
+            traffic: Callable[[Sequence[ReleaseRecord]], dict[str, Any]] | None = None
+            ) -> dict[str, Any]:
     """Finish or undo every unfinished record of ``model``; the caller holds the lock.
 
     Unfinished: ``running`` with its process gone (:func:`dead_runs`) or ``incomplete``.
     The newest one is converged (:func:`decide`, :func:`carry_out`); older ones are
     superseded by it and only end. Each is rewritten in the ledger.
 
+    ``traffic`` (:func:`tasks.traffic_state.recovery_hook`), when a traffic router is
+    configured, runs first, given the unfinished records: a killed release's split (or an
+    orphaned one) goes back to 100 % production before the fleet is touched; a router that
+    cannot be restored raises (InfrastructureError) and nothing else is done.
+
     Returns:
         ``{"interrupted": [ids of dead runs], "finished": [{"id", "goal", "status",
         "done"[, "missing"]}], "fleet": {"ok", "to_version", "goal"} or None}``: ``fleet``
-        is the fleet step taken, None when the fleet was left as it was.
+        is the fleet step taken, None when the fleet was left as it was; ``traffic``
+        (the router's report) with a ``traffic`` hook.
 
     Raises:
         ReleaseIncomplete: the newest could not be finished now (it stays ``incomplete``,
@@ -527,6 +535,8 @@ def recover(ledger: Any, model: str, *, by: str, observe: Callable[[ReleaseRecor
     todo = sort_newest_first([*dead, *stuck])
     report: dict[str, Any] = {"interrupted": [r.id for r in dead], "finished": [],
                               "fleet": None}
+    if traffic is not None:
+        report["traffic"] = traffic(todo)
     if not todo:
         return report
     newest, older = todo[0], todo[1:]

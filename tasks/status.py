@@ -6,7 +6,9 @@ The decision is pure (:func:`tasks.truth.truth`); this module only reads, in par
 - S3: the production pin (:func:`tasks.reconcile.read_pin`, rendered in the fleet's form
   as reconcile renders it) and the ledger;
 - MLflow: the aliases;
-- the lock store (S3, or the file lock): the release lock's holder.
+- the lock store (S3, or the file lock): the release lock's holder;
+- the traffic router, when one is configured: the live weights
+  (:func:`tasks.traffic_state.live_traffic`), shown as ``traffic`` (None without a router).
 
 Every read runs in its own daemon thread and the whole read ends by a deadline of
 :data:`DEADLINE_FACTOR` x ``settings.http_timeout_s``: a source that did not answer by
@@ -33,11 +35,13 @@ from modelship.locks import list_locks
 from modelship.procinfo import process_start_ticks
 from modelship.settings import Settings
 from modelship.signing import key_bytes
+from modelship.traffic.port import TrafficRouter
 from modelship.triton.client import TritonServer
 from modelship.triton.model_config import config_digest, serving_digest
 from modelship.triton.target import render_for_servers
 from tasks.reconcile import read_pin
 from tasks.swap import Observed, observe_fleet
+from tasks.traffic_state import live_traffic
 from tasks.truth import (
     FLEET_KINDS,
     LockSeen,
@@ -180,7 +184,8 @@ def _summary(record: ReleaseRecord, verdict: Truth) -> dict[str, Any]:
 # the command
 
 
-def status_report(settings: Settings, clients: Clients, *, model: str) -> dict[str, Any]:
+def status_report(settings: Settings, clients: Clients, *, model: str,
+                  router: TrafficRouter | None = None) -> dict[str, Any]:
     """``modelship status MODEL``: the replicas against the pin, the alias and the ledger.
 
     Returns:
@@ -190,11 +195,15 @@ def status_report(settings: Settings, clients: Clients, *, model: str) -> dict[s
         not answer), ``unread`` (those and the ones not configured), ``notes``,
         ``record`` (the newest fleet record in brief; also ``last_release``), ``pin``,
         ``expected`` (what should serve, and which source says so), ``in_progress``,
-        ``lock``, ``fleet_consistent``, ``served`` and ``summary``.
+        ``lock``, ``fleet_consistent``, ``served`` and ``summary``; ``traffic``: the
+        live weights read back from ``router`` (``{"router", "live", "production_only",
+        "at"}``, or ``error`` when it did not answer), None when no router is configured.
     """
     here = socket.gethostname()
-    got = read_within(_reads(settings, clients, model),
-                      deadline_s=DEADLINE_FACTOR * settings.http_timeout_s)
+    calls = _reads(settings, clients, model)
+    if router is not None:
+        calls["traffic"] = partial(live_traffic, router)
+    got = read_within(calls, deadline_s=DEADLINE_FACTOR * settings.http_timeout_s)
     gaps = _Gaps()
     pairs = [_replica(got[f"replica:{i}"], s.name, s.endpoint.http)
              for i, s in enumerate(clients.replicas)]
@@ -208,8 +217,20 @@ def status_report(settings: Settings, clients: Clients, *, model: str) -> dict[s
         records=tuple(record_seen(r, pid_running=_pid_running(r, here)) for r in records),
         lock=lock, unread=frozenset(gaps.unread))
     verdict = truth(observation)
-    return _document(model, seen, rows, aliases=aliases, pin=pin, lock=lock,
-                     records=records, verdict=verdict, gaps=gaps)
+    doc = _document(model, seen, rows, aliases=aliases, pin=pin, lock=lock,
+                    records=records, verdict=verdict, gaps=gaps)
+    doc["traffic"] = _traffic(router, got.get("traffic"))
+    return doc
+
+
+def _traffic(router: TrafficRouter | None, answer: Any) -> dict[str, Any] | None:
+    """The router's live weights; a read that missed the deadline says so."""
+    if router is None:
+        return None
+    if isinstance(answer, BaseException):
+        return {"router": router.name, "live": None, "error": _message(answer, "router")}
+    traffic: dict[str, Any] = answer
+    return traffic
 
 
 def _reads(settings: Settings, clients: Clients, model: str) -> dict[str, Callable[[], Any]]:

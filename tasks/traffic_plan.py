@@ -39,13 +39,15 @@ from typing import Any, Literal
 
 from modelship.policy import CanaryPolicy
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
-from tasks.sequential import Status
 
-__all__ = ["NOT_STARTED", "SAME_PCT", "ActionKind", "Outcome", "ProgressivePlan", "StepEvent",
-           "StepLook", "TrafficAction", "expected_split", "next_action", "router_problem",
-           "same_split", "step_event"]
+__all__ = ["NOT_STARTED", "SAME_PCT", "ActionKind", "Outcome", "ProgressivePlan", "Status",
+           "StepEvent", "StepLook", "TrafficAction", "expected_split", "next_action",
+           "router_problem", "same_split", "step_event"]
 
 ActionKind = Literal["advance", "hold", "step_back", "swap", "abort"]
+#: The sequential judge's decision (``tasks.sequential.Status``, the same four words; not
+#: imported: that module loads scipy, and ``status`` and recovery read this one).
+Status = Literal["continue", "failed", "passed", "inconclusive"]
 Outcome = Literal["running", "passed", "failed", "inconclusive", "infrastructure"]
 
 #: The step index while nothing is live (before the first weight, after the way out).

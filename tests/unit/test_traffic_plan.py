@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 
 from modelship.policy import CanaryPolicy
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
+from tasks import sequential, traffic_plan
 from tasks.traffic_plan import (
     NOT_STARTED,
     ProgressivePlan,
@@ -172,3 +174,7 @@ def test_an_abort_event_records_that_the_router_did_not_answer() -> None:
     event = step_event(PLAN, seen, next_action(PLAN, seen), at="t")
     assert event.to_dict()["live"] is None
     assert (event.outcome, event.exit_code, event.weight_pct) == ("infrastructure", 1, 0.0)
+
+
+def test_the_judges_words_are_the_sequential_judges() -> None:
+    assert set(get_args(traffic_plan.Status)) == set(get_args(sequential.Status))
