@@ -25,7 +25,8 @@ undone), so the router has one rest state and recovery needs no goal of its own:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,7 +37,7 @@ from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter, TrafficSplit
 from tasks.traffic_plan import StepEvent, router_problem
 
 __all__ = ["RouterAction", "RouterDecision", "TrafficClaim", "claim_of", "decide_router",
-           "live_traffic", "read_live", "reconcile_hook", "recovery_hook",
+           "holding", "live_traffic", "read_live", "reconcile_hook", "recovery_hook",
            "return_to_production", "settle_router", "slot_claims", "split_of",
            "traffic_intent", "with_event"]
 
@@ -229,6 +230,60 @@ def settle_router(router: TrafficRouter, claims: Sequence[TrafficClaim], *,
         report["error"] = exc.message
         progress(f"traffic: could not return the router to production: {exc.message}")
     return report
+
+
+@contextmanager
+def holding(router: TrafficRouter, split: TrafficSplit, *,
+            write: Callable[[dict[str, Any]], None], traffic: Mapping[str, Any] | None = None,
+            progress: Progress = quiet) -> Iterator[dict[str, Any]]:
+    """Hold ``split`` on the router for the block: a shadow canary's mirror share, the
+    bake's holdback weight. Written to the record first (``write`` gets the ``traffic``
+    document), confirmed by reading back, and returned to production after the block on
+    every path (production written first again).
+
+    Raises:
+        InfrastructureError: the router did not take ``split`` (dead or stuck; the block
+            does not run), or could not be returned to production after a block that ended
+            well (exit 1). After a block that raised, that exception goes on up and the
+            failed return is only said (the next command restores it from the record).
+    """
+    doc = traffic_intent(traffic or {}, router=router.name, split=split, at=now_iso())
+    write(doc)
+    try:
+        router.set_weights(split.canary_pct)
+        router.mirror(split.mirror_pct)
+        live, problem = router.live(), None
+    except Exception as exc:  # noqa: BLE001 - the read-back below says what is wrong
+        live, problem = None, _why(exc)
+    trouble = router_problem(split, live, problem)
+    if trouble is not None:
+        try:
+            _back(router, doc, write, progress)
+        except ModelshipError as exc:
+            trouble = (f"{trouble}; and it could not be returned to 100 % production: "
+                       f"{exc.message} (the next modelship command restores it)")
+        else:
+            trouble = f"{trouble}; weights back to 100 % production"
+        raise InfrastructureError(trouble, hint="check the gateway (`modelship doctor`)",
+                                  component=router.name)
+    progress(f"traffic: {_shown(split)} on {router.name}")
+    try:
+        yield doc
+    except BaseException:
+        try:
+            _back(router, doc, write, progress)
+        except Exception as failed:  # noqa: BLE001 - the block's exception is the error
+            progress(f"traffic: could not return {router.name} to production ({failed}); "
+                     "the next modelship command restores it")
+        raise
+    _back(router, doc, write, progress)
+
+
+def _back(router: TrafficRouter, doc: Mapping[str, Any],
+          write: Callable[[dict[str, Any]], None], progress: Progress) -> None:
+    write(traffic_intent(doc, router=router.name, split=PRODUCTION_ONLY, at=now_iso()))
+    return_to_production(router)
+    progress(f"traffic: {router.name} back to 100 % production")
 
 
 def recovery_hook(router: TrafficRouter, owners: Callable[[], Sequence[TrafficClaim]], *,

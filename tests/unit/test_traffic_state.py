@@ -24,6 +24,7 @@ from tasks.traffic_state import (
     TrafficClaim,
     claim_of,
     decide_router,
+    holding,
     live_traffic,
     reconcile_hook,
     recovery_hook,
@@ -360,3 +361,72 @@ def test_status_says_a_hung_router_did_not_answer_by_its_deadline(tmp_path: Path
     finally:
         never.set()
     assert doc["traffic"]["live"] is None and "no answer within" in doc["traffic"]["error"]
+
+
+# --------------------------------------------------------------------------------------
+# a split held for a block: the shadow's mirror, the bake's holdback
+
+
+class Writes(list[tuple[float, float, TrafficSplit]]):
+    """(canary %, mirror %) of each write, with what the router held then."""
+
+    def __init__(self, router: FakeRouter) -> None:
+        super().__init__()
+        self.router = router
+
+    def __call__(self, doc: dict[str, Any]) -> None:
+        self.append((doc["split"]["canary_pct"], doc["split"]["mirror_pct"],
+                     self.router.split))
+
+
+@pytest.mark.parametrize("split", [MIRROR_10, HOLDBACK_5])
+def test_a_held_split_is_written_first_live_in_the_block_and_production_after(
+        split: TrafficSplit) -> None:
+    router = FakeRouter()
+    writes = Writes(router)
+    with holding(router, split, write=writes) as doc:
+        assert router.split == split and doc["split"] == split.to_dict()
+    assert router.split == PRODUCTION_ONLY
+    assert writes == [(split.canary_pct, split.mirror_pct, PRODUCTION_ONLY),
+                      (0.0, 0.0, split)]
+
+
+def test_a_block_that_raises_still_returns_the_router_and_its_error_goes_on() -> None:
+    router = FakeRouter()
+    writes = Writes(router)
+    with pytest.raises(KeyboardInterrupt), holding(router, HOLDBACK_5, write=writes):
+        raise KeyboardInterrupt
+    assert router.split == PRODUCTION_ONLY and writes[-1][:2] == (0.0, 0.0)
+
+
+def test_a_block_that_raises_with_a_dead_router_keeps_its_own_error() -> None:
+    router = FakeRouter()
+    lines: list[str] = []
+    with pytest.raises(ValueError, match="bake bug"), \
+            holding(router, HOLDBACK_5, write=Writes(router), progress=lines.append):
+        router.dead = True
+        raise ValueError("bake bug")
+    assert router.split == HOLDBACK_5  # the record says production: the next run restores it
+    assert any("next modelship command restores it" in line for line in lines)
+
+
+@pytest.mark.parametrize(("router", "says"), [
+    (FakeRouter(dead=True), "could not be returned"),
+    (FakeRouter(stuck=True), "stuck: it holds canary 0 %, the release set canary 0 %, "
+                             "mirror 10 %; weights back to 100 % production"),
+])
+def test_a_router_that_does_not_take_the_split_runs_no_block(router: FakeRouter,
+                                                            says: str) -> None:
+    ran = []
+    with pytest.raises(InfrastructureError) as caught, \
+            holding(router, MIRROR_10, write=Writes(router)):
+        ran.append(True)
+    assert not ran and caught.value.exit_code == 1
+    assert says in caught.value.message, caught.value.message
+
+
+def test_a_router_that_cannot_be_returned_after_a_good_block_fails_the_release() -> None:
+    router = FakeRouter()
+    with pytest.raises(InfrastructureError, match="does not answer"), \
+            holding(router, HOLDBACK_5, write=Writes(router)):
+        router.dead = True
