@@ -68,6 +68,7 @@ from tasks.prefect_tasks import (
     swap_task,
 )
 from tasks.record import ReleaseJournal
+from tasks.traffic_plan import not_carried_out
 
 if TYPE_CHECKING:  # annotation only: the canary imports the load generator
     from tasks.canary import CanaryResult
@@ -140,6 +141,8 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
         raise UsageError("promote needs the S3 repository and a Triton fleet",
                          hint="run `modelship stack up`, or set MODELSHIP_S3_ENDPOINT and "
                          "MODELSHIP_TRITON_REPLICAS")
+    if (refusal := not_carried_out(policy)) is not None:  # live traffic: not wired yet
+        raise refusal
     ledger = Ledger(clients.storage)
     requester = params.requested_by or settings.requester
     record = ReleaseRecord.start("promote", params.model, trigger=params.trigger,

@@ -124,6 +124,7 @@ from tasks.gate_report import GateReport, shared_errors, tail_reference_refusal
 from tasks.payload import load_payload
 from tasks.report import publish_markdown_artifact, write_canary_report
 from tasks.sequential import SequentialCanary
+from tasks.traffic_plan import not_carried_out
 
 __all__ = [  # the stage, and the pure parts' public names as they were imported before
     "BASELINE", "CANDIDATE", "KEPT_LOADED", "SEQUENTIAL_SHARE", "CanaryResult",
@@ -744,6 +745,8 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
             answers (a shared cause: inputs, the load path); the candidate cannot be told
             apart from the baseline (exit 6).
     """
+    if (refusal := not_carried_out(policy, bake=False)) is not None:  # live traffic: not yet
+        raise refusal
     started = time.monotonic()
     server, storage = _canary_clients(clients, model, candidate, baseline)
     config, payload, source = _candidate_inputs(settings, clients, storage, policy=policy,

@@ -37,12 +37,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from modelship.policy import CanaryPolicy
+from modelship.errors import UsageError
+from modelship.policy import CanaryPolicy, Policy
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
 
 __all__ = ["NOT_STARTED", "SAME_PCT", "ActionKind", "Outcome", "ProgressivePlan", "Status",
            "StepEvent", "StepLook", "TrafficAction", "expected_split", "next_action",
-           "router_problem", "same_split", "step_event"]
+           "not_carried_out", "router_problem", "same_split", "step_event"]
 
 ActionKind = Literal["advance", "hold", "step_back", "swap", "abort"]
 #: The sequential judge's decision (``tasks.sequential.Status``, the same four words; not
@@ -282,3 +283,27 @@ def step_event(plan: ProgressivePlan, look: StepLook, action: TrafficAction, *,
                      from_weight_pct=plan.weight(look.step), decision=look.decision,
                      elapsed_s=look.elapsed_s, live=look.live, outcome=action.outcome,
                      exit_code=action.exit_code, reason=action.reason)
+
+
+def not_carried_out(policy: Policy, *, bake: bool = True) -> UsageError | None:
+    """The refusal of a policy whose live-traffic keys this modelship does not carry out
+    yet, naming each key (pure; None when every key is carried out). The policy accepts
+    ``canary.traffic: shadow | progressive`` and ``bake.holdback_pct``, but the canary and
+    the bake do not drive the router yet: running such a release as a replay canary, or a
+    bake without its control, would silently mean something else than the policy says.
+
+    Args:
+        bake: Whether the caller bakes (a promote); a standalone canary does not.
+    """
+    keys = []
+    if policy.canary.traffic != "replay":
+        keys.append(f"canary.traffic: {policy.canary.traffic}")
+    if bake and policy.bake.holdback_pct > 0:
+        keys.append(f"bake.holdback_pct: {policy.bake.holdback_pct:g}")
+    if not keys:
+        return None
+    return UsageError(
+        f"the policy asks for live traffic ({', '.join(keys)}), which this modelship does "
+        "not carry out yet: the canary and the bake do not drive the traffic router",
+        hint="use canary.traffic: replay and bake.holdback_pct: 0 (the defaults) for now",
+        keys=[k.split(":")[0] for k in keys])

@@ -7,7 +7,7 @@ from typing import get_args
 
 import pytest
 
-from modelship.policy import CanaryPolicy
+from modelship.policy import BakePolicy, CanaryPolicy, Policy
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
 from tasks import sequential, traffic_plan
 from tasks.traffic_plan import (
@@ -17,6 +17,7 @@ from tasks.traffic_plan import (
     StepLook,
     expected_split,
     next_action,
+    not_carried_out,
     router_problem,
     same_split,
     step_event,
@@ -178,3 +179,26 @@ def test_an_abort_event_records_that_the_router_did_not_answer() -> None:
 
 def test_the_judges_words_are_the_sequential_judges() -> None:
     assert set(get_args(traffic_plan.Status)) == set(get_args(sequential.Status))
+
+
+@pytest.mark.parametrize(
+    ("policy", "bake", "keys"),
+    [
+        (Policy(), True, None),
+        (Policy(canary=CanaryPolicy(traffic="shadow")), True, ["canary.traffic"]),
+        (Policy(canary=CanaryPolicy(traffic="progressive")), False, ["canary.traffic"]),
+        (Policy(bake=BakePolicy(holdback_pct=5)), True, ["bake.holdback_pct"]),
+        (Policy(bake=BakePolicy(holdback_pct=5)), False, None),
+        (Policy(canary=CanaryPolicy(traffic="shadow"), bake=BakePolicy(holdback_pct=5)), True,
+         ["canary.traffic", "bake.holdback_pct"]),
+    ],
+)
+def test_live_traffic_keys_not_carried_out_yet_are_refused(
+        policy: Policy, bake: bool, keys: list[str] | None) -> None:
+    refusal = not_carried_out(policy, bake=bake)
+    if keys is None:
+        assert refusal is None
+    else:
+        assert refusal is not None and refusal.exit_code == 2
+        assert refusal.details["keys"] == keys
+        assert all(k in refusal.message for k in keys)
