@@ -19,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
@@ -59,6 +59,7 @@ from tasks.prefect_tasks import (
     canary_task,
     check_task,
     gates_task,
+    model_params_flow,
     needs_recovery,
     publish_record,
     record_task,
@@ -118,7 +119,7 @@ def _run_name() -> str:
 # the flow
 
 
-@flow(name="modelship-promote", flow_run_name=_run_name, log_prints=True)
+@model_params_flow(name="modelship-promote", flow_run_name=_run_name, log_prints=True)
 @keeps_outcome  # the CLI reports the release's own outcome if Prefect fails to record it
 def promote_flow(params: PromoteParams) -> dict[str, Any]:
     """Release one model version to every replica: the whole pipeline, recorded."""
