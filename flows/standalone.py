@@ -21,21 +21,25 @@ Every path that changes the fleet keeps MLflow true and leaves a ledger record:
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from model_registry.client import PRODUCTION_ALIAS
+from modelship.candidate import ReleaseCandidate
 from modelship.clients import Clients
 from modelship.errors import PreflightError, UsageError
-from modelship.ledger import ReleaseRecord, now_iso
+from modelship.ledger import Ledger, ReleaseRecord, now_iso
 from modelship.locks import release_lock
 from modelship.policy import Policy
 from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.slack.blocks import gate_lines
 from tasks import fleet
-from tasks.check import run_check
+from tasks.check import run_check, stage_checked
 from tasks.evidence import read_candidate_digest, release_candidate
+from tasks.record import ReleaseJournal
 
 
 def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, target: int,
@@ -62,19 +66,14 @@ def swap(settings: Settings, clients: Clients, policy: Policy, *, model: str, ta
         return {**report, "evidence": evidence, "footprint": footprint["evidence"]}
     record = ReleaseRecord.start("swap", model, requester=requester, to_version=target,
                                  candidate=digest)
-    fleet.refuse_while_running(ledger, model, what="swap")
-    journal = fleet.journal_for(settings, clients, policy, record, progress)
-    with release_lock(model, storage=clients.storage, home=settings.home,
-                      release_id=record.id, kind="swap"):
-        recovered = fleet.recover_model(settings, clients, policy, model=model, by=record.id,
-                                        progress=progress)
+    with _locked_change(settings, clients, policy, ledger, record, what="swap",
+                        progress=progress) as journal:
         serving, doc = fleet.serving_now(clients, model)
         evidence, footprint = fleet.swap_evidence(ledger, model=model, digest=digest,
                                                   serving=serving, force=force,
                                                   progress=progress)
         record.from_version, record.forced = serving, evidence["basis"] == "forced"
         record.gates = {"evidence": evidence}
-        _note_recovered(record, recovered)
         fleet.begin_change(settings, journal, clients, doc=doc, target=target)
         with fleet.ending(settings, clients, policy, journal, progress=progress):
             with journal.stage("swap") as entry:
@@ -117,18 +116,13 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
         return fleet.rollback_plan(settings, clients, policy, ledger, model=model, to=to,
                                    force=force, dry_run=True, progress=progress)[0]
     record = ReleaseRecord.start("rollback", model, requester=requester)
-    fleet.refuse_while_running(ledger, model, what="roll back")
-    journal = fleet.journal_for(settings, clients, policy, record, progress)
-    with release_lock(model, storage=clients.storage, home=settings.home,
-                      release_id=record.id, kind="rollback"):
-        recovered = fleet.recover_model(settings, clients, policy, model=model, by=record.id,
-                                        progress=progress)
+    with _locked_change(settings, clients, policy, ledger, record, what="roll back",
+                        progress=progress) as journal:
         plan, doc = fleet.rollback_plan(settings, clients, policy, ledger, model=model, to=to,
                                         force=force, dry_run=False, progress=progress)
         current, target = plan["from_version"], plan["to_version"]
         record.from_version, record.to_version = current, target
         record.candidate, record.forced = plan["digest"], plan["forced"]
-        _note_recovered(record, recovered)
         fleet.begin_change(settings, journal, clients, doc=doc, target=target)
 
         def stopped(exc: BaseException) -> None:
@@ -156,11 +150,12 @@ def rollback(settings: Settings, clients: Clients, policy: Policy, *, model: str
 
 def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, version: int,
            progress: Progress = quiet) -> dict[str, Any]:
-    """Stage if needed, then the canary against the version in production, and the gates.
+    """Check and stage if needed, then the canary against the version in production, and
+    the gates.
 
-    No swap. The result is recorded in the ledger (kind ``canary``) with its stage and
-    Slack thread, so a later ``swap --to V`` finds its evidence. On a first release only
-    absolute gates apply.
+    No swap. The result is recorded in the ledger (kind ``canary``) with its stages (check
+    and stage when it staged the version, then canary) and Slack thread, so a later
+    ``swap --to V`` finds its evidence. On a first release only absolute gates apply.
     """
     # lazy: tasks.canary (load generator, stats) costs ~2.5 s at import; only `canary` needs it
     from tasks.canary import run_canary
@@ -169,13 +164,6 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
         raise UsageError("the canary needs an S3 repository and a canary Triton",
                          hint="run `modelship stack up` or set MODELSHIP_S3_ENDPOINT and "
                          "MODELSHIP_TRITON_CANARY")
-    release = None  # staged before: its config and rows are read from S3 and MLflow
-    if not fleet.is_staged(settings, clients, model=model, version=version):
-        progress(f"{model} v{version} is not staged yet: checking and staging it first")
-        with tempfile.TemporaryDirectory(prefix="modelship-canary-") as tmp:
-            release = release_candidate(run_check(  # checked here: nothing read again
-                settings, clients, policy, model=model, version=version, workdir=Path(tmp),
-                stage=True, progress=progress))
     baseline, doc = fleet.serving_now(clients, model) if clients.replicas else (None, {})
     if baseline is None and fleet.converge_needed(doc):
         raise PreflightError(
@@ -187,16 +175,16 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
         progress(f"{model} v{version} is already in production: nothing to compare")
         return {"model": model, "candidate": version, "baseline": baseline, "verdict": "noop",
                 "message": f"v{version} already serves in production"}
-    digest = release.digest if release is not None else read_candidate_digest(
-        clients.storage, repository_prefix=settings.repository_prefix, model=model,
-        version=version)
-    record = ReleaseRecord.start("canary", model, from_version=baseline, to_version=version,
-                                 candidate=dict(digest))
+    record = ReleaseRecord.start("canary", model, from_version=baseline, to_version=version)
     journal = fleet.journal_for(settings, clients, policy, record, progress)
-    with release_lock(model, storage=clients.storage, home=settings.home,
-                      release_id=record.id, kind="canary"):
-        journal.open()
-        try:
+    journal.open()
+    try:
+        release = _check_and_stage(settings, clients, policy, journal, version, progress)
+        record.candidate = dict(release.digest) if release is not None else \
+            read_candidate_digest(clients.storage, repository_prefix=settings.repository_prefix,
+                                  model=model, version=version)
+        with release_lock(model, storage=clients.storage, home=settings.home,
+                          release_id=record.id, kind="canary"):
             with journal.stage("canary") as entry:
                 result = run_canary(settings, clients, policy, model=model, candidate=version,
                                     baseline=baseline, progress=progress, release=release)
@@ -207,13 +195,52 @@ def canary(settings: Settings, clients: Clients, policy: Policy, *, model: str, 
             journal.upload(Path(result.report_paths.get("png") or ""),
                            f"canary {model} v{version} vs "
                            f"{'nothing' if baseline is None else f'v{baseline}'}")
-        except BaseException as exc:
-            if record.status == "running":
-                journal.stopped(exc)
-            raise
-        code = {"passed": 0, "failed": 4, "inconclusive": 6}.get(result.verdict, 1)
-        journal.finish("passed" if code == 0 else "rejected", code, None)
+            code = {"passed": 0, "failed": 4, "inconclusive": 6}.get(result.verdict, 1)
+            journal.finish("passed" if code == 0 else "rejected", code, None)
+    except BaseException as exc:
+        if record.status == "running":
+            journal.stopped(exc)
+        raise
     return {**dict(result.to_dict()), "release_id": record.id}
+
+
+def _check_and_stage(settings: Settings, clients: Clients, policy: Policy,
+                     journal: ReleaseJournal, version: int,
+                     progress: Progress) -> ReleaseCandidate | None:
+    """The check and stage stages of a canary whose version is not staged yet; its
+    candidate as they found it (None when it was staged before: the canary then reads
+    its config and rows from S3 and MLflow)."""
+    model = journal.record.model
+    if fleet.is_staged(settings, clients, model=model, version=version):
+        return None
+    progress(f"{model} v{version} is not staged yet: checking and staging it first")
+    with tempfile.TemporaryDirectory(prefix="modelship-canary-") as tmp:
+        with journal.stage("check") as entry:
+            report = run_check(settings, clients, policy, model=model, version=version,
+                               workdir=Path(tmp), docs=False, progress=progress)
+            entry.details["stages"] = report.stages
+        with journal.stage("stage") as entry:
+            stage_checked(settings, clients, policy, report, progress=progress)
+            entry.details.update({k: (report.staged or {}).get(k) for k in
+                                  ("bytes_uploaded", "already_staged", "manifest_key")})
+    return release_candidate(report)
+
+
+@contextmanager
+def _locked_change(settings: Settings, clients: Clients, policy: Policy, ledger: Ledger,
+                   record: ReleaseRecord, *, what: str,
+                   progress: Progress) -> Iterator[ReleaseJournal]:
+    """A standalone fleet change (``record.kind``: swap or rollback), journaled: refused
+    while a release of the model runs, then under the model's release lock, after what
+    dead or incomplete releases left is finished or undone (noted on the record)."""
+    fleet.refuse_while_running(ledger, record.model, what=what)
+    journal = fleet.journal_for(settings, clients, policy, record, progress)
+    with release_lock(record.model, storage=clients.storage, home=settings.home,
+                      release_id=record.id, kind=record.kind):
+        _note_recovered(record, fleet.recover_model(settings, clients, policy,
+                                                    model=record.model, by=record.id,
+                                                    progress=progress))
+        yield journal
 
 
 def _sized(footprint: dict[str, Any]) -> dict[str, Any]:

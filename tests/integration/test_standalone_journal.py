@@ -103,11 +103,13 @@ def test_standalone_swap_and_rollback_leave_a_record_with_stages_and_a_slack_thr
         assert (canaried["verdict"], canaried["baseline"]) == ("passed", v1), canaried
         record = ledger.read(MODEL, canaried["release_id"])
         assert (record.kind, record.status) == ("canary", "passed")
-        assert [s.name for s in record.stages] == ["canary"]
+        assert [s.name for s in record.stages] == ["check", "stage", "canary"]
+        assert all(s.outcome == "ok" and s.ended_at for s in record.stages), record.stages
         assert record.candidate == {**read_candidate_digest(
             clients.storage, repository_prefix=settings.repository_prefix, model=MODEL,
             version=v3), "canary_report_id": record.id}
         parent, replies = _thread(settings, record)
-        assert "passed" in parent["text"] and "canary ok" in replies, (parent, replies)
+        assert "passed" in parent["text"], parent["text"]
+        assert {"check ok", "stage ok", "canary ok"} <= set(replies), replies
     finally:
         clients.close()
