@@ -177,17 +177,67 @@ def _install(stage: str, act: Callable[[], None]) -> None:
         raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
 
 
-def main() -> None:
-    """``python -m tests.faults ARGS...``: ``modelship ARGS...`` with the fault installed."""
-    fault, stage = os.environ["FAULT"], os.environ["FAULT_STAGE"]
-    if fault not in CLI_SIGNALS and fault not in DEPENDENCIES:
-        raise SystemExit(f"unknown FAULT {fault!r}")
-    mark = Path(os.environ["FAULT_MARK"])
-    _install(stage, lambda: _act(fault, stage, mark))
+def cli_main() -> None:
+    """``modelship`` (``sys.argv``), with the fault installed when ``FAULT`` is set: what
+    ``python -m tests.faults`` runs, and each run of a :func:`cli_zygote`."""
+    fault = os.environ.get("FAULT")
+    if fault is not None:
+        stage = os.environ["FAULT_STAGE"]
+        if fault not in CLI_SIGNALS and fault not in DEPENDENCIES:
+            raise SystemExit(f"unknown FAULT {fault!r}")
+        mark = Path(os.environ["FAULT_MARK"])
+        _install(stage, lambda: _act(fault, stage, mark))
     from modelship.cli import main as cli_main
 
+    cli_main()
+
+
+def main() -> None:
+    """``python -m tests.faults ARGS...``: ``modelship ARGS...`` with the fault installed."""
     sys.argv = ["modelship", *sys.argv[1:]]
     cli_main()
+
+
+#: What a CLI zygote imports once (:func:`cli_zygote`): the CLI, the release and rollback
+#: flows, and what their stages import late (check: GX, pandas, ONNX, MLflow's flavors).
+#: Not gRPC or tritonclient.http (gevent): their import is not known to be fork-safe, so a
+#: run imports them itself.
+CLI_PRELOAD = ("modelship.cli", "flows.promote", "flows.standalone", "tasks.check",
+               "tasks.expectations", "tasks.export", "tasks.validate", "tasks.trial_load",
+               "tasks.status", "tasks.recovery", "tasks.reconcile", "model_registry.golden",
+               "mlflow", "mlflow.onnx", "mlflow.pyfunc", "mlflow.sklearn", "pandas", "onnx",
+               "onnxruntime", "great_expectations", "great_expectations.expectations")
+#: Variables a zygote's run may add: read when it runs (by :func:`cli_main`, and the
+#: check cache's switch by the settings), not at import.
+FAULT_ENV = ("FAULT", "FAULT_STAGE", "FAULT_MARK", "MODELSHIP_CHECK_CACHE")
+
+
+def cli_defaults() -> None:
+    """The environment defaults ``modelship`` sets before it imports anything heavy (Prefect
+    reads them at import): the CLI's own ``main`` run once with ``--version`` (it sets
+    them, then prints the version), so a zygote's imports see exactly what a
+    ``modelship`` process's imports see."""
+    import contextlib
+    import io
+
+    from modelship.cli import main as modelship_main
+
+    assert "prefect" not in sys.modules, "Prefect imported before the CLI's defaults"
+    sys.argv = ["modelship", "--version"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        modelship_main()
+
+
+@contextmanager
+def cli_zygote(env: Mapping[str, str], cwd: Path) -> Iterator[Any]:
+    """A :class:`tests.zygote.Zygote` whose runs are ``modelship`` (with a fault when the
+    run sets ``FAULT``), started in the background: its imports overlap whatever the
+    caller does next (``run`` waits for them)."""
+    from tests.zygote import Zygote
+
+    with Zygote(target="tests.faults:cli_main", preload=CLI_PRELOAD, env=env, cwd=cwd,
+                late_env=FAULT_ENV, prepare="tests.faults:cli_defaults") as zygote:
+        yield zygote
 
 
 # --------------------------------------------------------------------------------------
@@ -237,15 +287,22 @@ class FaultedRun:
 
 
 def run_faulted(fault: Fault, *args: str, env: Mapping[str, str], cwd: Path,
-                workdir: Path, timeout_s: float) -> FaultedRun:
+                workdir: Path, timeout_s: float, zygote: Any = None) -> FaultedRun:
     """Run ``modelship ARGS...`` with ``fault`` at its stage (``env``: the CLI's
-    environment, as :func:`tests.conftest.cli_env` builds it)."""
+    environment, as :func:`tests.conftest.cli_env` builds it): a ``python -m
+    tests.faults`` process, or a run of ``zygote`` (:func:`cli_zygote`, started with
+    ``env``)."""
     mark = workdir / f"fault-{fault.id}-{time.monotonic_ns()}.jsonl"
+    marks = {"FAULT": fault.kind, "FAULT_STAGE": fault.stage, "FAULT_MARK": str(mark)}
+    if fault.stage == "check":  # a cached pass would skip the check, and its fault point
+        marks["MODELSHIP_CHECK_CACHE"] = "0"
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.faults", *args], capture_output=True, text=True,
-        env={**env, "FAULT": fault.kind, "FAULT_STAGE": fault.stage, "FAULT_MARK": str(mark)},
-        cwd=cwd, timeout=timeout_s)
+    if zygote is not None:
+        result = zygote.run(["modelship", *args], env=marks, timeout=timeout_s)
+    else:
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.faults", *args], capture_output=True, text=True,
+            env={**env, **marks}, cwd=cwd, timeout=timeout_s)
     injected = [json.loads(line) for line in mark.read_text().splitlines()] \
         if mark.exists() else []
     return FaultedRun(fault, result, time.monotonic() - started, injected)
@@ -310,6 +367,8 @@ class RecordState:
     last_stage: str | None = None  # the stage it was in when it ended (or died)
     requests: tuple[str, ...] = ()  # the status of each approval request it made
     notes: tuple[str, ...] = ()
+    started_at: str | None = None  # ISO 8601, as the ledger keeps them (where time goes)
+    stage_times: tuple[tuple[str, str, str | None], ...] = ()  # (name, started, ended)
 
     @classmethod
     def of(cls, record: Any, *, pid_alive: bool | None = None) -> RecordState:
@@ -319,7 +378,8 @@ class RecordState:
                    record.to_version, record.exit_code, record.dry_run, pid_alive,
                    requests.count("pending"), record.reason,
                    record.stages[-1].name if record.stages else None, requests,
-                   tuple(record.notes))
+                   tuple(record.notes), record.started_at,
+                   tuple((st.name, st.started_at, st.ended_at) for st in record.stages))
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,8 @@ from tests.faults import (
     Fault,
     FaultedRun,
     Observation,
+    RecordState,
+    cli_zygote,
     disagreements,
     json_document,
     loose_ends,
@@ -133,6 +136,9 @@ POLICY: dict[str, Any] = {
     ],
     "bake": {"duration_s": 2.0, "window_s": 1.0, "baseline_s": 1.0,
              "max_latency_increase_pct": 400.0},
+    # a replica that cannot load (S3 down) is given up on after this, not the default 60 s
+    # (a healthy switch of this model takes a few seconds even on a loaded machine)
+    "swap": {"deadline_s": 25.0},
 }
 MANIFEST = "/release.json"
 APPROVAL = ("--require-approval", "--approvers", "U0FAULTAPPROVER")
@@ -190,6 +196,7 @@ class Clock:
     def __init__(self) -> None:
         self.began = self.last = time.monotonic()
         self.phases: list[tuple[str, float]] = []
+        self.notes: list[str] = []  # each CLI run's own timeline
 
     def lap(self, phase: str) -> None:
         now = time.monotonic()
@@ -201,6 +208,26 @@ class Clock:
         return f"cell {name}: {time.monotonic() - self.began:.1f} s ({parts})"
 
 
+def _epoch(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def timeline(record: RecordState, launched: float, ended: float) -> str:
+    """Where one CLI run's time went, from its record (``launched``/``ended``: wall clock
+    around the run): start-up until the record began (imports, the Prefect flow run),
+    each stage, the gaps between them, and the exit after the last one."""
+    if record.started_at is None:
+        return f"{record.kind} {record.id}: no timings"
+    began = _epoch(record.started_at)
+    spans = [(name, _epoch(a), _epoch(b) if b else ended) for name, a, b in record.stage_times]
+    last = max((b for _, _, b in spans), default=began)
+    staged = sum(b - a for _, a, b in spans)
+    parts = [f"start-up {began - launched:.1f}",
+             *(f"{name} {b - a:.1f}" for name, a, b in spans),
+             f"between stages {last - began - staged:.1f}", f"exit {ended - last:.1f}"]
+    return f"  {record.kind} {record.status}: {ended - launched:.1f} s ({', '.join(parts)})"
+
+
 @dataclass
 class Matrix:
     settings: Settings
@@ -209,14 +236,27 @@ class Matrix:
     workdir: Path
     released: list[int]  # the versions released so far, in order
     settled: Observation | None = None  # what the last cell that passed ended in
-    cli_status_for: set[str] = field(default_factory=set)  # fault kinds read by the CLI
+    zygote: Any = None  # tests.zygote.Zygote of `modelship` (None: every run a process)
+    by_console: set[str] = field(default_factory=set)  # commands run once by the script
 
     @property
     def home(self) -> Path:
         return self.settings.home
 
-    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return run_cli(*args, home=self.home, timeout=timeout)
+    def cli(self, *args: str, timeout: float = 300, console: bool = False
+            ) -> subprocess.CompletedProcess[str]:
+        """``modelship ARGS``: a run of the zygote (the CLI's ``main``, forked from a
+        process that imported it once), or the console script itself (``console``)."""
+        if console or self.zygote is None:
+            return run_cli(*args, home=self.home, timeout=timeout)
+        return self.zygote.run(["modelship", *args], timeout=timeout)
+
+    def first_time(self, command: str) -> bool:
+        """True the first time: that run of ``command`` is the console script's (its
+        exit code and JSON, the contract; the zygote runs the same ``main``)."""
+        first = command not in self.by_console
+        self.by_console.add(command)
+        return first
 
     def locks(self) -> list[dict[str, Any]]:
         """The model's held locks (its release lock, a canary slot held for it), as
@@ -241,12 +281,13 @@ class Matrix:
     def observe(self) -> Observation:
         return observe(self.settings, MODEL, locks=self.locks)
 
-    def status(self, *, cli: bool) -> tuple[int, Any]:
-        """``modelship status MODEL``'s exit code and document: the CLI itself, or the
-        function it calls (:func:`tasks.status.status_report`, exit 1 unless
-        consistent) read in this process, which spares a CLI start."""
+    def status(self, *, cli: bool, console: bool = False) -> tuple[int, Any]:
+        """``modelship status MODEL``'s exit code and document: the CLI (the console
+        script when ``console``), or the function it calls
+        (:func:`tasks.status.status_report`, exit 1 unless consistent) read in this
+        process."""
         if cli:
-            done = self.cli("status", MODEL, "--json", timeout=120)
+            done = self.cli("status", MODEL, "--json", timeout=120, console=console)
             assert "Traceback (most recent call last)" not in done.stderr, done.stderr
             return done.returncode, json_document(done.stdout) or done.stdout[-3000:]
         clients = build_clients(self.settings)
@@ -272,17 +313,21 @@ class Matrix:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
     """A 2-replica stack of its own and MODEL's two versions registered, nothing
-    released: the first cells' reruns are the releases (see :func:`_start`)."""
+    released: the first cells' reruns are the releases (see :func:`_start`). The CLI's
+    zygote imports while the stack starts."""
     home = tmp_path_factory.mktemp("faults") / ".modelship"
     workdir = tmp_path_factory.mktemp("fault-marks")
     started = time.monotonic()
-    with own_stack(home, RUNTIME_VENV, replicas=2) as settings:
+    with cli_zygote(cli_env(home), ROOT) as zygote, \
+            own_stack(home, RUNTIME_VENV, replicas=2) as settings:
         print(f"stack up: {time.monotonic() - started:.1f} s")
         uri = str(settings.mlflow_tracking_uri)
         policy = models.write_policy(workdir / "policy.yaml", POLICY)
         v_a = models.register_onnx(uri, MODEL, models.sklearn_onnx(seed=0))
         v_b = models.register_onnx(uri, MODEL, models.sklearn_onnx(seed=7))
-        yield Matrix(settings, policy, (v_a, v_b), workdir, released=[])
+        ready = zygote.wait_ready()
+        print(f"zygote ready at {time.monotonic() - started:.1f} s: {ready}")
+        yield Matrix(settings, policy, (v_a, v_b), workdir, released=[], zygote=zygote)
         print(f"matrix total (incl. stack up): {time.monotonic() - started:.1f} s")
 
 
@@ -388,7 +433,7 @@ def _start(matrix: Matrix, cell: Cell) -> Observation:
     except Exception as exc:  # noqa: BLE001 - healed below, and said if it cannot be
         healthy, inherited = False, f"not observable: {type(exc).__name__}: {exc}"
     if not healthy:
-        matrix.cli("stack", "up", "--json", timeout=300)
+        matrix.cli("stack", "up", "--json", timeout=300, console=True)
         obs = matrix.observe()
         matrix.release(obs.aliases.get("production") or obs.serving or matrix.versions[0])
         obs = matrix.observe()
@@ -408,7 +453,7 @@ def test_a_fault_at_a_stage_converges_on_the_next_command(matrix: Matrix, cell: 
     try:
         _run_cell(matrix, cell, clock)
     finally:
-        print(clock.line(cell.id), flush=True)
+        print("\n".join([clock.line(cell.id), *clock.notes]), flush=True)
 
 
 def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
@@ -428,14 +473,16 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
 
     extra = APPROVAL if cell.fault.stage == "approval" else ()
     up = None
+    launched = time.time()
     try:
         run = run_faulted(cell.fault, *matrix.promote(candidate, *extra),
                           env=cli_env(matrix.home), cwd=ROOT, workdir=matrix.workdir,
-                          timeout_s=FAULTED_TIMEOUT_S)
+                          timeout_s=FAULTED_TIMEOUT_S, zygote=matrix.zygote)
     finally:  # the killed dependency comes back, whatever the run did
+        ended = time.time()
         clock.lap("faulted promote")
         if cell.fault.component is not None:
-            up = matrix.cli("stack", "up", "--json", timeout=300)
+            up = matrix.cli("stack", "up", "--json", timeout=300, console=True)
             clock.lap("stack up")
     assert [i["stage"] for i in run.injected] == [cell.fault.stage], run.describe()
     if up is not None:
@@ -446,6 +493,7 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
     # the faulted run: ended as it must; its record (if it ended) says what serves
     mid = matrix.observe()
     (faulted,) = [r.id for r in mid.records if r.id not in before_ids and r.kind == "promote"]
+    clock.notes.append(timeline(mid.record(faulted), launched, ended))
     _check_faulted_exit(run, mid, faulted)
     _check_left_behind(matrix, cell, mid, faulted)
     _check_record_truth(mid, faulted, run)
@@ -453,28 +501,32 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
         keys = matrix.version_keys(candidate)
         assert not [k for k in keys if k.endswith(MANIFEST)], keys
     clock.lap("observe")
-    # status is true: non-zero exactly while something disagrees (the CLI itself once
-    # per fault kind, its function in-process otherwise)
-    by_cli = cell.fault.kind not in matrix.cli_status_for
-    code, doc = matrix.status(cli=by_cli)
-    matrix.cli_status_for.add(cell.fault.kind)
+    # status is true: non-zero exactly while something disagrees (the CLI, the first
+    # time by its console script)
+    console = matrix.first_time("status")
+    code, doc = matrix.status(cli=True, console=console)
     wrong = disagreements(mid)
     assert (code == 0) == (not wrong), (
         f"status exit {code} while the observed disagreements are {wrong}", doc,
         mid.summary(), run.describe())
-    clock.lap("status (cli)" if by_cli else "status")
+    clock.lap("status (console script)" if console else "status")
 
     # the next command converges
     if cell.next_command == "promote":  # the rerun, no approval asked again
         after_args = matrix.promote(candidate)
     else:
         after_args = ["rollback", MODEL, "--json"]
-    nxt = matrix.cli(*after_args, timeout=600)
+    console = matrix.first_time(cell.next_command)
+    launched = time.time()
+    nxt = matrix.cli(*after_args, timeout=600, console=console)
+    ended = time.time()
     assert nxt.returncode == 0, (cell.next_command, nxt.stdout[-3000:], nxt.stderr[-3000:],
                                  mid.summary(), run.describe())
-    clock.lap(cell.next_command)
+    clock.lap(f"{cell.next_command} (console script)" if console else cell.next_command)
     end = matrix.observe()
     new = [r for r in end.records if r.id not in before_ids]
+    clock.notes.extend(timeline(r, launched, ended) for r in new
+                       if r.id not in {m.id for m in mid.records})
     problems = disagreements(end) + story_breaks(new, end.serving, start=current) + \
         loose_ends(end)
     assert not problems, (problems, end.summary(), run.describe())

@@ -1,0 +1,117 @@
+"""tests.zygote: a forked run behaves as its own process (exit code, signals, output, pid,
+environment), and nothing leaks between runs or from a threaded preload."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.zygote import REFUSED, Zygote
+
+ROOT = Path(__file__).resolve().parents[2]
+COUNTER = [0]  # changed by one run; the next run must not see it
+
+
+def _probe() -> None:
+    """The target the zygote runs: what ``sys.argv[1]`` says."""
+    what = sys.argv[1]
+    if what == "echo":
+        print(json.dumps({"argv": sys.argv, "pid": os.getpid(), "ppid": os.getppid(),
+                          "late": os.environ.get("ZYGOTE_LATE"),
+                          "fixed": os.environ.get("ZYGOTE_FIXED")}))
+        print("to stderr", file=sys.stderr)
+        sys.exit(3)
+    if what == "signal":
+        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+        time.sleep(5)
+    if what == "mutate":
+        COUNTER[0] += 1
+        print(COUNTER[0])
+    if what == "atexit":
+        atexit.register(lambda: print("exit handler ran", flush=True))
+        print("body", flush=True)
+    if what == "sleep":
+        time.sleep(60)
+    if what == "message":
+        sys.exit("a message")
+
+
+def _start_thread() -> None:
+    threading.Thread(target=time.sleep, args=(30,), daemon=True, name="stray").start()
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    env = {**os.environ, "ZYGOTE_FIXED": "set at start"}
+    with Zygote(target="tests.unit.test_zygote:_probe", preload=["json"], env=env,
+                cwd=ROOT, late_env=["ZYGOTE_LATE"]) as z:
+        z.wait_ready(60)
+        yield z
+
+
+def test_a_run_has_its_own_pid_argv_output_and_exit_code(zygote: Zygote) -> None:
+    done = zygote.run(["prog", "echo", "x"], env={"ZYGOTE_LATE": "late"}, timeout=30)
+    doc = json.loads(done.stdout)
+    assert done.returncode == 3
+    assert done.stderr == "to stderr\n"
+    assert doc["argv"] == ["prog", "echo", "x"]
+    assert doc["late"] == "late" and doc["fixed"] == "set at start"
+    assert doc["pid"] not in (os.getpid(), zygote.ready["pid"])
+    assert doc["ppid"] == zygote.ready["pid"]
+    assert not Path(f"/proc/{doc['pid']}").exists()  # reaped, not a zombie
+    # a late variable lasts one run only
+    assert json.loads(zygote.run(["prog", "echo"], timeout=30).stdout)["late"] is None
+
+
+@pytest.mark.parametrize("name", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_a_signal_ends_the_run_as_it_ends_a_process(zygote: Zygote, name: str) -> None:
+    done = zygote.run(["prog", "signal", name], timeout=30)
+    plain = subprocess.run(
+        [sys.executable, "-c", f"import os, signal, time; os.kill(os.getpid(), "
+                               f"signal.{name}); time.sleep(5)"],
+        capture_output=True, text=True, timeout=30)
+    assert done.returncode == plain.returncode == -getattr(signal, name) \
+        or (name == "SIGINT" and done.returncode == plain.returncode == -signal.SIGINT), \
+        (done, plain)
+
+
+def test_nothing_a_run_changes_reaches_the_next(zygote: Zygote) -> None:
+    assert [zygote.run(["prog", "mutate"], timeout=30).stdout for _ in range(2)] == \
+        ["1\n", "1\n"]
+
+
+def test_exit_handlers_run_and_a_message_is_status_1(zygote: Zygote) -> None:
+    done = zygote.run(["prog", "atexit"], timeout=30)
+    assert (done.returncode, done.stdout) == (0, "body\nexit handler ran\n")
+    done = zygote.run(["prog", "message"], timeout=30)
+    assert (done.returncode, done.stderr) == (1, "a message\n")
+
+
+def test_a_variable_read_at_import_is_refused(zygote: Zygote) -> None:
+    done = zygote.run(["prog", "echo"], env={"ZYGOTE_FIXED": "other"}, timeout=30)
+    assert done.returncode == REFUSED and "ZYGOTE_FIXED" in done.stderr, done
+
+
+def test_a_timeout_kills_the_run(zygote: Zygote) -> None:
+    began = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        zygote.run(["prog", "sleep"], timeout=1)
+    assert time.monotonic() - began < 20
+    assert zygote.run(["prog", "mutate"], timeout=30).stdout == "1\n"  # serves on
+
+
+def test_a_preload_that_leaves_a_thread_is_refused() -> None:
+    with Zygote(target="tests.unit.test_zygote:_probe", env=dict(os.environ), cwd=ROOT,
+                prepare="tests.unit.test_zygote:_start_thread") as z, \
+            pytest.raises(RuntimeError, match="stray"):
+        z.wait_ready(60)

@@ -1,0 +1,317 @@
+"""A pre-warmed process that forks one command run per request (tests only).
+
+A CLI run of modelship spends 10-30 s importing (Prefect, MLflow, GX, pandas, ONNX) before
+it does anything, and a test that runs the CLI many times pays that every time. A zygote
+imports once, then forks a child per run: the child is the run, a real process with its
+own pid (a lock's holder, the ledger's ``holder.pid``), its own signals (SIGKILL ends it
+as it would end ``modelship``; its own handlers run for SIGTERM and SIGINT), stdout and
+stderr into files and an exit code, exactly as ``subprocess.run`` reports it (negative:
+killed by that signal).
+
+What the fork must not carry over, and how it is kept out:
+
+- **State read at import.** Prefect reads its settings from the environment when it is
+  imported, MLflow its URIs. The zygote's environment is fixed when it starts and every
+  child runs with it; a run may only add the variables declared *late* (read at run time,
+  such as ``tests.faults``'s ``FAULT``), anything else is refused. ``prepare`` runs before
+  the imports (e.g. the CLI's own environment defaults, which it sets before it imports
+  Prefect).
+- **Threads.** A fork copies only the calling thread; a lock another thread held stays held
+  forever in the child. The zygote refuses to serve unless the preloaded modules left it
+  single-threaded, and it never runs anything but imports.
+- **One run's changes.** Each child forks from the zygote, never from an earlier child, so
+  nothing one run changes (module globals, monkeypatches, caches) reaches the next.
+- **Buffers and exit.** Python's buffers are flushed before the fork; a child runs every
+  exit handler, flushes and leaves with ``os._exit`` (as ``modelship``'s console script
+  does since it skips the interpreter teardown), so the zygote's own state is never torn
+  down in a child.
+
+:func:`serve` is the server; :class:`Zygote` starts it and runs commands through it, one
+at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+#: Exit code of a child that refused its request (an undeclared environment variable).
+REFUSED = 70
+#: How long the server may take to import its modules and say it is ready.
+READY_TIMEOUT_S = 600.0
+
+
+def _resolve(ref: str) -> Callable[[], Any]:
+    """``"package.module:function"`` -> the function."""
+    module, _, name = ref.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    assert callable(fn), ref
+    return fn
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The process exit status of ``SystemExit(code)``, as the interpreter maps it (a
+    message is printed to stderr and is status 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+# --------------------------------------------------------------------------------------
+# the server (its own process, started by Zygote)
+
+
+def _send(conn: socket.socket, doc: Mapping[str, Any]) -> None:
+    conn.sendall((json.dumps(doc) + "\n").encode())
+
+
+class _Lines:
+    """Lines read from a socket (honours its timeout: raises TimeoutError)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buffer = b""
+
+    def next(self) -> bytes:
+        while b"\n" not in self.buffer:
+            chunk = self.conn.recv(4096)
+            if not chunk:
+                raise ConnectionError(f"the zygote closed the connection ({self.buffer!r})")
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+
+def _child(request: Mapping[str, Any], late: frozenset[str], target: Callable[[], Any]) -> None:
+    """In the forked child: become the run, then leave with its exit status."""
+    code = 1
+    try:
+        extra = dict(request.get("env") or {})
+        refused = sorted(k for k in extra if k not in late)
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for fd, to in ((stdin, 0), (out, 1), (err, 2)):
+            os.dup2(fd, to)
+            os.close(fd)
+        if refused:
+            print(f"zygote: refused: {refused} are not declared late (read at import, "
+                  f"they would not take effect); start a zygote with them set", file=sys.stderr)
+            code = REFUSED
+            return
+        os.environ.update(extra)
+        sys.argv = list(request["argv"])
+        try:
+            target()
+            code = 0
+        except SystemExit as exc:
+            code = exit_code(exc)
+        except KeyboardInterrupt:
+            # as the interpreter does: an unhandled Ctrl-C ends the process by SIGINT
+            traceback.print_exc()
+            _flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        except BaseException:  # noqa: BLE001 - as the interpreter: the traceback, status 1
+            traceback.print_exc()
+            code = 1
+        try:
+            atexit._run_exitfuncs()  # what the interpreter runs at exit, before its teardown
+        except BaseException:  # noqa: BLE001 - an exit handler's failure is printed, as at exit
+            traceback.print_exc()
+    finally:
+        logging.shutdown()
+        _flush()
+        os._exit(code)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _serve(listener: socket.socket, late: frozenset[str], target: Callable[[], Any]) -> None:
+    """Serve requests one at a time until told to stop."""
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            request = json.loads(_Lines(conn).next())
+            if request.get("stop"):
+                _send(conn, {"stopped": True})
+                return
+            _flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                _child(request, late, target)  # never returns
+            _send(conn, {"pid": pid})
+            _, status = os.waitpid(pid, 0)
+            try:
+                _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+            except OSError:  # the client went away (it timed out): the child is reaped
+                pass
+
+
+def serve(config_path: str) -> None:
+    """The server: prepare, import, then serve (see the module)."""
+    config = json.loads(Path(config_path).read_text())
+    began = time.monotonic()
+    if config.get("prepare"):
+        _resolve(config["prepare"])()
+    for name in config.get("preload", ()):
+        importlib.import_module(name)
+    target = _resolve(config["target"])
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if threads:
+        raise SystemExit(f"zygote: the preloaded modules started threads {threads}; a fork "
+                         f"would copy their locks but not them")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(config["socket"])
+    listener.listen(1)
+    print(json.dumps({"ready": True, "pid": os.getpid(),
+                      "import_s": round(time.monotonic() - began, 2),
+                      "modules": len(sys.modules)}), flush=True)
+    try:
+        _serve(listener, frozenset(config.get("late_env", ())), target)
+    finally:
+        listener.close()
+        _flush()
+        os._exit(0)  # nothing to tear down but imports
+
+
+# --------------------------------------------------------------------------------------
+# the client
+
+
+class Zygote:
+    """A started zygote server (see the module): :meth:`run` one command at a time, then
+    :meth:`close` (or use it as a context manager).
+
+    Args:
+        target: ``"module:function"`` each run calls with its ``sys.argv``, e.g.
+            ``"modelship.cli:main"``.
+        preload: Modules imported once, before serving.
+        env: The environment of the server and of every run.
+        cwd: Working directory of the server and of every run.
+        late_env: Variables a run may add (read by the run, not at import).
+        prepare: ``"module:function"`` called before ``preload`` (environment defaults).
+    """
+
+    def __init__(self, *, target: str, preload: Sequence[str] = (), env: Mapping[str, str],
+                 cwd: Path, late_env: Sequence[str] = (), prepare: str | None = None) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="zygote-"))
+        self.socket_path = str(self._dir / "z.sock")
+        config = {"target": target, "preload": list(preload), "late_env": list(late_env),
+                  "prepare": prepare, "socket": self.socket_path}
+        (self._dir / "config.json").write_text(json.dumps(config))
+        self.log = self._dir / "server.log"
+        self.runs = 0
+        with self.log.open("w") as log:
+            self._server = subprocess.Popen(
+                # -c, not -m: a child's __main__ has no package, so click names the
+                # program from argv[0] ("modelship"), as in the console script
+                [sys.executable, "-c", "import sys; from tests.zygote import serve; "
+                 "serve(sys.argv[1])", str(self._dir / "config.json")],
+                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+                env=dict(env), cwd=cwd)
+        self.ready: dict[str, Any] = {}
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        """Block until the server has imported its modules; its ready document."""
+        if self.ready:
+            return self.ready
+        assert self._server.stdout is not None
+        done = threading.Event()
+        line: list[str] = []
+
+        def read() -> None:
+            assert self._server.stdout is not None
+            line.append(self._server.stdout.readline())
+            done.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not done.wait(timeout_s) or not line[0]:
+            log = self.log.read_text()[-3000:]
+            self.close()
+            raise RuntimeError(f"the zygote did not start: {log}")
+        self.ready = json.loads(line[0])
+        return self.ready
+
+    def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+            timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+        """Run one command (``argv[0]`` is its program name, as ``sys.argv``) in a forked
+        child; like ``subprocess.run(..., capture_output=True, text=True)``: its exit code
+        (negative: the signal that killed it), stdout and stderr. On ``timeout`` the child
+        is killed and :class:`subprocess.TimeoutExpired` raised."""
+        self.wait_ready()
+        self.runs += 1
+        out, err = self._dir / f"{self.runs}.out", self._dir / f"{self.runs}.err"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self.socket_path)
+            _send(conn, {"argv": list(argv), "env": dict(env or {}),
+                         "stdout": str(out), "stderr": str(err)})
+            lines = _Lines(conn)
+            pid = json.loads(lines.next())["pid"]
+            conn.settimeout(timeout)
+            try:
+                code = json.loads(lines.next())["returncode"]
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                conn.settimeout(None)
+                lines.next()
+                raise subprocess.TimeoutExpired(list(argv), timeout or 0.0, out.read_text(),
+                                                err.read_text()) from None
+        result = subprocess.CompletedProcess(list(argv), code, out.read_text(),
+                                             err.read_text())
+        out.unlink()
+        err.unlink()
+        return result
+
+    def close(self) -> None:
+        """Stop the server (it has no child left: runs are one at a time)."""
+        if self._server.poll() is None:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                    conn.settimeout(10)
+                    conn.connect(self.socket_path)
+                    _send(conn, {"stop": True})
+                    _Lines(conn).next()
+            except OSError:
+                pass
+            try:
+                self._server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
+                self._server.wait()
+        if self._server.stdout is not None:
+            self._server.stdout.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> Zygote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
