@@ -28,17 +28,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from modelship.errors import InfrastructureError, ModelshipError
 from modelship.ledger import ReleaseRecord, now_iso
+from modelship.locks import list_locks
 from modelship.progress import Progress, quiet
+from modelship.storage import S3Storage
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter, TrafficSplit
 from tasks.traffic_plan import StepEvent, router_problem
 
 __all__ = ["RouterAction", "RouterDecision", "TrafficClaim", "claim_of", "decide_router",
            "holding", "live_traffic", "read_live", "reconcile_hook", "recovery_hook",
-           "return_to_production", "settle_router", "slot_claims", "split_of",
+           "return_to_production", "settle_router", "slot_claims", "slot_owners", "split_of",
            "traffic_intent", "with_event"]
 
 RouterAction = Literal["none", "leave", "restore"]
@@ -93,6 +96,14 @@ def claim_of(record: ReleaseRecord, *, alive: bool) -> TrafficClaim | None:
         return None
     return TrafficClaim(f"release {record.id} ({record.kind} of {record.model})",
                         split_of(record.traffic["split"]), alive)
+
+
+def slot_owners(storage: S3Storage | None, *, home: Path
+                ) -> Callable[[], list[TrafficClaim]]:
+    """The ``owners`` of the hooks: the canary slot's live holder, read from the lock store
+    when called (:func:`slot_claims` of ``modelship.locks.list_locks``). Without S3 there
+    is no shared slot (one process): no owner."""
+    return lambda: slot_claims(list_locks(storage=storage, home=home))
 
 
 def slot_claims(lock_rows: Iterable[Mapping[str, Any]]) -> list[TrafficClaim]:
@@ -239,7 +250,9 @@ def holding(router: TrafficRouter, split: TrafficSplit, *,
     """Hold ``split`` on the router for the block: a shadow canary's mirror share, the
     bake's holdback weight. Written to the record first (``write`` gets the ``traffic``
     document), confirmed by reading back, and returned to production after the block on
-    every path (production written first again).
+    every path (production written first again). Call it inside the canary slot
+    (:func:`modelship.locks.canary_slot`): the slot's live holder is who recovery and
+    reconcile take to own a split (:func:`slot_claims`).
 
     Raises:
         InfrastructureError: the router did not take ``split`` (dead or stuck; the block

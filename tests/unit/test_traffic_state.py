@@ -31,6 +31,7 @@ from tasks.traffic_state import (
     return_to_production,
     settle_router,
     slot_claims,
+    slot_owners,
     split_of,
     traffic_intent,
     with_event,
@@ -430,3 +431,7 @@ def test_a_router_that_cannot_be_returned_after_a_good_block_fails_the_release()
     with pytest.raises(InfrastructureError, match="does not answer"), \
             holding(router, HOLDBACK_5, write=Writes(router)):
         router.dead = True
+
+
+def test_without_s3_nobody_owns_the_router(tmp_path: Path) -> None:
+    assert slot_owners(None, home=tmp_path)() == []
