@@ -40,12 +40,14 @@ from modelship.repository import CONFIG_NAME, manifest_key, model_prefix, staged
 from modelship.settings import Settings
 from modelship.signals import stop_signal
 from modelship.signing import key_bytes
+from modelship.traffic.port import TrafficRouter
 from modelship.triton.model_config import example_request, from_pbtxt
 from tasks import recovery
 from tasks.evidence import read_candidate_digest, require_evidence
 from tasks.record import ReleaseJournal
 from tasks.stage import prune_versions
 from tasks.swap import SwapOptions, SwapTarget, fleet_status, recorded_footprint, swap_fleet
+from tasks.traffic_state import recovery_hook, slot_owners
 
 
 def require_fleet(clients: Clients) -> None:
@@ -214,10 +216,13 @@ def observer(settings: Settings, clients: Clients,
 
 
 def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model: str,
-                  by: str, progress: Progress = quiet) -> dict[str, Any]:
+                  by: str, progress: Progress = quiet,
+                  router: TrafficRouter | None = None) -> dict[str, Any]:
     """Before anything else, under the model's lock: finish or undo what dead or
     incomplete releases of ``model`` left (:func:`tasks.recovery.recover`), and unload
-    what dead runs left on the canary.
+    what dead runs left on the canary. With a traffic ``router``, first a killed
+    release's split (or an orphan) goes back to 100 % production
+    (:func:`tasks.traffic_state.recovery_hook`; its report is ``traffic``).
 
     Returns:
         ``{"interrupted", "finished", "unloaded", "fleet"}``: ``fleet`` is the fleet step
@@ -230,8 +235,10 @@ def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model
         return {"interrupted": [], "finished": [], "unloaded": [], "fleet": None}
     ledger = ledger_of(clients)
     effects = FleetEffects(settings, clients, policy, model=model, progress=progress)
+    traffic = None if router is None else recovery_hook(
+        router, slot_owners(clients.storage, home=settings.home), progress=progress)
     report = recovery.recover(ledger, model, by=by, observe=observer(settings, clients, model),
-                              effects=effects, progress=progress)
+                              effects=effects, progress=progress, traffic=traffic)
     report["unloaded"] = []
     if report["interrupted"]:
         try:
