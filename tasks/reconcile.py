@@ -256,8 +256,8 @@ def reconcile(
         traffic: With a traffic router, ``traffic()``
             (:func:`tasks.traffic_state.reconcile_hook`) first returns an orphaned split
             (no live release owns it) to 100 % production; its report is ``traffic``, and
-            a router that could not be restored makes the round fail (``ok`` false, exit 1)
-            while the replicas are still reconciled. Skipped on a dry run.
+            a router that could not be restored or read makes the round fail (``ok``
+            false, exit 1) while the replicas are still reconciled. Skipped on a dry run.
 
     Returns:
         ``{"models": [{"model", "version", "status", "ok", "changed", "skipped",
@@ -293,7 +293,8 @@ def reconcile(
             results.append({"model": name, "ok": False, "changed": [], "error": exc.message,
                             "hint": exc.hint, "exit_code": exc.exit_code})
     return {"models": results, "changed": sum(len(r["changed"]) for r in results),
-            "ok": all(r["ok"] for r in results) and not (routed and "error" in routed),
+            "ok": all(r["ok"] for r in results)
+            and not (routed and ("error" in routed or "unread" in routed)),
             "dry_run": dry_run, **({"traffic": routed} if routed is not None else {})}
 
 

@@ -11,8 +11,10 @@ undone), so the router has one rest state and recovery needs no goal of its own:
   :class:`TrafficClaim` of each release that could own it, ``leave`` (a live release owns
   the split: a running canary, the canary slot's live holder), ``restore`` (a dead or
   unfinished release's split, or an orphan no release claims: back to production; also
-  when the router could not be read, since setting is idempotent), or ``none`` (it is at
-  production already);
+  when the router could not be read but a dead release claims a split, since setting is
+  idempotent), ``none`` (it is at production already) or ``unknown`` (it could not be
+  read and no release claims a split: reported, nothing to restore, so a gateway outage
+  alone never blocks a rollback);
 - :func:`settle_router` is the executor: it reads the router, decides, and performs the
   restore through the :class:`~modelship.traffic.port.TrafficRouter` port, confirming it
   by reading back;
@@ -44,7 +46,7 @@ __all__ = ["RouterAction", "RouterDecision", "TrafficClaim", "claim_of", "decide
            "return_to_production", "settle_router", "slot_claims", "slot_owners", "split_of",
            "traffic_intent", "with_event"]
 
-RouterAction = Literal["none", "leave", "restore"]
+RouterAction = Literal["none", "leave", "restore", "unknown"]
 
 
 # --------------------------------------------------------------------------------------
@@ -121,8 +123,9 @@ class RouterDecision:
     """What to do about the router.
 
     Attributes:
-        action: ``none`` (at production), ``leave`` (a live release owns it) or
-            ``restore`` (back to :data:`PRODUCTION_ONLY`).
+        action: ``none`` (at production), ``leave`` (a live release owns it),
+            ``restore`` (back to :data:`PRODUCTION_ONLY`) or ``unknown`` (unreadable, and
+            no release claims a split).
         reason: One sentence for the report.
         live: What the router read back (None: it did not answer).
         owner: Whose split it is (the live owner, or the dead release restored).
@@ -162,11 +165,13 @@ def decide_router(live: TrafficSplit | None, claims: Sequence[TrafficClaim], *,
     dead = next((c for c in claims if c.split is not None
                  and not c.split.is_production_only), None)
     if live is None:
-        whose = f" ({dead.owner} left {_shown(dead.split)})" if dead and dead.split else ""
         why = problem or "no reason given"
-        return RouterDecision("restore", f"the traffic router did not answer ({why}){whose}: "
-                              "returning it to 100 % production, which is idempotent", None,
-                              dead.owner if dead else None)
+        if dead is None or dead.split is None:
+            return RouterDecision("unknown", f"the traffic router did not answer ({why}); no "
+                                  "release claims a split on it, so nothing is restored", None)
+        return RouterDecision("restore", f"the traffic router did not answer ({why}); "
+                              f"{dead.owner} left {_shown(dead.split)}: returning it to 100 % "
+                              "production, which is idempotent", None, dead.owner)
     if live.is_production_only:
         return RouterDecision("none", "the traffic router sends 100 % to production", live)
     if dead is not None:
@@ -226,11 +231,13 @@ def settle_router(router: TrafficRouter, claims: Sequence[TrafficClaim], *,
 
     Returns:
         ``{"router", "action", "reason", "live", "owner", "restored"}`` and ``error`` (in
-        words) when the restore failed: the caller decides whether that stops it.
+        words) when the restore failed: the caller decides whether that stops it;
+        ``unread`` (why) when the router did not answer.
     """
     live, problem = read_live(router)
     decision = decide_router(live, claims, problem=problem)
-    report = {"router": router.name, **decision.to_dict(), "restored": False}
+    report = {"router": router.name, **decision.to_dict(), "restored": False,
+              **({"unread": problem} if live is None else {})}
     if decision.action != "restore":
         return report
     progress(f"traffic: {decision.reason}")
@@ -324,7 +331,8 @@ def recovery_hook(router: TrafficRouter, owners: Callable[[], Sequence[TrafficCl
 def reconcile_hook(router: TrafficRouter, owners: Callable[[], Sequence[TrafficClaim]], *,
                    progress: Progress = quiet) -> Callable[[], dict[str, Any]]:
     """``reconcile(traffic=...)``: an orphaned split (no live owner) back to production;
-    a failure is reported (``error``), and the replicas are still reconciled."""
+    a failure (``error``) or an unreadable router (``unread``) is reported and fails the
+    round, and the replicas are still reconciled."""
     return lambda: settle_router(router, owners(), progress=progress)
 
 

@@ -72,7 +72,10 @@ CASES = [
      ("restore", None, "orphaned")),
     ("unreadable, a killed claim: restore anyway (idempotent)", None, [KILLED],
      ("restore", "release R-killed", "left 75 % production / 25 % canary")),
-    ("unreadable, nobody: restore anyway", None, [], ("restore", None, "idempotent")),
+    ("unreadable, nobody claims a split: unknown, nothing to restore", None, [],
+     ("unknown", None, "nothing is restored")),
+    ("unreadable, the only claim says production: unknown", None, [RETURNED],
+     ("unknown", None, "no release claims a split")),
 ]
 
 
@@ -88,8 +91,9 @@ def test_decide_router(case: str, live: TrafficSplit | None, claims: list[Traffi
     json.dumps(decision.to_dict())
 
 
-def test_the_reason_says_why_the_router_was_not_read() -> None:
-    decision = decide_router(None, [], problem="no answer within 15 s")
+@pytest.mark.parametrize("claims", [[], [KILLED]])
+def test_the_reason_says_why_the_router_was_not_read(claims: list[TrafficClaim]) -> None:
+    decision = decide_router(None, claims, problem="no answer within 15 s")
     assert "no answer within 15 s" in decision.reason
 
 
@@ -312,9 +316,9 @@ def test_reconcile_returns_an_orphaned_split_to_production() -> None:
     assert doc["traffic"]["action"] == "restore" and "orphaned" in doc["traffic"]["reason"]
 
 
-def test_reconcile_fails_the_round_on_a_dead_router_and_still_reconciles() -> None:
-    doc = _reconcile(FakeRouter(split=CANARY_25, dead=True))
-    assert doc["ok"] is False and "does not answer" in doc["traffic"]["error"]
+def test_reconcile_fails_the_round_on_a_stuck_router_and_still_reconciles() -> None:
+    doc = _reconcile(FakeRouter(split=CANARY_25, stuck=True))
+    assert doc["ok"] is False and "stuck" in doc["traffic"]["error"]
     assert [m["model"] for m in doc["models"]] == ["m"]
 
 
@@ -435,3 +439,19 @@ def test_a_router_that_cannot_be_returned_after_a_good_block_fails_the_release()
 
 def test_without_s3_nobody_owns_the_router(tmp_path: Path) -> None:
     assert slot_owners(None, home=tmp_path)() == []
+
+
+def test_a_gateway_outage_alone_never_blocks_a_command() -> None:
+    """No release claims a split: an unreadable router is reported, recovery goes on."""
+    rec = running()  # a killed replay canary: it never touched the router
+    router = FakeRouter(dead=True)
+    report = recover(Ledger(rec), "m", by="R-next", observe=_unseen, effects=NoEffects(),
+                     traffic=recovery_hook(router, list))
+    assert report["traffic"]["action"] == "unknown" and "does not answer" in \
+        report["traffic"]["unread"]
+    assert router.writes == [] and rec.status == "interrupted"
+
+
+def test_reconcile_fails_the_round_on_an_unreadable_router() -> None:
+    doc = _reconcile(FakeRouter(dead=True))
+    assert doc["ok"] is False and doc["traffic"]["action"] == "unknown"
