@@ -155,6 +155,9 @@ def _production_on_the_way_out(run: Progressive, traffic: dict[str, Any],
     try:
         run.write(traffic_intent(traffic, router=run.router.name, split=PRODUCTION_ONLY,
                                  at=run.now()))
+    except Exception as failed:  # noqa: BLE001 - the router matters more than the record
+        run.progress(f"progressive: the record could not say production ({failed})")
+    try:
         return_to_production(run.router)
         run.progress(f"progressive: {why}")
     except Exception as failed:  # noqa: BLE001 - the original exception is the error

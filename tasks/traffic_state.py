@@ -301,7 +301,14 @@ def holding(router: TrafficRouter, split: TrafficSplit, *,
 
 def _back(router: TrafficRouter, doc: Mapping[str, Any],
           write: Callable[[dict[str, Any]], None], progress: Progress) -> None:
-    write(traffic_intent(doc, router=router.name, split=PRODUCTION_ONLY, at=now_iso()))
+    """Production: written first when the record can be written, and set whatever the
+    record says (production is the rest state: a record that still claims the split
+    while the router is at production needs nothing)."""
+    try:
+        write(traffic_intent(doc, router=router.name, split=PRODUCTION_ONLY, at=now_iso()))
+    except Exception as exc:  # noqa: BLE001 - the router matters more than the record
+        progress(f"traffic: the record could not say production ({_why(exc)}); the router "
+                 "goes back anyway")
     return_to_production(router)
     progress(f"traffic: {router.name} back to 100 % production")
 

@@ -169,3 +169,18 @@ def test_a_run_killed_after_any_write_leaves_a_split_the_next_run_restores(
     for live in (before, claim.split):
         decision = decide_router(live, [claim])
         assert decision.action == ("none" if live.is_production_only else "restore")
+
+
+def test_a_ledger_down_stops_the_steps_and_the_router_still_returns() -> None:
+    rig = Rig()
+
+    def write(doc: dict[str, Any]) -> None:
+        rig.written.append((doc, rig.router.split))
+        if doc["split"]["canary_pct"] in (25.0, 0.0):
+            raise OSError("S3 down")  # never set a weight the record does not claim
+
+    with pytest.raises(OSError, match="S3 down"):
+        run_progressive(Progressive(plan=PLAN, router=rig.router, judge=passing, write=write,
+                                    clock=lambda: rig.t, sleep=rig.sleep))
+    assert rig.router.split == PRODUCTION_ONLY
+    assert ("set_weights", 25.0) not in rig.router.calls

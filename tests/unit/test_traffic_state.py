@@ -455,3 +455,19 @@ def test_a_gateway_outage_alone_never_blocks_a_command() -> None:
 def test_reconcile_fails_the_round_on_an_unreadable_router() -> None:
     doc = _reconcile(FakeRouter(dead=True))
     assert doc["ok"] is False and doc["traffic"]["action"] == "unknown"
+
+
+def test_a_ledger_that_cannot_be_written_never_keeps_the_router_off_production() -> None:
+    router = FakeRouter()
+    calls: list[float] = []
+
+    def write(doc: dict[str, Any]) -> None:
+        calls.append(doc["split"]["canary_pct"])
+        if doc["split"]["canary_pct"] == 0.0:
+            raise OSError("S3 down")
+
+    lines: list[str] = []
+    with holding(router, HOLDBACK_5, write=write, progress=lines.append):
+        pass
+    assert router.split == PRODUCTION_ONLY and calls == [5.0, 0.0]
+    assert any("goes back anyway" in line for line in lines)
