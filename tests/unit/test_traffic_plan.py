@@ -13,6 +13,7 @@ from tasks import sequential, traffic_plan
 from tasks.traffic_plan import (
     NOT_STARTED,
     ProgressivePlan,
+    Status,
     StepEvent,
     StepLook,
     expected_split,
@@ -30,11 +31,13 @@ def at(step: int) -> TrafficSplit:
     return expected_split(PLAN, step)
 
 
-def look(step: int, elapsed_s: float, decision: str | None, *,
-         live: TrafficSplit | None | str = "as-set", problem: str | None = None) -> StepLook:
-    seen = at(step) if live == "as-set" else live
-    assert not isinstance(seen, str)
-    return StepLook(step, elapsed_s, decision, seen, problem)  # type: ignore[arg-type]
+def look(step: int, elapsed_s: float, decision: Status | None, *,
+         live: TrafficSplit | None = None, dead: bool = False,
+         problem: str | None = None) -> StepLook:
+    """A look at ``step``; the router holds what the release set unless ``live`` says
+    otherwise, or does not answer (``dead``)."""
+    seen = None if dead else live if live is not None else at(step)
+    return StepLook(step, elapsed_s, decision, seen, problem)
 
 
 # (look, kind, step after, canary % after, outcome, exit code, words in the reason)
@@ -63,11 +66,11 @@ TRANSITIONS = [
     (look(2, 61, None), "advance", 3, 50.0, "running", None, "no breach"),
     (look(3, 60, "continue"), "step_back", NOT_STARTED, 0.0, "inconclusive", 6, "no swap"),
     # a dead router: back to 100 % production, exit 1, whatever the judge says
-    (look(1, 30, "passed", live=None, problem="connection refused"), "abort", NOT_STARTED,
+    (look(1, 30, "passed", dead=True, problem="connection refused"), "abort", NOT_STARTED,
      0.0, "infrastructure", 1, "connection refused"),
-    (look(NOT_STARTED, 0, None, live=None), "abort", NOT_STARTED, 0.0, "infrastructure", 1,
+    (look(NOT_STARTED, 0, None, dead=True), "abort", NOT_STARTED, 0.0, "infrastructure", 1,
      "did not answer"),
-    (look(3, 10, "failed", live=None), "abort", NOT_STARTED, 0.0, "infrastructure", 1,
+    (look(3, 10, "failed", dead=True), "abort", NOT_STARTED, 0.0, "infrastructure", 1,
      "not the candidate's"),
     # a stuck router: it holds another split than the one set
     (look(2, 20, "continue", live=at(1)), "abort", NOT_STARTED, 0.0, "infrastructure", 1,
@@ -171,7 +174,7 @@ def test_the_step_event_is_json_and_round_trips() -> None:
 
 
 def test_an_abort_event_records_that_the_router_did_not_answer() -> None:
-    seen = look(1, 3, None, live=None, problem="refused")
+    seen = look(1, 3, None, dead=True, problem="refused")
     event = step_event(PLAN, seen, next_action(PLAN, seen), at="t")
     assert event.to_dict()["live"] is None
     assert (event.outcome, event.exit_code, event.weight_pct) == ("infrastructure", 1, 0.0)
