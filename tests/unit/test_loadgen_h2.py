@@ -247,18 +247,58 @@ async def test_server_pings_are_acknowledged() -> None:
 
 
 @in_event_loop
-async def test_goaway_fails_the_unanswered_call_and_the_next_call_reconnects() -> None:
+async def test_a_call_above_the_goaway_last_stream_is_sent_again_on_a_new_connection() -> None:
+    # The server answers stream 1, then goes away with last stream id 1 instead of
+    # answering stream 3: stream 3 was not processed (RFC 9113 6.8), so it is sent again,
+    # on a new connection, as gRPC clients do, and the caller sees its answer.
     async with h2_server(ok_answer("3"), goaway_after=1) as (url, seen):
         transport = _transport(url)
         try:
             assert (await transport.send(0, 0))[0] == "3"
-            with pytest.raises(RequestFailed, match="^UNAVAILABLE: the server is going away"):
-                await transport.send(0, 1)
-            # A fresh connection (its own server-side count starts again at 0).
-            assert (await transport.send(0, 2))[0] == "3"
+            assert transport.resent == 0
+            assert (await transport.send(0, 1))[0] == "3"
+            assert transport.resent == 1
+            assert (await transport.send(0, 2))[0] == "3"  # refused again, then answered
+            assert transport.resent == 2
         finally:
             await transport.close()
-    assert len(seen.requests) == 3
+    # each refused copy and its resend reached the server (three connections in all)
+    assert len(seen.requests) == 5
+    assert seen.requests[1][1] == seen.requests[2][1]
+
+
+def refuse(code: int) -> Answer:
+    def answer(conn: h2.connection.H2Connection, stream_id: int, headers: dict[str, str],
+               body: bytes) -> None:
+        conn.reset_stream(stream_id, error_code=code)
+
+    return answer
+
+
+async def _refused(code: int) -> tuple[int, int]:
+    """``(resent, requests the server saw)`` for one call every stream of which the
+    server resets with ``code``."""
+    async with h2_server(refuse(code)) as (url, seen):
+        transport = _transport(url)
+        try:
+            with pytest.raises(RequestFailed, match=f"reset the stream .HTTP/2 error {code}"):
+                await transport.send(0, 0)
+        finally:
+            await transport.close()
+    return transport.resent, len(seen.requests)
+
+
+@in_event_loop
+async def test_a_refused_stream_is_sent_again_once_at_most() -> None:
+    # REFUSED_STREAM (7): not processed, sent once more; refused again, the call fails
+    # (no loop of resends).
+    assert await _refused(7) == (1, 2)
+
+
+@in_event_loop
+async def test_a_stream_reset_otherwise_is_never_sent_again() -> None:
+    # INTERNAL_ERROR (2): the server may have processed it.
+    assert await _refused(2) == (0, 1)
 
 
 @in_event_loop

@@ -19,7 +19,17 @@ from modelship.loadgen.spec import Target
 
 
 class RequestFailed(Exception):
-    """A request got no answer; ``str()`` is the short error text for the record."""
+    """A request got no answer; ``str()`` is the short error text for the record.
+
+    ``unread``: the server provably never read the request (a stream refused or above a
+    GOAWAY's last stream id, a call queued on a closing connection, or a reused keep-alive
+    connection closed before any byte of its answer, as a proxy's graceful reload does),
+    so a transport may send it once more on a new connection without running it twice.
+    """
+
+    def __init__(self, text: str, *, unread: bool = False) -> None:
+        super().__init__(text)
+        self.unread = unread
 
 
 class Transport(Protocol):

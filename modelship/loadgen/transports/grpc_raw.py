@@ -82,6 +82,8 @@ class RawGrpcTransport:
         self._connections: dict[tuple[str, int], H2Connection] = {}
         self._opening: dict[tuple[str, int], asyncio.Future[H2Connection]] = {}
         self._requests = Requests(targets, payload, spec.batch_size, _build_grpc_message)
+        #: calls sent again because the server had not read them (a GOAWAY, a refused stream)
+        self.resent = 0
 
     async def _connection(self, address: tuple[str, int]) -> H2Connection:
         """The open connection to ``address``; concurrent callers share one opening."""
@@ -107,19 +109,33 @@ class RawGrpcTransport:
         return conn
 
     async def send(self, target: int, request: int) -> tuple[str, dict[str, np.ndarray] | None]:
-        """One unary ModelInfer call on the target's connection (opened on demand)."""
+        """One unary ModelInfer call on the target's connection (opened on demand).
+
+        A call the server did not read (it went away, or refused the stream, as a proxy
+        does on a graceful reload) is sent once more on a new connection, as gRPC clients
+        do (transparent retry)."""
         address = self._addresses[target]
-        conn = self._connections.get(address)
-        if conn is None or conn.closed:
-            conn = await self._connection(address)
-        message, _ = await conn.call(
-            self._blocks[target], self._requests.get(target, request), self._timeout_s)
+        try:
+            message = await self._call(address, target, request)
+        except RequestFailed as exc:
+            if not exc.unread:
+                raise
+            self.resent += 1
+            message = await self._call(address, target, request)
         if len(message) < 5:
             raise RequestFailed("INTERNAL: the answer carried no message")
         if message[0] != 0:
             raise RequestFailed("INTERNAL: a compressed answer (none was asked for)")
         response = self._response.FromString(message[5:])
         return response.model_version, grpc_outputs(response, self._keep_outputs)
+
+    async def _call(self, address: tuple[str, int], target: int, request: int) -> bytes:
+        conn = self._connections.get(address)
+        if conn is None or conn.closed:
+            conn = await self._connection(address)
+        message, _ = await conn.call(
+            self._blocks[target], self._requests.get(target, request), self._timeout_s)
+        return message
 
     async def close(self) -> None:
         """Close every connection."""

@@ -23,6 +23,8 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _H2_FRAME = struct.Struct(">HBBBI")  # 24-bit length as (high 16, low 8), type, flags, stream
 _H2_DATA, _H2_HEADERS, _H2_RST_STREAM, _H2_SETTINGS = 0x0, 0x1, 0x3, 0x4
 _H2_PING, _H2_GOAWAY, _H2_WINDOW_UPDATE, _H2_CONTINUATION = 0x6, 0x7, 0x8, 0x9
+#: RST_STREAM REFUSED_STREAM: the stream was closed before any processing (RFC 9113 8.7).
+_H2_REFUSED_STREAM = 0x7
 _H2_END_STREAM, _H2_ACK, _H2_END_HEADERS, _H2_PADDED, _H2_PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
 _H2_MAX_WINDOW = 2**31 - 1
 _H2_DEFAULT_WINDOW = 65_535
@@ -138,13 +140,15 @@ class H2Connection(asyncio.Protocol):
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # The open streams may have been processed: only the queued ones were never sent.
         self._fail_all(f"UNAVAILABLE: the server closed the connection ({exc or 'EOF'})")
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
 
-    def _fail_all(self, text: str, above: int = 0) -> None:
-        """Close to new calls; fail the queued calls and the open ones above ``above``."""
+    def _fail_all(self, text: str, above: int = 0, *, unread: bool = False) -> None:
+        """Close to new calls; fail the queued calls (never sent: unread) and the open ones
+        above ``above`` (``unread`` when the server said it did not process them)."""
         self.closed = True
         if not self.ready.done():
             self.ready.set_exception(RequestFailed(text))
@@ -153,9 +157,9 @@ class H2Connection(asyncio.Protocol):
             if stream.timer is not None:
                 stream.timer.cancel()
             if not stream.waiter.done():
-                stream.waiter.set_exception(RequestFailed(text))
+                stream.waiter.set_exception(RequestFailed(text, unread=True))
         for stream_id in [s for s in self._streams if s > above]:
-            self._finish(stream_id, RequestFailed(text))
+            self._finish(stream_id, RequestFailed(text, unread=unread))
 
     def _write(self, frame: bytes) -> None:
         """Queue a frame; everything queued in one turn of the event loop goes out in one
@@ -184,7 +188,8 @@ class H2Connection(asyncio.Protocol):
         stream = H2Stream(waiter, loop.time() + timeout_s, timeout_s)
         body = b"\x00" + struct.pack(">I", len(message)) + message
         if self.closed:
-            waiter.set_exception(RequestFailed("UNAVAILABLE: the connection is closing"))
+            waiter.set_exception(RequestFailed("UNAVAILABLE: the connection is closing",
+                                               unread=True))
             return waiter
         if len(body) > min(self._peer_stream_window, _H2_DEFAULT_FRAME):
             waiter.set_exception(RequestFailed(
@@ -325,12 +330,15 @@ class H2Connection(asyncio.Protocol):
         elif kind == _H2_RST_STREAM and len(payload) == 4:
             code = struct.unpack(">I", payload)[0]
             self._finish(stream_id, RequestFailed(
-                f"UNAVAILABLE: the server reset the stream (HTTP/2 error {code})"))
+                f"UNAVAILABLE: the server reset the stream (HTTP/2 error {code})",
+                unread=code == _H2_REFUSED_STREAM))
         elif kind == _H2_GOAWAY and len(payload) >= 8:
             last_id, code = struct.unpack_from(">II", payload)
             text = payload[8:].decode(errors="replace")
+            # RFC 9113 6.8: the streams above the last id were not processed.
             self._fail_all(f"UNAVAILABLE: the server is going away (HTTP/2 error {code}"
-                           f"{': ' + text if text else ''})", above=last_id & 0x7FFFFFFF)
+                           f"{': ' + text if text else ''})", above=last_id & 0x7FFFFFFF,
+                           unread=True)
             if not self._streams and self.transport is not None:
                 self.transport.close()
 

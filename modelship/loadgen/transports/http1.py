@@ -43,6 +43,7 @@ class HttpConnection(asyncio.Protocol):
         self._waiter: asyncio.Future[tuple[int, bytes, bytes]] | None = None
         self._need = -1
         self._head = b""
+        self.answered = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -51,8 +52,13 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self._waiter is not None and not self._waiter.done():
+            # A kept-alive connection closed before any byte of this answer: the server
+            # closed it between requests (a proxy's graceful reload does, after an answer
+            # that said keep-alive) and never read this one.
+            unread = self.answered > 0 and not self._buffer and self._need < 0
             self._waiter.set_exception(RequestFailed(
-                f"ConnectionError: the server closed the connection ({exc or 'EOF'})"))
+                f"ConnectionError: the server closed the connection ({exc or 'EOF'})",
+                unread=unread))
 
     def request(self, data: bytes) -> asyncio.Future[tuple[int, bytes, bytes]]:
         """Send ``data``; the future gives ``(status, header block, body)``."""
@@ -88,11 +94,13 @@ class HttpConnection(asyncio.Protocol):
             body, used = decoded
             del buf[:used]
         waiter, self._waiter = self._waiter, None
+        self.answered += 1
+        if header_value(self._head, b"connection") == b"close" and self.transport is not None:
+            self.closed = True  # now: connection_lost comes a loop turn later
+            self.transport.close()
         if waiter is not None and not waiter.done():
             status = int(self._head[9:12])
             waiter.set_result((status, self._head, body))
-        if header_value(self._head, b"connection") == b"close" and self.transport is not None:
-            self.transport.close()
 
 
 def header_value(head: bytes, name: bytes) -> bytes | None:
@@ -141,6 +149,9 @@ class RawHttpTransport:
         self._all: list[HttpConnection] = []
         self._paths = [infer_path(t) for t in targets]
         self._requests = Requests(targets, payload, spec.batch_size, self._build)
+        #: requests sent again because the server had closed their kept-alive connection
+        #: before reading them
+        self.resent = 0
 
     def _build(self, target: Target, arrays: dict[str, np.ndarray]) -> bytes:
         """The whole request (request line, headers and body) as one byte string."""
@@ -151,10 +162,12 @@ class RawHttpTransport:
                 *[f"{k}: {v}" for k, v in headers.items()]]
         return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
-    async def _connection(self, address: tuple[str, int]) -> HttpConnection:
-        """An idle connection to ``address``, or a new one (within the request timeout)."""
+    async def _connection(self, address: tuple[str, int], *, fresh: bool = False
+                          ) -> HttpConnection:
+        """An idle connection to ``address`` (unless ``fresh``), or a new one (within the
+        request timeout)."""
         idle = self._idle.setdefault(address, [])
-        while idle:
+        while idle and not fresh:
             conn = idle.pop()
             if not conn.closed:
                 return conn
@@ -168,14 +181,34 @@ class RawHttpTransport:
         return conn
 
     async def send(self, target: int, request: int) -> tuple[str, dict[str, np.ndarray] | None]:
-        """One request on an idle connection; a failed one closes its connection."""
+        """One request on an idle connection; a failed one closes its connection. One the
+        server closed its kept-alive connection on before reading it is sent once more,
+        on a new connection (the other idle ones may be closing too)."""
         address = self._addresses[target]
-        conn = await self._connection(address)
+        try:
+            status, head, content = await self._exchange(address, target, request)
+        except RequestFailed as exc:
+            if not exc.unread:
+                raise
+            self.resent += 1
+            status, head, content = await self._exchange(address, target, request, fresh=True)
+        length = header_value(head, b"inference-header-content-length")
+        if status != 200:
+            raise failed_answer(status, content)
+        header = content[: int(length)] if length else content
+        outputs = None
+        if self._keep_outputs:
+            outputs = answer_outputs(content, int(length) if length else None)
+        return model_version(header), outputs
+
+    async def _exchange(self, address: tuple[str, int], target: int, request: int, *,
+                        fresh: bool = False) -> tuple[int, bytes, bytes]:
+        conn = await self._connection(address, fresh=fresh)
         waiter = conn.request(self._requests.get(target, request))
         timer = asyncio.get_running_loop().call_later(
             self._timeout_s, _expire, waiter, self._timeout_s)
         try:
-            status, head, content = await waiter
+            answer = await waiter
         except RequestFailed:
             conn.closed = True
             if conn.transport is not None:
@@ -185,14 +218,7 @@ class RawHttpTransport:
             timer.cancel()
         if not conn.closed:
             self._idle[address].append(conn)
-        length = header_value(head, b"inference-header-content-length")
-        if status != 200:
-            raise failed_answer(status, content)
-        header = content[: int(length)] if length else content
-        outputs = None
-        if self._keep_outputs:
-            outputs = answer_outputs(content, int(length) if length else None)
-        return model_version(header), outputs
+        return answer
 
     async def close(self) -> None:
         """Close every connection this transport opened."""
