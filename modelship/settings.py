@@ -146,6 +146,14 @@ class Settings(BaseSettings):
     triton_canary: TritonEndpoint | None = Field(
         default=None, description="The canary Triton server, as a JSON object."
     )
+    gateway_url: str | None = Field(
+        default=None,
+        description="Where production traffic goes over HTTP: the gateway in front of the "
+        "replicas and the canary (`modelship stack up` runs one; docs/gateway.md).",
+    )
+    gateway_grpc: str | None = Field(
+        default=None, description="The gateway's gRPC address (host:port)."
+    )
     http_timeout_s: float = Field(
         default=10.0, gt=0, description="Timeout of one HTTP request to any server, in seconds."
     )
@@ -287,6 +295,7 @@ class StackFileSource(PydanticBaseSettingsSource):
 def settings_from_stack_state(state: dict[str, Any]) -> dict[str, Any]:
     """Map the stack state file onto settings fields (pure)."""
     triton = state.get("triton") or {}
+    gateway = state.get("gateway") or {}
     values: dict[str, Any] = {
         "mlflow_tracking_uri": state.get("mlflow_uri"),
         "s3_endpoint": state.get("s3_endpoint"),
@@ -305,6 +314,8 @@ def settings_from_stack_state(state: dict[str, Any]) -> dict[str, Any]:
         "mlflow_webhook_secret": state.get("mlflow_webhook_secret"),
         "triton_replicas": triton.get("replicas"),
         "triton_canary": triton.get("canary"),
+        "gateway_url": gateway.get("http"),
+        "gateway_grpc": gateway.get("grpc"),
     }
     return {key: value for key, value in values.items() if value is not None}
 

@@ -153,8 +153,14 @@ def load(model: ModelArg, version: VersionOpt = None,
              help="Exit 1 when more than this share of requests failed (0 to 1).")] = 0.0,
          canary: Annotated[bool, typer.Option("--canary",
                                               help="Load the canary, not the fleet.")] = False,
+         direct: Annotated[bool, typer.Option(
+             "--direct", help="Load the replicas themselves, not the gateway in front of "
+             "them (production traffic's way when the stack has one).")] = False,
          as_json: JsonOpt = False) -> None:
-    """The canary load generator on its own: latency percentiles, throughput, errors."""
+    """The canary load generator on its own: latency percentiles, throughput, errors.
+
+    Production traffic goes through the gateway when there is one (``gateway_url``), so it
+    is routed (and mirrored) as live traffic is; ``--direct`` loads the replicas."""
     # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
     from modelship.loadgen import LoadSpec, run_load_sync
     from tasks import fleet
@@ -187,10 +193,17 @@ def load(model: ModelArg, version: VersionOpt = None,
             if spec.concurrency is None and spec.rate_rps is None:
                 spec = LoadSpec(protocol=spec.protocol, concurrency=4, duration_s=duration,
                                 timeout_s=settings.http_timeout_s)
-            urls = [s.endpoint.grpc if protocol == "grpc" else s.endpoint.http for s in servers]
+            gateway = settings.gateway_grpc if protocol == "grpc" else settings.gateway_url
+            if gateway and not (canary or direct):
+                urls, via = [gateway], "gateway"
+            else:
+                urls = [s.endpoint.grpc if protocol == "grpc" else s.endpoint.http
+                        for s in servers]
+                via = "canary" if canary else "replicas"
+            progress(f"sending to the {via}: {', '.join(urls)}")
             report = run_load_sync(urls, model, payload, spec,
                                    version=str(version) if version is not None else "")
-            return report.to_dict()
+            return {**report.to_dict(), "via": via, "targets": urls}
 
         return with_clients(body)
 

@@ -61,6 +61,7 @@ def process_records(state: dict[str, Any]) -> list[ProcessRecord]:
 def status_document(state: dict[str, Any], alive: dict[str, bool]) -> dict[str, Any]:
     """The ``stack status --json`` document: DESIGN §6 keys plus component health."""
     triton = state.get("triton", {})
+    gateway = state.get("gateway") or {}
 
     def endpoint(e: dict[str, Any]) -> dict[str, Any]:
         return {"http": e["http"], "grpc": e["grpc"], "metrics": e["metrics"]}
@@ -73,6 +74,10 @@ def status_document(state: dict[str, Any], alive: dict[str, bool]) -> dict[str, 
         "slack_api_url": state.get("slack_api_url"),
         "approvals_url": state.get("approvals_url"),
         "webhooks_url": state.get("webhooks_url"),
+        # production traffic goes here (the replicas and the canary behind it, by weight)
+        "gateway_url": gateway.get("http"),
+        "gateway": ({"http": gateway["http"], "grpc": gateway["grpc"],
+                     "admin": gateway["admin"]} if gateway else None),
         "triton": {
             "replicas": [endpoint(r) for r in triton.get("replicas", [])],
             "canary": endpoint(triton["canary"]) if triton.get("canary") else None,

@@ -1,0 +1,373 @@
+"""The local gateway's raw client: Debian's nginx in front of the Triton fleet.
+
+The embedded stack starts it (:mod:`modelship.stack.manager`) and the local adapter of the
+TrafficRouter port (:mod:`modelship.traffic.local_gateway`) steers it; both sit above this
+module, which knows nginx and nothing of either:
+
+- :class:`GatewayLayout`: what never changes while the stack runs (ports, upstreams, paths);
+- :func:`render_config`: the whole ``nginx.conf`` for a layout and a split (pure);
+- :func:`parse_live`: the split the running workers answer with (pure);
+- :func:`check_config`, :func:`reload`, :func:`read_live`: the I/O, each with a timeout.
+
+Why nginx and how a split becomes live: docs/gateway.md. In short, a split is rendered into
+the configuration (``split_clients`` on the request id for the weights, ``mirror`` to a
+location that forwards a share to the canary) and made live by a graceful reload (SIGHUP):
+the new workers take new connections, the old ones finish what they started. The running
+workers answer ``GET /modelship/split`` on the admin port with the split compiled into
+their own configuration, so a read-back is the proxy's word, never a file or a cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modelship.errors import InfrastructureError
+
+#: Where the admin port answers with the live split.
+SPLIT_PATH = "/modelship/split"
+#: nginx's ``split_clients`` takes percentages with two decimals.
+RESOLUTION_PCT = 0.01
+#: Worker processes of the gateway (a 2-core machine shares them with the whole stack).
+WORKER_PROCESSES = 1
+#: Debian's nginx, also when /usr/sbin is not on PATH (a non-root shell).
+DEBIAN_NGINX = Path("/usr/sbin/nginx")
+INSTALL_HINT = "run `make install` (it installs Debian's nginx with apt)"
+
+
+@dataclass(frozen=True)
+class GatewayLayout:
+    """What the gateway is made of, fixed for the life of a stack.
+
+    Attributes:
+        http_port: KServe HTTP/REST for clients (HTTP/1.1).
+        grpc_port: KServe gRPC for clients (cleartext HTTP/2, h2c).
+        admin_port: the live split (:data:`SPLIT_PATH`); never for clients.
+        production: ``(http host:port, grpc host:port)`` of each replica.
+        canary: the same for the canary Triton.
+        prefix: nginx's prefix directory (its pid file and request-body buffers).
+        error_log: where nginx writes its log.
+        user: the workers' user when the master runs as root (nginx's default, ``nobody``,
+            could not write request bodies into the prefix, which is private to its owner).
+    """
+
+    http_port: int
+    grpc_port: int
+    admin_port: int
+    production: tuple[tuple[str, str], ...]
+    canary: tuple[str, str]
+    prefix: str
+    error_log: str
+    host: str = "127.0.0.1"
+    user: str | None = None
+
+    @property
+    def config_path(self) -> Path:
+        return Path(self.prefix) / "nginx.conf"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.host}:{self.admin_port}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"http_port": self.http_port, "grpc_port": self.grpc_port,
+                "admin_port": self.admin_port,
+                "production": [list(p) for p in self.production],
+                "canary": list(self.canary), "prefix": self.prefix,
+                "error_log": self.error_log, "host": self.host, "user": self.user}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GatewayLayout:
+        return cls(http_port=int(data["http_port"]), grpc_port=int(data["grpc_port"]),
+                   admin_port=int(data["admin_port"]),
+                   production=tuple((str(h), str(g)) for h, g in data["production"]),
+                   canary=(str(data["canary"][0]), str(data["canary"][1])),
+                   prefix=str(data["prefix"]), error_log=str(data["error_log"]),
+                   host=str(data.get("host", "127.0.0.1")),
+                   user=str(data["user"]) if data.get("user") else None)
+
+
+def quantize_pct(value: float) -> float:
+    """A share as nginx can hold it: two decimals (0.004 % is 0, 99.996 % is 100)."""
+    return round(round(float(value) / RESOLUTION_PCT) * RESOLUTION_PCT, 2)
+
+
+def _pct(value: float) -> str:
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+def _chooser(variable: str, key: str, share: float, hit: str, miss: str) -> str:
+    """A ``split_clients`` block giving ``hit`` to ``share`` % of requests (0 < share < 100).
+
+    The key is the request id (random per request); a different salt per chooser keeps the
+    weight's and the mirror's draws independent."""
+    return (f'    split_clients "${{request_id}}{key}" ${variable} {{\n'
+            f"        {_pct(share)}% {hit};\n        * {miss};\n    }}\n")
+
+
+def _backend(canary: float) -> str:
+    """Which upstream pair answers: fixed at 0 and 100 %, drawn per request between."""
+    if canary <= 0:
+        return "production"
+    if canary >= 100:
+        return "canary"
+    return "${modelship_route}"
+
+
+def _upstreams(name: str, servers: Sequence[str], keepalive: int) -> str:
+    lines = "".join(f"        server {s};\n" for s in servers)
+    return f"    upstream {name} {{\n{lines}        keepalive {keepalive};\n    }}\n"
+
+
+def _mirror_location(kind: str, mirror: float) -> str:
+    """The internal location a mirrored copy goes to; its answer is thrown away.
+
+    Below 100 % it answers 204 itself (no upstream is touched) for the requests outside
+    the share. The copy has short timeouts: nginx holds a client's keep-alive connection
+    until its mirror subrequest ends, so a stuck canary must not hold production."""
+    if mirror <= 0:
+        return ""
+    skip = "            if ($modelship_mirror = 0) { return 204; }\n" if mirror < 100 else ""
+    if kind == "http":
+        forward = ("            proxy_pass http://canary_http$request_uri;\n"
+                   "            proxy_http_version 1.1;\n"
+                   '            proxy_set_header Connection "";\n'
+                   "            proxy_connect_timeout 1s;\n"
+                   "            proxy_send_timeout 5s;\n"
+                   "            proxy_read_timeout 5s;\n")
+    else:
+        forward = ("            rewrite ^ $request_uri break;\n"
+                   "            grpc_pass grpc://canary_grpc;\n"
+                   "            grpc_connect_timeout 1s;\n"
+                   "            grpc_send_timeout 5s;\n"
+                   "            grpc_read_timeout 5s;\n")
+    return (f"        location = /_modelship_mirror {{\n            internal;\n{skip}{forward}"
+            "        }\n")
+
+
+def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
+                  generation: str) -> str:
+    """The whole ``nginx.conf`` for ``layout`` with this split (pure).
+
+    Shares are quantized to nginx's two decimals (:func:`quantize_pct`); the admin port
+    answers with exactly the rendered (quantized) shares and ``generation``, so a caller
+    can tell when the workers running this configuration are the ones answering.
+    """
+    canary, mirror = quantize_pct(canary_pct), quantize_pct(mirror_pct)
+    prefix = layout.prefix
+    backend = _backend(canary)
+    choosers = ""
+    if 0 < canary < 100:
+        choosers += _chooser("modelship_route", "", canary, "canary", "production")
+    if 0 < mirror < 100:
+        choosers += _chooser("modelship_mirror", "mirror", mirror, "1", "0")
+    mirror_on = "            mirror /_modelship_mirror;\n" if mirror > 0 else ""
+    live = json.dumps({"canary_pct": canary, "mirror_pct": mirror, "generation": generation},
+                      sort_keys=True)
+    temp = "".join(f"    {kind}_temp_path {prefix}/tmp/{kind};\n"
+                   for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    return (
+        f"# Rendered by modelship (generation {generation}); it is rewritten on every change\n"
+        "# of the traffic split: edit modelship/nginx.py instead.\n"
+        + (f"user {layout.user};\n" if layout.user else "")
+        + f"worker_processes {WORKER_PROCESSES};\n"
+        "daemon off;\n"
+        f"pid {prefix}/nginx.pid;\n"
+        f"error_log {layout.error_log} warn;\n"
+        "events {\n    worker_connections 4096;\n}\n"
+        "http {\n"
+        "    access_log off;\n"
+        "    server_tokens off;\n"
+        f"{temp}"
+        "    client_max_body_size 256m;\n"
+        "    client_body_buffer_size 1m;\n"
+        "    # A client's keep-alive connection is closed only by the client, a reload or idle\n"
+        "    # time: nginx's default (1000 requests) makes every 1000th request race a close.\n"
+        "    keepalive_requests 1000000;\n"
+        "    keepalive_timeout 75s;\n"
+        "    http2_max_concurrent_streams 1024;\n"
+        + _upstreams("production_http", [h for h, _ in layout.production], 64)
+        + _upstreams("production_grpc", [g for _, g in layout.production], 64)
+        + _upstreams("canary_http", [layout.canary[0]], 32)
+        + _upstreams("canary_grpc", [layout.canary[1]], 32)
+        + choosers
+        + "    server {  # KServe HTTP/REST\n"
+        f"        listen {layout.host}:{layout.http_port};\n"
+        "        location / {\n"
+        f"{mirror_on}"
+        f"            proxy_pass http://{backend}_http;\n"
+        "            proxy_http_version 1.1;\n"
+        '            proxy_set_header Connection "";\n'
+        "            proxy_read_timeout 300s;\n"
+        "        }\n"
+        + _mirror_location("http", mirror)
+        + "    }\n"
+        "    server {  # KServe gRPC (h2c)\n"
+        f"        listen {layout.host}:{layout.grpc_port} http2;\n"
+        "        location / {\n"
+        f"{mirror_on}"
+        f"            grpc_pass grpc://{backend}_grpc;\n"
+        "            grpc_read_timeout 300s;\n"
+        "        }\n"
+        + _mirror_location("grpc", mirror)
+        + "    }\n"
+        "    server {  # admin: the live split, never for clients\n"
+        f"        listen {layout.host}:{layout.admin_port};\n"
+        f"        location = {SPLIT_PATH} {{\n"
+        "            default_type application/json;\n"
+        f"            return 200 '{live}\\n';\n"
+        "        }\n"
+        "        location / {\n            return 404;\n        }\n"
+        "    }\n"
+        "}\n"
+    )
+
+
+def parse_live(body: bytes | str) -> tuple[float, float, str]:
+    """``(canary_pct, mirror_pct, generation)`` from the admin port's answer (pure).
+
+    Raises:
+        InfrastructureError: the answer is not the document :func:`render_config` renders.
+    """
+    try:
+        doc = json.loads(body)
+        return float(doc["canary_pct"]), float(doc["mirror_pct"]), str(doc["generation"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InfrastructureError(
+            f"the local gateway's admin port answered something that is not a split "
+            f"({exc}: {str(body)[:120]!r})",
+            hint="another process may hold the gateway's admin port: run `modelship stack "
+            "status` and check the gateway component") from exc
+
+
+def nginx_binary() -> Path:
+    """Debian's nginx.
+
+    Raises:
+        InfrastructureError: it is not installed.
+    """
+    found = shutil.which("nginx") or (str(DEBIAN_NGINX) if DEBIAN_NGINX.is_file() else None)
+    if not found:
+        raise InfrastructureError("nginx (the local gateway) is not installed",
+                                  hint=INSTALL_HINT, component="gateway")
+    return Path(found)
+
+
+def command(binary: Path, layout: GatewayLayout) -> list[str]:
+    """The master process's command line (it stays in the foreground: ``daemon off``)."""
+    return [str(binary), "-p", layout.prefix, "-c", str(layout.config_path),
+            "-e", layout.error_log]
+
+
+def check_config(binary: Path, layout: GatewayLayout, text: str, *,
+                 timeout_s: float = 10.0) -> None:
+    """``nginx -t`` on ``text`` before it replaces the live file.
+
+    Raises:
+        InfrastructureError: nginx refuses it, or did not answer within ``timeout_s``.
+    """
+    fd, tmp = tempfile.mkstemp(dir=layout.prefix, prefix=".check-", suffix=".conf")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        done = subprocess.run([str(binary), "-t", "-q", "-p", layout.prefix, "-c", tmp,
+                               "-e", layout.error_log], capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise InfrastructureError(
+            f"`nginx -t` did not finish within {timeout_s:g} s",
+            hint="the machine may be overloaded; retry", component="gateway") from exc
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    if done.returncode != 0:
+        raise InfrastructureError(
+            f"nginx refused the rendered gateway configuration: {done.stderr.strip()[-400:]}",
+            hint="a bug in modelship/nginx.py's rendering: report it with this message",
+            component="gateway")
+
+
+def write_config(layout: GatewayLayout, text: str) -> None:
+    """Replace the configuration file atomically (a restart reads a whole one)."""
+    Path(layout.prefix, "tmp").mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=layout.prefix, prefix=".nginx-", suffix=".conf")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, layout.config_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def reload(pid: int) -> None:
+    """Ask the master to reload gracefully (SIGHUP): new workers on the new file, the old
+    ones finish what they started.
+
+    Raises:
+        InfrastructureError: the master is gone.
+    """
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError as exc:
+        raise InfrastructureError(
+            f"the local gateway (nginx, pid {pid}) is not running",
+            hint="run `modelship stack up`: it restarts the gateway", component="gateway",
+        ) from exc
+
+
+def accepting_workers(master_pid: int) -> int:
+    """How many of the master's workers still take new connections (from /proc).
+
+    After a reload the old workers close their listening sockets when they see the
+    master's QUIT, and retitle themselves ``worker process is shutting down``; until then
+    they may accept a new connection and route it by the old configuration."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) != master_pid or stat[0] == "Z":
+                continue
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"worker process" in title and b"shutting down" not in title:
+            count += 1
+    return count
+
+
+def read_live(layout: GatewayLayout, *, timeout_s: float) -> tuple[float, float, str]:
+    """The split the running workers answer with, on a new connection.
+
+    Raises:
+        InfrastructureError: no answer within ``timeout_s``, or not a split.
+    """
+    url = layout.admin_url + SPLIT_PATH
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
+            body = response.read()
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        raise InfrastructureError(
+            f"the local gateway did not answer at {url} within {timeout_s:g} s ({exc})",
+            hint="run `modelship stack status`; `modelship stack up` restarts a dead gateway, "
+            f"and its log is {layout.error_log}", component="gateway", url=url) from exc
+    return parse_live(body)
