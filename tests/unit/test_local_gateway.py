@@ -237,3 +237,17 @@ def test_the_workers_user_is_rendered_only_when_given(tmp_path: Path) -> None:
     assert "\nuser root;\n" in render(as_root, PRODUCTION_ONLY, "g")
     assert nginx.GatewayLayout.from_dict(as_root.to_dict()) == as_root
     assert nginx.GatewayLayout.from_dict(gw.to_dict()) == gw
+
+
+def test_the_router_is_the_route_when_configured_else_the_stack_gateway(tmp_path: Path) -> None:
+    from modelship.settings import Settings
+    from modelship.traffic.gateway_api import GatewayApiRouter
+    from modelship.traffic.select import router_for
+
+    state = _state(layout(tmp_path), 1)
+    local = router_for(Settings(home=tmp_path), state)
+    assert isinstance(local, LocalGateway) and local.layout.http_port == 18000
+    assert router_for(Settings(home=tmp_path), {"processes": []}) is None
+    assert router_for(Settings(home=tmp_path / "none")) is None  # no stack.json
+    k8s = Settings(home=tmp_path, k8s_route="modelship/triton-inference")
+    assert isinstance(router_for(k8s, state), GatewayApiRouter)
