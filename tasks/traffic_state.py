@@ -225,9 +225,11 @@ def return_to_production(router: TrafficRouter) -> TrafficSplit:
     return live
 
 
-def settle_router(router: TrafficRouter, claims: Sequence[TrafficClaim], *,
+def settle_router(router: TrafficRouter, claims: Callable[[], Sequence[TrafficClaim]], *,
                   progress: Progress = quiet) -> dict[str, Any]:
-    """Read the router, decide (:func:`decide_router`), restore when decided.
+    """Read the router, decide (:func:`decide_router`), restore when decided. ``claims``
+    is only called when the router is not at production (reading the canary slot is an S3
+    list: a command whose router is at rest pays one read of the router).
 
     Returns:
         ``{"router", "action", "reason", "live", "owner", "restored"}`` and ``error`` (in
@@ -235,7 +237,8 @@ def settle_router(router: TrafficRouter, claims: Sequence[TrafficClaim], *,
         ``unread`` (why) when the router did not answer.
     """
     live, problem = read_live(router)
-    decision = decide_router(live, claims, problem=problem)
+    at_rest = live is not None and live.is_production_only
+    decision = decide_router(live, () if at_rest else claims(), problem=problem)
     report = {"router": router.name, **decision.to_dict(), "restored": False,
               **({"unread": problem} if live is None else {})}
     if decision.action != "restore":
@@ -322,7 +325,9 @@ def recovery_hook(router: TrafficRouter, owners: Callable[[], Sequence[TrafficCl
     a next canary would otherwise put a new candidate in front of live users."""
 
     def hook(records: Sequence[ReleaseRecord]) -> dict[str, Any]:
-        claims = [*owners(), *(c for r in records if (c := claim_of(r, alive=False)))]
+        def claims() -> list[TrafficClaim]:
+            return [*owners(), *(c for r in records if (c := claim_of(r, alive=False)))]
+
         report = settle_router(router, claims, progress=progress)
         if "error" in report:
             raise InfrastructureError(
@@ -340,7 +345,7 @@ def reconcile_hook(router: TrafficRouter, owners: Callable[[], Sequence[TrafficC
     """``reconcile(traffic=...)``: an orphaned split (no live owner) back to production;
     a failure (``error``) or an unreadable router (``unread``) is reported and fails the
     round, and the replicas are still reconciled."""
-    return lambda: settle_router(router, owners(), progress=progress)
+    return lambda: settle_router(router, owners, progress=progress)
 
 
 def live_traffic(router: TrafficRouter | None) -> dict[str, Any] | None:

@@ -158,7 +158,7 @@ def test_the_fake_is_a_traffic_router() -> None:
 
 def test_an_orphan_is_returned_weight_first_then_mirror_and_read_back() -> None:
     router = FakeRouter(split=TrafficSplit(canary_pct=25.0, mirror_pct=10.0))
-    report = settle_router(router, [])
+    report = settle_router(router, list)
     assert router.split == PRODUCTION_ONLY
     assert router.calls == [("live",), ("set_weights", 0.0), ("mirror", 0.0), ("live",)]
     assert (report["action"], report["restored"], report["router"]) == \
@@ -169,14 +169,21 @@ def test_an_orphan_is_returned_weight_first_then_mirror_and_read_back() -> None:
 @pytest.mark.parametrize("claims", [[LIVE_RUN], [SLOT_HOLDER]])
 def test_a_live_owners_split_is_never_written(claims: list[TrafficClaim]) -> None:
     router = FakeRouter(split=CANARY_25)
-    report = settle_router(router, claims)
+    report = settle_router(router, lambda: claims)
     assert router.writes == [] and router.split == CANARY_25
     assert (report["action"], report["restored"]) == ("leave", False)
 
 
 def test_a_router_at_production_is_only_read() -> None:
     router = FakeRouter()
-    assert settle_router(router, [KILLED])["action"] == "none"
+    asked: list[bool] = []
+
+    def claims() -> list[TrafficClaim]:
+        asked.append(True)
+        return [KILLED]
+
+    assert settle_router(router, claims)["action"] == "none"
+    assert asked == []  # the lock store is not read for a router at rest
     assert router.calls == [("live",)]
 
 
@@ -185,7 +192,7 @@ def test_a_router_at_production_is_only_read() -> None:
     (FakeRouter(split=CANARY_25, stuck=True), "stuck: it holds canary 25 %"),
 ])
 def test_a_dead_or_stuck_router_is_reported_not_hidden(router: FakeRouter, says: str) -> None:
-    report = settle_router(router, [KILLED])
+    report = settle_router(router, lambda: [KILLED])
     assert report["action"] == "restore" and report["restored"] is False
     assert says in report["error"], report["error"]
     with pytest.raises(InfrastructureError) as caught:
