@@ -41,6 +41,7 @@ from modelship.settings import Settings
 from modelship.signals import stop_signal
 from modelship.signing import key_bytes
 from modelship.traffic.port import TrafficRouter
+from modelship.traffic.select import router_for
 from modelship.triton.model_config import example_request, from_pbtxt
 from tasks import recovery
 from tasks.evidence import read_candidate_digest, require_evidence
@@ -220,7 +221,8 @@ def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model
                   router: TrafficRouter | None = None) -> dict[str, Any]:
     """Before anything else, under the model's lock: finish or undo what dead or
     incomplete releases of ``model`` left (:func:`tasks.recovery.recover`), and unload
-    what dead runs left on the canary. With a traffic ``router``, first a killed
+    what dead runs left on the canary. With a traffic router (``router``, else the
+    configured one: :func:`modelship.traffic.select.router_for`), first a killed
     release's split (or an orphan) goes back to 100 % production
     (:func:`tasks.traffic_state.recovery_hook`; its report is ``traffic``).
 
@@ -235,6 +237,7 @@ def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model
         return {"interrupted": [], "finished": [], "unloaded": [], "fleet": None}
     ledger = ledger_of(clients)
     effects = FleetEffects(settings, clients, policy, model=model, progress=progress)
+    router = router if router is not None else _configured_router(settings, progress)
     traffic = None if router is None else recovery_hook(
         router, slot_owners(clients.storage, home=settings.home), progress=progress)
     report = recovery.recover(ledger, model, by=by, observe=observer(settings, clients, model),
@@ -247,6 +250,16 @@ def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model
             report["canary_error"] = exc.message
             progress(f"note: what dead runs left on the canary stays: {exc.message}")
     return report
+
+
+def _configured_router(settings: Settings, progress: Progress) -> TrafficRouter | None:
+    """The configured traffic router; a stack.json that does not parse is a note (the
+    stack commands report it), not a reason to skip the recovery."""
+    try:
+        return router_for(settings)
+    except ModelshipError as exc:
+        progress(f"note: the traffic router is not known: {exc.message}")
+        return None
 
 
 def end_release(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,

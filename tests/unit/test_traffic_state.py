@@ -16,6 +16,7 @@ from modelship.errors import InfrastructureError
 from modelship.ledger import ReleaseRecord, StageEntry, now_iso
 from modelship.settings import Settings
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter, TrafficSplit
+from tasks.fleet import _configured_router as configured_router
 from tasks.reconcile import reconcile
 from tasks.recovery import UNKNOWN, Seen, recover
 from tasks.status import status_report
@@ -478,3 +479,14 @@ def test_a_ledger_that_cannot_be_written_never_keeps_the_router_off_production()
         pass
     assert router.split == PRODUCTION_ONLY and calls == [5.0, 0.0]
     assert any("goes back anyway" in line for line in lines)
+
+
+def test_recovery_finds_no_router_without_a_stack_and_a_note_for_a_broken_one(
+        tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    lines: list[str] = []
+    assert configured_router(settings, lines.append) is None and lines == []
+    settings.stack_file.parent.mkdir(parents=True, exist_ok=True)
+    settings.stack_file.write_text("{not json")
+    assert configured_router(settings, lines.append) is None
+    assert len(lines) == 1 and "not readable JSON" in lines[0]
