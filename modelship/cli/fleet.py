@@ -95,11 +95,12 @@ def status(model: ModelArg, as_json: JsonOpt = False) -> None:
     """Compare the replicas (versions and live configs, batching included) with the
     production pin, the production alias and the newest ledger record. Exit 1 on any
     disagreement, naming the command that repairs it; a source that is down is noted."""
+    from modelship.traffic.select import router_for  # lazy: as the tasks below
     from tasks.status import status_report  # lazy: a command imports its tasks when it runs
 
     finish(run_reporting(
-        lambda: with_clients(lambda settings, clients: status_report(settings, clients,
-                                                                     model=model)),
+        lambda: with_clients(lambda settings, clients: status_report(
+            settings, clients, model=model, router=router_for(settings))),
         as_json=as_json, render=_render_status, to_json=lambda d: d,
         exit_code=lambda d: 0 if d["consistent"] else 1))
 
@@ -126,6 +127,8 @@ def _render_status(doc: dict[str, Any]) -> str:
              f"{_v(record['to_version'])} {record['status']}") if record else "ledger: -"]
     lines = [table(["replica", "ready", "batching", "as pinned", "error"], rows),
              doc["summary"], "; ".join(said)]
+    if doc.get("traffic"):
+        lines.append(_traffic_line(doc["traffic"]))
     if doc.get("in_progress"):
         lines.append(f"in progress: {doc['in_progress']}")
     lines.extend(f"DISAGREES ({d['kind']}): {d['detail']}\n  repair: {d['repair']}"
@@ -312,6 +315,16 @@ def reconcile(model: Annotated[str | None, typer.Argument(
         exit_code=lambda last: last))
 
 
+def _traffic_line(traffic: dict[str, Any]) -> str:
+    """The live weights as the router reads them back (status), or why they were not."""
+    live = traffic.get("live")
+    if live is None:
+        return f"traffic ({traffic['router']}): not read: {traffic.get('error')}"
+    mirror = f", {live['mirror_pct']:g} % mirrored to the canary" if live["mirror_pct"] else ""
+    return (f"traffic ({traffic['router']}): {live['production_pct']:g} % production, "
+            f"{live['canary_pct']:g} % canary{mirror}")
+
+
 def _reconcile_arguments(settings: Any, clients: Any, *, model: str | None,
                          dry_run: bool) -> dict[str, Any]:
     """The keyword arguments of a reconcile (one round, or ``--watch``), from the wiring.
@@ -323,7 +336,9 @@ def _reconcile_arguments(settings: Any, clients: Any, *, model: str | None,
     from modelship.locks import release_lock
     from modelship.policy import policy_for
     from modelship.signing import key_bytes
+    from modelship.traffic.select import router_for
     from tasks import fleet
+    from tasks.traffic_state import reconcile_hook, slot_owners
 
     if not clients.replicas or clients.storage is None:
         raise UsageError("reconcile needs the Triton replicas and the S3 repository",
@@ -339,6 +354,9 @@ def _reconcile_arguments(settings: Any, clients: Any, *, model: str | None,
             "recover": lambda name: fleet.recover_model(
                 settings, clients, policy_for(name, settings.policies_dir, None),
                 model=name, by=f"reconcile-{os.getpid()}", progress=progress),
+            # an orphaned split (no live release owns it) back to 100 % production
+            "traffic": None if (router := router_for(settings)) is None else reconcile_hook(
+                router, slot_owners(clients.storage, home=settings.home), progress=progress),
             "progress": progress}
 
 
@@ -357,7 +375,11 @@ def _render_reconcile(doc: dict[str, Any]) -> str:
         summary = f"changed {doc['changed']} replica(s)"
     head = table(["model", "production", "replica", "action", "reason"], rows) if rows \
         else "no model has a production pin yet: nothing to reconcile"
-    return "\n".join([head, *failed, summary])
+    traffic = doc.get("traffic") or {}
+    routed = [f"traffic ({traffic['router']}): {traffic['reason']}"
+              + (f"; FAILED: {traffic['error']}" if traffic.get("error") else "")
+              ] if traffic.get("action") in ("restore", "unknown") else []
+    return "\n".join([head, *failed, *routed, summary])
 
 
 def _reconcile_exit_code(doc: dict[str, Any]) -> int:
