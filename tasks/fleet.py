@@ -41,14 +41,13 @@ from modelship.settings import Settings
 from modelship.signals import stop_signal
 from modelship.signing import key_bytes
 from modelship.traffic.port import TrafficRouter
-from modelship.traffic.select import router_for
 from modelship.triton.model_config import example_request, from_pbtxt
 from tasks import recovery
 from tasks.evidence import read_candidate_digest, require_evidence
 from tasks.record import ReleaseJournal
 from tasks.stage import prune_versions
 from tasks.swap import SwapOptions, SwapTarget, fleet_status, recorded_footprint, swap_fleet
-from tasks.traffic_state import recovery_hook, slot_owners
+from tasks.traffic_state import configured_router, recovery_hook, slot_owners
 
 
 def require_fleet(clients: Clients) -> None:
@@ -237,7 +236,7 @@ def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model
         return {"interrupted": [], "finished": [], "unloaded": [], "fleet": None}
     ledger = ledger_of(clients)
     effects = FleetEffects(settings, clients, policy, model=model, progress=progress)
-    router = router if router is not None else _configured_router(settings, progress)
+    router = router if router is not None else configured_router(settings, progress)
     traffic = None if router is None else recovery_hook(
         router, slot_owners(clients.storage, home=settings.home), progress=progress)
     report = recovery.recover(ledger, model, by=by, observe=observer(settings, clients, model),
@@ -250,16 +249,6 @@ def recover_model(settings: Settings, clients: Clients, policy: Policy, *, model
             report["canary_error"] = exc.message
             progress(f"note: what dead runs left on the canary stays: {exc.message}")
     return report
-
-
-def _configured_router(settings: Settings, progress: Progress) -> TrafficRouter | None:
-    """The configured traffic router; a stack.json that does not parse is a note (the
-    stack commands report it), not a reason to skip the recovery."""
-    try:
-        return router_for(settings)
-    except ModelshipError as exc:
-        progress(f"note: the traffic router is not known: {exc.message}")
-        return None
 
 
 def end_release(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,

@@ -37,14 +37,16 @@ from modelship.errors import InfrastructureError, ModelshipError
 from modelship.ledger import ReleaseRecord, now_iso
 from modelship.locks import list_locks
 from modelship.progress import Progress, quiet
+from modelship.settings import Settings
 from modelship.storage import S3Storage
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter, TrafficSplit
+from modelship.traffic.select import router_for
 from tasks.traffic_plan import StepEvent, router_problem
 
-__all__ = ["RouterAction", "RouterDecision", "TrafficClaim", "claim_of", "decide_router",
-           "holding", "live_traffic", "read_live", "reconcile_hook", "recovery_hook",
-           "return_to_production", "settle_router", "slot_claims", "slot_owners", "split_of",
-           "traffic_intent", "with_event"]
+__all__ = ["RouterAction", "RouterDecision", "TrafficClaim", "claim_of", "configured_router",
+           "decide_router", "holding", "live_traffic", "read_live", "reconcile_hook",
+           "recovery_hook", "return_to_production", "settle_router", "slot_claims",
+           "slot_owners", "split_of", "traffic_intent", "with_event"]
 
 RouterAction = Literal["none", "leave", "restore", "unknown"]
 
@@ -346,6 +348,17 @@ def reconcile_hook(router: TrafficRouter, owners: Callable[[], Sequence[TrafficC
     a failure (``error``) or an unreadable router (``unread``) is reported and fails the
     round, and the replicas are still reconciled."""
     return lambda: settle_router(router, owners, progress=progress)
+
+
+def configured_router(settings: Settings, progress: Progress = quiet) -> TrafficRouter | None:
+    """The configured traffic router (:func:`modelship.traffic.select.router_for`); a
+    router that cannot be built (a ``stack.json`` that does not parse, a gateway without
+    its process record) is a note, never a stopped recovery or status."""
+    try:
+        return router_for(settings)
+    except ModelshipError as exc:
+        progress(f"note: the traffic router is not known: {exc.message}")
+        return None
 
 
 def live_traffic(router: TrafficRouter | None) -> dict[str, Any] | None:

@@ -95,12 +95,12 @@ def status(model: ModelArg, as_json: JsonOpt = False) -> None:
     """Compare the replicas (versions and live configs, batching included) with the
     production pin, the production alias and the newest ledger record. Exit 1 on any
     disagreement, naming the command that repairs it; a source that is down is noted."""
-    from modelship.traffic.select import router_for  # lazy: as the tasks below
     from tasks.status import status_report  # lazy: a command imports its tasks when it runs
+    from tasks.traffic_state import configured_router
 
     finish(run_reporting(
         lambda: with_clients(lambda settings, clients: status_report(
-            settings, clients, model=model, router=router_for(settings))),
+            settings, clients, model=model, router=configured_router(settings, progress))),
         as_json=as_json, render=_render_status, to_json=lambda d: d,
         exit_code=lambda d: 0 if d["consistent"] else 1))
 
@@ -336,14 +336,14 @@ def _reconcile_arguments(settings: Any, clients: Any, *, model: str | None,
     from modelship.locks import release_lock
     from modelship.policy import policy_for
     from modelship.signing import key_bytes
-    from modelship.traffic.select import router_for
     from tasks import fleet
-    from tasks.traffic_state import reconcile_hook, slot_owners
+    from tasks.traffic_state import configured_router, reconcile_hook, slot_owners
 
     if not clients.replicas or clients.storage is None:
         raise UsageError("reconcile needs the Triton replicas and the S3 repository",
                          hint="run `modelship stack up` or set MODELSHIP_TRITON_REPLICAS "
                          "and MODELSHIP_S3_ENDPOINT")
+    router = configured_router(settings, progress)
     return {"storage": clients.storage, "repository_prefix": settings.repository_prefix,
             "signing_key": key_bytes(settings.manifest_signing_key), "model": model,
             "timeout_s": settings.control_timeout_s,
@@ -355,7 +355,7 @@ def _reconcile_arguments(settings: Any, clients: Any, *, model: str | None,
                 settings, clients, policy_for(name, settings.policies_dir, None),
                 model=name, by=f"reconcile-{os.getpid()}", progress=progress),
             # an orphaned split (no live release owns it) back to 100 % production
-            "traffic": None if (router := router_for(settings)) is None else reconcile_hook(
+            "traffic": None if router is None else reconcile_hook(
                 router, slot_owners(clients.storage, home=settings.home), progress=progress),
             "progress": progress}
 

@@ -16,7 +16,6 @@ from modelship.errors import InfrastructureError
 from modelship.ledger import ReleaseRecord, StageEntry, now_iso
 from modelship.settings import Settings
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter, TrafficSplit
-from tasks.fleet import _configured_router as configured_router
 from tasks.reconcile import reconcile
 from tasks.recovery import UNKNOWN, Seen, recover
 from tasks.status import status_report
@@ -24,6 +23,7 @@ from tasks.traffic_plan import ProgressivePlan, StepLook, next_action, step_even
 from tasks.traffic_state import (
     TrafficClaim,
     claim_of,
+    configured_router,
     decide_router,
     holding,
     live_traffic,
