@@ -87,7 +87,11 @@ def cli_env(home: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
 pytest_plugins = ["tests.stack_fixtures"]
 
 
-# --- how `make test` shares the files out between its two xdist workers (--dist loadgroup) ---
+# --- how `make test` shares the files out between its two xdist workers (--dist loadfile) ---
+#
+# xdist's own --dist loadgroup cannot be used: it names a test's group by rewriting
+# item._nodeid, which pytest 9 no longer reads (Node.nodeid is str(self._id)), so every test
+# silently becomes a unit of its own. The scheduler below works from the node ids alone.
 
 #: Worker seconds of the heaviest files (the last full run's durations, setup included):
 #: groups go out heaviest first, so the two workers end together (longest job first).
@@ -109,64 +113,71 @@ FILE_SECONDS = {
 }
 SECONDS_PER_TEST = {"tests/e2e": 60.0, "tests/integration": 8.0}
 #: Files of independent cells (each starts from whatever the one before left, and sets up
-#: what it needs: see test_crash's ``_start``) split into this many groups, one per worker,
-#: where their tests carry no ``xdist_group`` mark of their own (a file's own marks say
-#: better where to cut). The 16-cell fault matrix alone is a third of the suite's worker
-#: time. Each group brings up the file's own stack (about a minute), maybe on another worker.
+#: what it needs: see test_crash's ``_start``) cut into this many parts of consecutive
+#: tests, in collection order: the first ceil(n/2) cells are one part. The 16-cell fault
+#: matrix alone is a third of the suite's worker time. Each part brings up the file's own
+#: stack (about a minute), maybe on the other worker.
 SPLIT = {"tests/e2e/test_crash.py": 2}
 
 
-def xdist_groups(tests: list[tuple[str, str | None]]) -> list[tuple[str, list[int]]]:
+def _path(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def xdist_groups(nodeids: list[str]) -> list[tuple[str, list[int]]]:
     """The groups of a collection, heaviest first: (name, indices of its tests in
-    collection order). ``tests`` holds each test's file and the xdist group it is marked
-    with (None: unmarked). A marked test stays in its group; the unmarked ones of a file
-    form one group, except in the files of :data:`SPLIT`, which deal them round-robin
-    into their parts. A group weighs its share of its file's :data:`FILE_SECONDS`. Pure;
-    the hook below applies it."""
+    collection order). One group per file; a file of :data:`SPLIT` is cut into parts of
+    consecutive tests, each weighing its share of the file's :data:`FILE_SECONDS`. Pure.
+    Ordering the tests by these groups and grouping again gives the same groups."""
+    count: dict[str, int] = {}
+    for nodeid in nodeids:
+        count[_path(nodeid)] = count.get(_path(nodeid), 0) + 1
     groups: dict[str, list[int]] = {}
-    per_file: dict[str, int] = {}
-    unmarked: dict[str, int] = {}
-    for index, (path, marked) in enumerate(tests):
-        per_file[path] = per_file.get(path, 0) + 1
-        if marked is None:
-            parts, nth = SPLIT.get(path, 1), unmarked.get(path, 0)
-            unmarked[path] = nth + 1
-            marked = path if parts == 1 else f"{path}-part{nth % parts + 1}of{parts}"
-        groups.setdefault(marked, []).append(index)
+    nth: dict[str, int] = {}
+    for index, nodeid in enumerate(nodeids):
+        path = _path(nodeid)
+        parts, i = SPLIT.get(path, 1), nth.get(path, 0)
+        nth[path] = i + 1
+        name = path if parts == 1 else f"{path}-part{i * parts // count[path] + 1}of{parts}"
+        groups.setdefault(name, []).append(index)
 
     def weight(item: tuple[str, list[int]]) -> float:
-        _, indices = item
-        seconds = 0.0
-        for index in indices:
-            path = tests[index][0]
-            per_test = next((s for d, s in SECONDS_PER_TEST.items() if path.startswith(d)), 0.1)
-            seconds += FILE_SECONDS[path] / per_file[path] if path in FILE_SECONDS else per_test
-        return seconds
+        path = _path(nodeids[item[1][0]])
+        if path in FILE_SECONDS:
+            return FILE_SECONDS[path] * len(item[1]) / count[path]
+        per_test = next((s for d, s in SECONDS_PER_TEST.items() if path.startswith(d)), 0.1)
+        return per_test * len(item[1])
 
     return sorted(groups.items(), key=weight, reverse=True)  # stable: ties keep their order
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook appends the group to each nodeid
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` (make test): every file is one xdist group (its module
-    fixtures stay in one process, as with loadfile), tests keep an ``xdist_group`` mark of
-    their own, the files of :data:`SPLIT` are cut in parts, and the groups are ordered
-    heaviest first (xdist hands them out in collection order with
-    ``--no-loadscope-reorder``)."""
-    if config.getoption("dist", default="no") != "loadgroup":
+    """On an xdist worker: the tests in :func:`xdist_groups` order, heaviest group first
+    (xdist hands the units out in collection order with ``--no-loadscope-reorder``; every
+    worker orders the same way, as xdist requires)."""
+    if not hasattr(config, "workerinput"):
         return
-    tests = [(item.nodeid.split("::", 1)[0], _marked_group(item)) for item in items]
-    ordered: list[pytest.Item] = []
-    for name, indices in xdist_groups(tests):
-        for index in indices:
-            if tests[index][1] is None:
-                items[index].add_marker(pytest.mark.xdist_group(name))
-            ordered.append(items[index])
-    items[:] = ordered
+    order = [i for _, indices in xdist_groups([item.nodeid for item in items]) for i in indices]
+    items[:] = [items[i] for i in order]
 
 
-def _marked_group(item: pytest.Item) -> str | None:
-    """The group of a test's own ``xdist_group`` marks, named as xdist names it."""
-    names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-             for m in item.iter_markers("xdist_group")}
-    return "_".join(sorted(names)) if names else None
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile``: xdist's scheduler, with :func:`xdist_groups` for units (one per
+    file, the :data:`SPLIT` files in parts); any other mode is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # lazy: only the xdist controller
+
+    class FileGroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                assert self.collection is not None  # set before the first unit is formed
+                self._groups = {self.collection[i]: name
+                                for name, indices in xdist_groups(self.collection)
+                                for i in indices}
+            return self._groups[nodeid]
+
+    return FileGroupScheduling(config, log)
