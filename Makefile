@@ -71,10 +71,10 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache  # the layer contracts in pyproject.toml (README "Layers")
 
-# The whole suite on both cores: pytest-xdist runs one test file at a time per worker (a
-# file's module fixtures stay in one process) and each worker starts its own session stack.
-# Files go out in collection order, the long end-to-end files first (xdist's default sends
-# the files with the most tests first, which leaves a 10-minute e2e file for the end).
+# The whole suite on both cores (pytest-xdist). Each test file is one unit of work (its module
+# fixtures stay in one process) and each worker starts its own session stack; the fault
+# matrix is cut into two halves, one per worker, and the units go out heaviest first, so
+# the two workers end together (tests/conftest.py: its scheduler, FILE_SECONDS, SPLIT).
 # --durations=25 prints where the time went.
 # The canary's latency tests run alone afterwards: they measure latency, and the other
 # worker's promotions make it bursty (lag-1 autocorrelation 0.59 measured), so the block
