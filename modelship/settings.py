@@ -154,6 +154,12 @@ class Settings(BaseSettings):
     gateway_grpc: str | None = Field(
         default=None, description="The gateway's gRPC address (host:port)."
     )
+    check_cache: bool = Field(
+        default=True,
+        description="Reuse a passed check whose inputs are byte-identical (artifact, golden "
+        "rows, policy, modelship, Triton runtime) from <home>/cache/check; 0 forces every "
+        "check to run fresh (as `modelship check --no-cache`).",
+    )
     http_timeout_s: float = Field(
         default=10.0, gt=0, description="Timeout of one HTTP request to any server, in seconds."
     )

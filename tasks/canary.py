@@ -50,7 +50,8 @@ import asyncio
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -122,7 +123,7 @@ from tasks.canary_sizing import (
 from tasks.canary_slot import in_canary_slot
 from tasks.gate_report import GateReport, shared_errors, tail_reference_refusal
 from tasks.payload import load_payload
-from tasks.report import publish_markdown_artifact, write_canary_report
+from tasks.report import prepare_plotting, publish_markdown_artifact, write_canary_report
 from tasks.sequential import SequentialCanary
 from tasks.traffic_plan import not_carried_out
 
@@ -563,16 +564,22 @@ class _CanaryRun:
             if enough_samples(plan, measured):
                 return
 
-    def release(self, keep_loaded: bool) -> None:
+    def release(self, keep_loaded: bool,
+                while_unloading: Callable[[], object] = lambda: None) -> None:
         """After a measurement that completed: keep the versions loaded for the approval
-        wait, or unload them (a failed unload is a note: unload by hand)."""
+        wait, or unload them (a failed unload is a note: unload by hand).
+        ``while_unloading`` runs in this thread while the canary unloads (waiting on the
+        server, about a second)."""
         model = self.plan.model
         if keep_loaded:
             self.cleanup = KEPT_LOADED
             self.progress(f"keeping {model} loaded on the {self.where} for the approval wait")
             return
         self.progress(f"unloading {model} from the {self.where}")
-        self.cleanup = _unload(self.server, model, self.progress)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="canary-unload") as pool:
+            unloading = pool.submit(_unload, self.server, model, self.progress)
+            while_unloading()
+            self.cleanup = unloading.result()  # _unload never raises
         if self.cleanup != "unloaded":
             self.notes.append(f"cleanup: {self.cleanup}; unload {model} from the {self.where} "
                               "by hand")
@@ -764,7 +771,7 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     run = _CanaryRun(settings, server, plan, payload=payload, notes=[*notes, *plan.notes],
                      empty_text=empty_text, progress=progress)
     measured = run.measure(config)
-    run.release(keep_loaded)
+    run.release(keep_loaded, while_unloading=prepare_plotting)
     gpu = run.gpu_evidence()
     snapshot = run.snapshot(measured, source, gpu)
     gate_report = judge_measured(plan, measured, snapshot)

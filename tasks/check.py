@@ -27,6 +27,7 @@ from tasks.record import NextStep, StageRecorder
 
 if TYPE_CHECKING:
     from modelship.triton.model_config import ModelConfig
+    from tasks.check_cache import CachedCheck
 
 
 @dataclass
@@ -44,6 +45,7 @@ class CheckReport:
     config_pbtxt: str | None = None
     checks: dict[str, Any] = field(default_factory=dict)
     staged: dict[str, Any] | None = None
+    cache: dict[str, Any] | None = None
     feed: dict[str, Any] = field(default_factory=dict, repr=False)
     outputs: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -60,6 +62,7 @@ class CheckReport:
             "checks": self.checks,
             "config_pbtxt": self.config_pbtxt,
             "staged": self.staged,
+            "cache": self.cache,
         }
 
 
@@ -138,12 +141,15 @@ def run_check(
     allow_breaking_changes: bool = False,
     dry_run: bool = False,
     docs: bool = True,
+    cache: bool | None = None,
     progress: Progress = quiet,
 ) -> CheckReport:
     """Run the artifact gate on one candidate; raise the first stage's error.
 
-    ``docs=False`` builds no GX Data Docs (for a ``workdir`` nobody reads afterwards)."""
-    from tasks import export, validate  # heavy (onnx, skl2onnx): when a check runs
+    ``docs=False`` builds no GX Data Docs (for a ``workdir`` nobody reads afterwards).
+    ``cache`` (default: ``settings.check_cache``) reuses a passed check of byte-identical
+    inputs (:mod:`tasks.check_cache`); ``False`` forces a fresh check."""
+    from tasks import export
 
     report = CheckReport(model=model)
     with _stage(report, "preflight", progress):
@@ -151,28 +157,85 @@ def run_check(
     assert clients.registry is not None and clients.storage is not None \
         and clients.canary is not None
     resolved = _resolve(report, clients, model, version, alias, workdir, progress)
-    golden = _golden_inputs(report, clients, policy, resolved, workdir, docs, progress)
-
-    def signature_contract(candidate: ExportedModel) -> None:
-        validate.check_contract(resolved.signature, candidate.spec, None)
-
-    with _stage(report, "export", progress) as entry:
-        exported = export.export_model(resolved, golden, policy.export, workdir / "export",
-                                       before_parity=signature_contract)
-        report.exported = exported
-        entry.update(opset=exported.opset, parity=exported.parity)
+    golden = _golden(report, clients, policy, resolved, workdir, progress)
+    lookup = _CacheLookup.open(settings, clients, policy, resolved, report,
+                               settings.check_cache if cache is None else cache, progress)
+    hit = lookup.hit
+    _input_checks(report, policy, resolved, golden, workdir, docs, progress,
+                  hit=None if docs else hit)
+    exported = _export(report, policy, resolved, golden, workdir, progress, hit=hit)
     staged_config = _validate(report, settings, clients, policy, resolved, exported, golden,
                               allow_breaking_changes, progress)
     feed = export.golden_feed(golden, exported.spec, resolved.signature)
     outputs = _output_checks(report, policy, resolved, exported, feed, workdir, docs,
-                             progress)
+                             progress, hit=None if docs else hit)
     _trial_load(report, settings, clients, policy, resolved, exported, staged_config, feed,
-                progress)
+                progress, hit=hit)
     report.feed, report.outputs = feed, outputs
+    lookup.store(report, exported, outputs)
     if stage:
         stage_checked(settings, clients, policy, report, dry_run=dry_run, progress=progress)
     report.verdict = "passed"
     return report
+
+
+@dataclass
+class _CacheLookup:
+    """The check cache for one check: its key and what it found (``hit``), or nothing
+    when the cache is off or the inputs cannot be digested."""
+
+    cache: Any = None
+    key: str | None = None
+    hit: Any = None
+
+    @classmethod
+    def open(cls, settings: Settings, clients: Clients, policy: Policy,
+             resolved: ResolvedVersion, report: CheckReport, enabled: bool,
+             progress: Progress) -> _CacheLookup:
+        from tasks import check_cache
+
+        if not enabled:
+            report.cache = {"hit": False, "disabled": True}
+            return cls()
+        assert clients.canary is not None and report.golden is not None
+        runtime = check_cache.triton_runtime(clients.canary)
+        if runtime is None:
+            report.cache = {"hit": False, "reason": "the canary Triton names no version"}
+            return cls()
+        key = check_cache.cache_key(check_cache.CheckInputs(
+            artifact=check_cache.artifact_digest(resolved.local_dir), flavor=resolved.flavor,
+            golden=check_cache.file_sha256(report.golden.path),
+            policy=check_cache.policy_digest(policy),
+            modelship=check_cache.modelship_digest(),
+            libraries=check_cache.library_versions(), triton=runtime))
+        store = check_cache.CheckCache(Path(settings.home) / "cache" / "check")
+        hit = store.load(key)
+        if hit is not None:
+            report.cache = hit.describe()
+            progress(f"check cache: hit {key[:12]} (a passed check of {hit.subject}, "
+                     f"{hit.stored_at}); `--no-cache` checks afresh")
+        else:
+            report.cache = {"hit": False, "key": key}
+            if store.last_discarded:
+                report.cache["discarded"] = store.last_discarded
+                progress(f"check cache: discarded a corrupt entry ({store.last_discarded})")
+        return cls(cache=store, key=key, hit=hit)
+
+    def store(self, report: CheckReport, exported: ExportedModel,
+              outputs: dict[str, Any]) -> None:
+        """Keep a passed check's results (only on a miss; a hit is already there)."""
+        from datetime import UTC, datetime
+
+        if self.cache is None or self.key is None or self.hit is not None:
+            return
+        stored = self.cache.store(
+            self.key, subject=f"{report.model} v{report.version}",
+            stored_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            files=exported.files, opset=exported.opset, parity=exported.parity,
+            checks={name: report.checks[name] for name in REQUIRED_CHECKS},
+            outputs=outputs)
+        if report.cache is not None:
+            report.cache["stored"] = stored
 
 
 def _resolve(report: CheckReport, clients: Clients, model: str, version: int | None,
@@ -191,12 +254,10 @@ def _resolve(report: CheckReport, clients: Clients, model: str, version: int | N
     return resolved
 
 
-def _golden_inputs(report: CheckReport, clients: Clients, policy: Policy,
-                   resolved: ResolvedVersion, workdir: Path, docs: bool,
-                   progress: Progress) -> Any:
-    """The golden and input_checks stages: the golden rows (a DataFrame), checked."""
+def _golden(report: CheckReport, clients: Clients, policy: Policy,
+            resolved: ResolvedVersion, workdir: Path, progress: Progress) -> Any:
+    """The golden stage: the golden rows (a DataFrame)."""
     from model_registry.golden import load_golden  # heavy (mlflow, pandas): when it runs
-    from tasks import expectations  # heavy (pandas; GX when it runs)
 
     assert clients.registry is not None
     with _stage(report, "golden", progress) as entry:
@@ -207,15 +268,51 @@ def _golden_inputs(report: CheckReport, clients: Clients, policy: Policy,
         report.golden = golden_info
         entry.update(source=golden_info.source, rows=golden_info.rows,
                      synthetic=golden_info.source == "synthetic")
+    return golden
 
+
+def _input_checks(report: CheckReport, policy: Policy, resolved: ResolvedVersion,
+                  golden: Any, workdir: Path, docs: bool, progress: Progress, *,
+                  hit: CachedCheck | None) -> None:
+    """The input_checks stage: the golden rows checked by GX (or a cached pass of them)."""
     with _stage(report, "input_checks", progress) as entry:
+        if hit is not None:
+            report.checks["inputs"] = dict(hit.checks["inputs"], docs_path=None)
+            entry.update(evaluated=report.checks["inputs"].get("evaluated"), docs=None,
+                         cache=hit.key)
+            return
+        from tasks import expectations  # heavy (pandas; GX when it runs)
+
         inputs = expectations.check_inputs(
             golden, policy.validation, signature_columns=_signature_columns(resolved.signature),
             out_dir=workdir / "checks" / "inputs", docs=docs)
         report.checks["inputs"] = inputs.to_dict()
         expectations.raise_for_failures(inputs, f"{resolved.uri} golden inputs")
         entry.update(evaluated=inputs.evaluated, docs=report.checks["inputs"]["docs_path"])
-    return golden
+
+
+def _export(report: CheckReport, policy: Policy, resolved: ResolvedVersion, golden: Any,
+            workdir: Path, progress: Progress, *, hit: CachedCheck | None) -> ExportedModel:
+    """The export stage: the checked ONNX graph and its parity (or the cached export of
+    the same bytes, checked again)."""
+    from tasks import export, validate  # heavy (onnx, skl2onnx): when a check runs
+
+    def signature_contract(candidate: ExportedModel) -> None:
+        validate.check_contract(resolved.signature, candidate.spec, None)
+
+    with _stage(report, "export", progress) as entry:
+        if hit is not None:
+            exported = export.reuse_export(hit.files, resolved, policy.export,
+                                           workdir / "export", parity=hit.parity)
+            signature_contract(exported)
+            entry.update(cache=hit.key)
+        else:
+            exported = export.export_model(resolved, golden, policy.export,
+                                           workdir / "export",
+                                           before_parity=signature_contract)
+        report.exported = exported
+        entry.update(opset=exported.opset, parity=exported.parity)
+    return exported
 
 
 def _validate(report: CheckReport, settings: Settings, clients: Clients, policy: Policy,
@@ -260,12 +357,18 @@ def _validate(report: CheckReport, settings: Settings, clients: Clients, policy:
 
 def _output_checks(report: CheckReport, policy: Policy, resolved: ResolvedVersion,
                    exported: ExportedModel, feed: dict[str, Any], workdir: Path,
-                   docs: bool, progress: Progress) -> dict[str, Any]:
+                   docs: bool, progress: Progress, *, hit: CachedCheck | None
+                   ) -> dict[str, Any]:
     """The output_checks stage: the exported graph's answers on the golden feed, checked
-    by GX. Returns the answers."""
-    from tasks import expectations, trial_load  # heavy (pandas, onnxruntime): when it runs
-
+    by GX (or the cached answers and pass of the same graph and rows). Returns the answers."""
     with _stage(report, "output_checks", progress) as entry:
+        if hit is not None:
+            report.checks["outputs"] = dict(hit.checks["outputs"], docs_path=None)
+            entry.update(evaluated=report.checks["outputs"].get("evaluated"), docs=None,
+                         cache=hit.key)
+            return dict(hit.outputs)
+        from tasks import expectations, trial_load  # heavy (pandas, onnxruntime)
+
         outputs = trial_load.run_onnxruntime(exported.onnx_path, feed)
         result = expectations.check_outputs(outputs, policy.validation,
                                             out_dir=workdir / "checks" / "outputs",
@@ -278,15 +381,21 @@ def _output_checks(report: CheckReport, policy: Policy, resolved: ResolvedVersio
 
 def _trial_load(report: CheckReport, settings: Settings, clients: Clients, policy: Policy,
                 resolved: ResolvedVersion, exported: ExportedModel, config: ModelConfig,
-                feed: dict[str, Any], progress: Progress) -> None:
+                feed: dict[str, Any], progress: Progress, *, hit: CachedCheck | None
+                ) -> None:
     """The trial_load stage: load the staged config on the canary, answer the golden feed
-    within parity, unload."""
-    from modelship.triton.infer import TritonInference  # heavy (tritonclient): when it runs
-    from tasks import trial_load
-
+    within parity, unload (or the cached pass of the same bytes on the same runtime)."""
     canary = clients.canary
     assert canary is not None
     with _stage(report, "trial_load", progress) as entry:
+        if hit is not None:
+            report.checks["trial_load"] = dict(hit.checks["trial_load"])
+            entry.update(server=report.checks["trial_load"].get("server"),
+                         load_s=report.checks["trial_load"].get("load_s"), cache=hit.key)
+            return
+        from modelship.triton.infer import TritonInference  # heavy (tritonclient)
+        from tasks import trial_load
+
         inference = TritonInference(canary.endpoint.http, timeout_s=settings.http_timeout_s)
         try:
             trial = trial_load.trial_load(canary, inference, model=report.model,

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -70,6 +72,7 @@ __all__ = [
     "export_model",
     "golden_feed",
     "graph_spec",
+    "reuse_export",
 ]
 
 SUPPORTED_FLAVORS = ("onnx", "sklearn", "pytorch")
@@ -377,6 +380,34 @@ def export_model(
     return ExportedModel(files=files, opset=opset, spec=spec, parity=parity)
 
 
+def reuse_export(
+    cached: Mapping[str, Path], resolved: ResolvedVersion, policy: ExportPolicy, workdir: Path,
+    *, parity: dict[str, Any],
+) -> ExportedModel:
+    """An earlier export of the same bytes (``cached``: the check cache's verified files)
+    as this version's: copied into ``workdir``, a converted graph renamed for this version
+    (:func:`_make_deterministic`, the only per-version part of an export), and checked
+    again (:func:`_check`: onnx.checker, shape inference, the opset window). ``parity`` is
+    the earlier export's report (same artifact, golden rows and tolerances)."""
+    import onnx
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, path in cached.items():
+        files[name] = workdir / name
+        shutil.copyfile(path, files[name])
+    subject = f"{resolved.name}/{resolved.version}"
+    if resolved.flavor != "onnx":
+        model = onnx.load(str(files[MODEL_FILE]), load_external_data=False)
+        if model.graph.name != f"{resolved.name}_v{resolved.version}":
+            model = onnx.load(str(files[MODEL_FILE]))
+            _make_deterministic(model, resolved)
+            files = _save(model, workdir, external=DATA_FILE in files)
+    opset, spec = _check(files[MODEL_FILE], policy, name=resolved.name, subject=subject,
+                         origin="the check cache's export")
+    return ExportedModel(files=files, opset=opset, spec=spec, parity=parity)
+
+
 def _make_deterministic(model: onnx.ModelProto, resolved: ResolvedVersion) -> None:
     """Give a converted graph a stable name: converters put a random uuid there, and the
     same MLflow version must always export to the same bytes (staging is content-addressed
@@ -436,9 +467,42 @@ def _final_estimator(model: Any) -> Any:
     return model
 
 
+class _RefuseTorch:
+    """A meta path finder that refuses ``torch`` (see :func:`import_skops_without_torch`)."""
+
+    @staticmethod
+    def find_spec(name: str, path: Any = None, target: Any = None) -> None:
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"modelship: {name} is not imported for skops",
+                                      name=name)
+
+
+def import_skops_without_torch() -> None:
+    """Import ``skops.io`` (MLflow's sklearn flavor loads ``.skops`` files with it) without
+    importing torch (5-20 s here).
+
+    At import, skops lists the types it trusts from ``sklearn.utils.all_estimators()``, which
+    walks every sklearn package with ``pkgutil.walk_packages``; the walk imports sklearn's
+    array-API shim for torch and so torch itself. No estimator lives there, and
+    ``walk_packages`` skips a package that fails to import, so with torch refused during
+    that import skops trusts the same types (tests/unit/test_export.py). Nothing is done
+    when torch or skops is already imported, or skops is not installed.
+    """
+    if "torch" in sys.modules or "skops.io" in sys.modules:
+        return
+    sys.meta_path.insert(0, _RefuseTorch)
+    try:
+        import skops.io  # noqa: F401
+    except ImportError:
+        pass  # no skops: MLflow says so when a .skops file needs it
+    finally:
+        sys.meta_path.remove(_RefuseTorch)
+
+
 def _convert_sklearn(
     resolved: ResolvedVersion, rows: pd.DataFrame, policy: ExportPolicy
 ) -> onnx.ModelProto:
+    import_skops_without_torch()
     import mlflow.sklearn
     from skl2onnx import convert_sklearn
     from skl2onnx.common import data_types

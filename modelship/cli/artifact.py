@@ -23,10 +23,14 @@ from modelship.cli._common import (
     workdir,
 )
 
+NoCacheOpt = Annotated[bool, typer.Option(
+    "--no-cache", help="Check afresh: reuse no earlier passed check of the same bytes "
+    "(MODELSHIP_CHECK_CACHE=0 does the same for every command).")]
+
 
 def _run_artifact_gate(model: str, version: int | None, alias: str | None, policy_file:
                        Path | None, *, stage: bool, allow_breaking: bool, as_json: bool,
-                       dry_run: bool = False) -> None:
+                       dry_run: bool = False, no_cache: bool = False) -> None:
     from flows.check import parse_ref, run_check
     from modelship.clients import build_clients
     from modelship.policy import policy_for
@@ -41,7 +45,7 @@ def _run_artifact_gate(model: str, version: int | None, alias: str | None, polic
             return run_check(current, clients, policy, model=model, version=ref_version,
                              alias=ref_alias, workdir=folder, stage=stage,
                              allow_breaking_changes=allow_breaking, dry_run=dry_run,
-                             progress=progress)
+                             cache=False if no_cache else None, progress=progress)
         finally:
             clients.close()
 
@@ -71,10 +75,11 @@ def _run_artifact_gate(model: str, version: int | None, alias: str | None, polic
 @app.command("check")
 def check(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
           policy: PolicyOpt = None, allow_breaking_changes: BreakingOpt = False,
-          as_json: JsonOpt = False) -> None:
+          no_cache: NoCacheOpt = False, as_json: JsonOpt = False) -> None:
     """Resolve, export, validate and trial-load a version. No side effects on production."""
     _run_artifact_gate(model, version, alias, policy, stage=False,
-                       allow_breaking=allow_breaking_changes, as_json=as_json)
+                       allow_breaking=allow_breaking_changes, as_json=as_json,
+                       no_cache=no_cache)
 
 
 @app.command("stage")
@@ -82,9 +87,10 @@ def stage(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
           policy: PolicyOpt = None, allow_breaking_changes: BreakingOpt = False,
           dry_run: Annotated[bool, typer.Option(
               "--dry-run", help="Run the checks and print the staging plan; write nothing.")]
-          = False, as_json: JsonOpt = False) -> None:
+          = False, no_cache: NoCacheOpt = False, as_json: JsonOpt = False) -> None:
     """Check, then stage the version in the S3 model repository (idempotent)."""
     _run_artifact_gate(model, version, alias, policy, stage=True,
-                       allow_breaking=allow_breaking_changes, as_json=as_json, dry_run=dry_run)
+                       allow_breaking=allow_breaking_changes, as_json=as_json, dry_run=dry_run,
+                       no_cache=no_cache)
 
 

@@ -11,7 +11,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from modelship.errors import InfrastructureError, Unreachable
-from modelship.http import expect_ok
+from modelship.http import expect_ok, get
 from modelship.policy import Target
 from modelship.settings import TritonEndpoint
 
@@ -89,6 +89,17 @@ class TritonServer:
                 f"Triton {self.name} ({self.endpoint.grpc}) is live but not ready",
                 hint="see its log: a model in the repository may have failed to load",
             )
+
+    def server_metadata(self) -> dict[str, Any]:
+        """The server's name, version and extensions (``GET /v2``); {} when it answers
+        anything but 200 with a JSON object."""
+        status, body = get(f"{self.endpoint.http}/v2", timeout_s=self.timeout_s,
+                           what=f"Triton {self.name} (HTTP)")
+        try:
+            meta = json.loads(body) if status == 200 else {}
+        except ValueError:
+            return {}
+        return meta if isinstance(meta, dict) else {}
 
     def load_model(
         self, name: str, *, config_json: str | None = None, files: dict[str, bytes] | None = None

@@ -89,6 +89,45 @@ def _assert_production_untouched(clients: Clients, production: Production) -> No
     assert [int(m["version"]) for m in loaded] == [production.version]
 
 
+CACHED_STAGES = ("input_checks", "export", "output_checks", "trial_load")
+
+
+def test_a_passed_check_of_the_same_bytes_is_reused_and_a_corrupt_entry_rebuilt(
+        stack_settings: Settings, clients: Clients, production: Production,
+        tmp_path: Path) -> None:
+    # The production fixture's check of these bytes passed: it is in the cache.
+    hit = run_check(stack_settings, clients, Policy(), model=MODEL, version=production.version,
+                    workdir=tmp_path / "hit", docs=False)
+    assert hit.verdict == "passed" and hit.cache is not None and hit.cache["hit"], hit.cache
+    key = hit.cache["key"]
+    assert {s["stage"]: s.get("cache") for s in hit.stages if s["stage"] in CACHED_STAGES} \
+        == dict.fromkeys(CACHED_STAGES, key)
+
+    fresh = run_check(stack_settings, clients, Policy(), model=MODEL,
+                      version=production.version, workdir=tmp_path / "fresh", docs=False,
+                      cache=False)
+    assert fresh.cache == {"hit": False, "disabled": True}
+    assert not any("cache" in s for s in fresh.stages)
+    # the cache gives what a fresh check gives: the same graph bytes, config and verdicts
+    assert hit.exported.onnx_path.read_bytes() == fresh.exported.onnx_path.read_bytes()
+    assert hit.config_pbtxt == fresh.config_pbtxt and hit.exported.spec == fresh.exported.spec
+    assert hit.exported.parity == fresh.exported.parity
+    for name in hit.outputs:
+        np.testing.assert_array_equal(hit.outputs[name], fresh.outputs[name])
+    assert hit.checks["trial_load"]["outputs"] == fresh.checks["trial_load"]["outputs"]
+
+    entry = Path(stack_settings.home) / "cache" / "check" / key
+    (entry / "files" / "model.onnx").write_bytes(b"not the graph")
+    rebuilt = run_check(stack_settings, clients, Policy(), model=MODEL,
+                        version=production.version, workdir=tmp_path / "rebuilt", docs=False)
+    assert rebuilt.verdict == "passed"
+    assert rebuilt.cache is not None and not rebuilt.cache["hit"]
+    assert rebuilt.cache["key"] == key and "sha256" in rebuilt.cache["discarded"]
+    assert rebuilt.cache["stored"] is True
+    assert (entry / "files" / "model.onnx").read_bytes() \
+        == fresh.exported.onnx_path.read_bytes()
+
+
 def test_good_sklearn_candidate_passes_and_stages_a_verifiable_release(
         stack_settings: Settings, clients: Clients, production: Production,
         tmp_path: Path) -> None:
