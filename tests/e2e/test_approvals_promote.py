@@ -1,16 +1,18 @@
-"""`modelship promote` with approval required, through the console script on the stack.
+"""`modelship promote` with approval required, on the stack.
 
 The release pauses after its gates and posts its approval request in the thread; a click
-sent as Slack sends it (``modelship approvals click``, signed with the stack's secret, to
-the stack's ``approvals serve``) approves it, rejects it (exit 5), or nobody clicks and it
-expires (exit 5, fail closed), also when Slack is down.
+sent as Slack sends it (``modelship approvals click`` through the console script, signed
+with the stack's secret, to the stack's ``approvals serve``) approves it, rejects it
+(exit 5), or nobody clicks and it expires (exit 5, fail closed), also when Slack is down.
+The release runs in the test process (:func:`tests.inprocess.run_inprocess`), the approver
+beside it in a thread.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -21,7 +23,8 @@ import pytest
 from modelship.approvals.wire import APPROVE, parse_button_value
 from modelship.settings import Settings
 from tests import models
-from tests.conftest import MODELSHIP, ROOT, RUNTIME_VENV, run_cli
+from tests.conftest import run_cli
+from tests.inprocess import beside, run_inprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -38,22 +41,16 @@ APPROVAL = ["--require-approval", "--approvers", "U0ALICE,S0APPROVERS",
             "--requested-by", "U0CAROL"]
 
 
-def _start_promote(settings: Settings, policy: Path, version: int,
-                   env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("MODELSHIP_", "MLFLOW_TRACKING", "AWS_", "PREFECT_API"))}
-    full = {**clean, "MODELSHIP_HOME": str(settings.home),
-            "MODELSHIP_TRITON_RUNTIME": str(RUNTIME_VENV), **(env or {})}
-    return subprocess.Popen([str(MODELSHIP), "promote", MODEL, "--version", str(version),
-                             "--policy", str(policy), *APPROVAL, "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full, cwd=ROOT)
+def _promote(settings: Settings, policy: Path, version: int,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The release of ``version`` with approval required (in-process)."""
+    return run_inprocess("promote", MODEL, "--version", str(version), "--policy", str(policy),
+                         *APPROVAL, "--json", home=settings.home, env=env)
 
 
-def _finish(proc: subprocess.Popen[str], code: int) -> dict[str, Any]:
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == code, err[-4000:]
-    doc = json.loads(out)
+def _record(done: subprocess.CompletedProcess[str], code: int) -> dict[str, Any]:
+    assert done.returncode == code, done.stderr[-4000:]
+    doc = json.loads(done.stdout)
     return doc.get("details", {}).get("record", doc) if "error" in doc else doc
 
 
@@ -63,12 +60,12 @@ def _messages(settings: Settings) -> list[dict[str, Any]]:
         return list(json.loads(response.read())["messages"])
 
 
-def _approval_message(settings: Settings, version: int, proc: subprocess.Popen[str]
+def _approval_message(settings: Settings, version: int, done: threading.Event
                       ) -> dict[str, Any]:
     """The approval request of ``MODEL vN`` once it is posted (the run is paused then)."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert not done.is_set(), f"the release of v{version} ended before asking"
         for message in reversed(_messages(settings)):
             if message["text"].startswith(f"approval needed: {MODEL} v{version} "):
                 return message
@@ -99,9 +96,8 @@ def test_promote_waits_for_an_approver_and_a_rejection_exits_5(
     v1 = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
     v2 = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
 
-    proc = _start_promote(stack_settings, policy, v1)
-    try:
-        message = _approval_message(stack_settings, v1, proc)
+    def approve(done: threading.Event) -> dict[str, Any]:
+        message = _approval_message(stack_settings, v1, done)
         buttons = _buttons(message)
         assert [b["action_id"] for b in buttons][:1] == [APPROVE] and len(buttons) == 2
         release, digest = parse_button_value(buttons[0]["value"])
@@ -114,10 +110,12 @@ def test_promote_waits_for_an_approver_and_a_rejection_exits_5(
         assert refused["exit_code"] == 2 and refused["error"] == "requester_cannot_approve"
         accepted = _click(stack_settings, release, "U0ALICE", approve=True)
         assert accepted["exit_code"] == 0 and accepted["status"] == "approved"
-        record = _finish(proc, 0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        return message
+
+    with beside(approve) as approver:
+        done = _promote(stack_settings, policy, v1)
+    message = approver.result()  # first: what went wrong on the approver's side
+    record = _record(done, 0)
     assert record["status"] == "released" and record["to_version"] == v1
     request = record["approvals"][0]
     assert (request["status"], request["decided_by"], request["channel"]) == (
@@ -125,19 +123,21 @@ def test_promote_waits_for_an_approver_and_a_rejection_exits_5(
     shown = next(m for m in _messages(stack_settings) if m["ts"] == message["ts"])
     assert not _buttons(shown) and "Approved by" in json.dumps(shown["blocks"])
 
-    proc = _start_promote(stack_settings, policy, v2)
-    try:
-        message = _approval_message(stack_settings, v2, proc)
+    def reject(done: threading.Event) -> dict[str, Any]:
+        message = _approval_message(stack_settings, v2, done)
         release, _ = parse_button_value(_buttons(message)[0]["value"])
         rejected = _click(stack_settings, release, "U0BOB", approve=False)
         assert rejected["exit_code"] == 0 and rejected["status"] == "rejected"
-        record = _finish(proc, 5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        return message
+
+    with beside(reject) as rejecter:
+        done = _promote(stack_settings, policy, v2)
+    message = rejecter.result()
+    record = _record(done, 5)
     assert record["status"] == "rejected" and record["exit_code"] == 5
     assert "U0BOB rejected" in record["reason"]
-    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    status = json.loads(run_inprocess("status", MODEL, "--json",
+                                      home=stack_settings.home).stdout)
     assert status["production_version"] == v1  # nothing changed
     shown = next(m for m in _messages(stack_settings) if m["ts"] == message["ts"])
     assert not _buttons(shown) and "Rejected by" in json.dumps(shown["blocks"])
@@ -152,7 +152,7 @@ def test_with_slack_down_nothing_approves_and_the_release_expires_closed(
     short = models.write_policy(tmp_path / "short.yaml",
                                 {**POLICY, "approval": {"timeout_s": 3}})
     dead = {"MODELSHIP_SLACK_API_URL": "http://127.0.0.1:9/"}
-    record = _finish(_start_promote(stack_settings, short, version, env=dead), 5)
+    record = _record(_promote(stack_settings, short, version, env=dead), 5)
     assert record["status"] == "rejected" and "expired after 3 s" in record["reason"]
     assert "never reached Slack" in record["reason"]
     assert any("only the Prefect UI form can decide" in n for n in record["notes"])

@@ -1,12 +1,15 @@
 """The bake on the real stack, with load as evidence (issue 17): a traffic surge during the
 bake of an identical version does not roll it back; a version that is really slower at the
-same load does. Both through ``modelship promote`` on the session's stack, with short bakes.
+same load does. Both through ``modelship promote`` on the session's stack, with short bakes,
+run in the test process (:func:`tests.inprocess.run_inprocess`); the organic clients are
+``modelship load`` processes, as real clients are processes of their own.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,8 @@ import pytest
 from modelship.clients import build_clients
 from modelship.settings import Settings
 from tests import models
-from tests.conftest import run_cli, start_cli
+from tests.conftest import start_cli
+from tests.inprocess import beside, run_inprocess
 from tests.integration.test_canary import slow_onnx_graph
 
 pytestmark = pytest.mark.e2e
@@ -41,9 +45,19 @@ ORGANIC_RPS = 20.0
 """Organic traffic before the swap (open-loop, through the fleet like a client's)."""
 
 
-def _promote(settings: Settings, policy: Path, version: int) -> subprocess.Popen[str]:
-    return start_cli("promote", MODEL, "--version", str(version), "--policy", str(policy),
-                     "--json", home=settings.home)
+def _promote(settings: Settings, policy: Path, version: int) -> tuple[int, Any]:
+    """The release of ``version`` (in-process): its exit code and record."""
+    done = run_inprocess("promote", MODEL, "--version", str(version), "--policy", str(policy),
+                         "--json", home=settings.home)
+    doc: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {
+        "stderr": done.stderr[-4000:]}
+    details: dict[str, Any] = doc.get("details") or {}
+    return done.returncode, details.get("record", doc)
+
+
+def _status(settings: Settings) -> dict[str, Any]:
+    return dict(json.loads(run_inprocess("status", MODEL, "--json",
+                                         home=settings.home).stdout))
 
 
 def _organic(settings: Settings, rate: float, seconds: float) -> subprocess.Popen[str]:
@@ -52,21 +66,17 @@ def _organic(settings: Settings, rate: float, seconds: float) -> subprocess.Pope
                      "--json", home=settings.home)
 
 
-def _finished(process: subprocess.Popen[str], timeout: float = 600) -> tuple[int, Any]:
-    out, err = process.communicate(timeout=timeout)
-    doc: dict[str, Any] = json.loads(out) if out.strip() else {"stderr": err[-4000:]}
-    details: dict[str, Any] = doc.get("details") or {}
-    return process.returncode, details.get("record", doc)
-
-
-def _when_serving(settings: Settings, process: subprocess.Popen[str], version: int) -> None:
-    """Wait until every replica serves ``version`` (the swap is done, the bake begins)."""
+def _when_serving(settings: Settings, done: threading.Event, version: int) -> bool:
+    """Wait until every replica serves ``version`` (the swap is done, the bake begins);
+    False when the release ended first."""
     clients = build_clients(settings)
     try:
         deadline = time.monotonic() + 300
-        while process.poll() is None and time.monotonic() < deadline and not all(
-                r.is_model_ready(MODEL, str(version)) for r in clients.replicas):
+        while not done.is_set() and time.monotonic() < deadline:
+            if all(r.is_model_ready(MODEL, str(version)) for r in clients.replicas):
+                return True
             time.sleep(0.05)
+        return False
     finally:
         clients.close()
 
@@ -89,7 +99,7 @@ def first(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) ->
     version = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
     quick = models.write_policy(tmp_path_factory.mktemp("bake-first") / "quick.yaml",
                                 {**POLICY, "bake": {"duration_s": 0.0}})
-    code, record = _finished(_promote(stack_settings, quick, version))
+    code, record = _promote(stack_settings, quick, version)
     assert code == 0, record
     return version
 
@@ -101,17 +111,20 @@ def test_a_surge_during_the_bake_of_an_identical_version_does_not_roll_it_back(
     uri = str(stack_settings.mlflow_tracking_uri)
     same = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
     background = _organic(stack_settings, ORGANIC_RPS, 200)
-    surge = None
+    surges: list[subprocess.Popen[str]] = []
+
+    def surge_once_serving(done: threading.Event) -> None:
+        if _when_serving(stack_settings, done, same) and not done.is_set():
+            surges.append(_organic(stack_settings, 10 * ORGANIC_RPS, 40))
+
     try:
         time.sleep(3)  # the organic clients are up before the reference is measured
-        release = _promote(stack_settings, policy, same)
-        _when_serving(stack_settings, release, same)
-        surge = _organic(stack_settings, 10 * ORGANIC_RPS, 40)
-        code, record = _finished(release)
+        with beside(surge_once_serving) as surging:
+            code, record = _promote(stack_settings, policy, same)
+        surging.result()
     finally:
-        for process in (surge, background):
-            if process is not None:
-                _stop(process)
+        for process in (*surges, background):
+            _stop(process)
     assert code == 0, record.get("bake", record)
     bake = record["bake"]
     print(json.dumps({"outcome": bake["outcome"], "reason": bake["reason"],
@@ -128,7 +141,7 @@ def test_a_surge_during_the_bake_of_an_identical_version_does_not_roll_it_back(
     if bake["outcome"] == "held":
         assert any("latency not judged" in note for note in record["notes"])
     assert bake["errors"]["e_value"] < 100  # errors judged in every window, none of note
-    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    status = _status(stack_settings)
     assert status["consistent"] and status["production_version"] == same
     assert status["aliases"]["production"] == same
 
@@ -138,10 +151,9 @@ def test_a_really_slower_version_at_the_same_load_rolls_back(
     """The same outputs through a MatMul chain (several times slower on this CPU), the
     same probe load: the latency rule breaches at matched load and the bake rolls back."""
     uri = str(stack_settings.mlflow_tracking_uri)
-    serving = json.loads(run_cli("status", MODEL, "--json",
-                                 home=stack_settings.home).stdout)["production_version"]
+    serving = _status(stack_settings)["production_version"]
     slower = models.register_onnx(uri, MODEL, slow_onnx_graph(width=512, layers=64))
-    code, record = _finished(_promote(stack_settings, policy, slower))
+    code, record = _promote(stack_settings, policy, slower)
     assert code == 4, record.get("bake", record)
     bake = record["bake"]
     print(json.dumps({"outcome": bake.get("outcome"), "reason": bake.get("reason")}))
@@ -150,5 +162,5 @@ def test_a_really_slower_version_at_the_same_load_rolls_back(
     assert not bake["latency"]["held"]  # the load did not move: every window was judged
     rule = bake["latency"]["rules"][0]
     assert rule["ratio"] > 1.25, rule
-    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    status = _status(stack_settings)
     assert status["consistent"] and status["production_version"] == serving

@@ -1,4 +1,5 @@
-"""A `triton.target: gpu` policy on the CPU stack (issue 13), through the console script.
+"""A `triton.target: gpu` policy on the CPU stack (issue 13), through the commands run in the
+test process (:func:`tests.inprocess.run_inprocess`).
 
 The staged version is the GPU config the policy asks for (KIND_GPU on device 0, TensorRT
 with its precision and workspace, warmup); the canary, the swap, the production pin and
@@ -30,7 +31,7 @@ from modelship.triton.model_config import (
 )
 from tasks.swap import _write_model_config
 from tests import models
-from tests.conftest import run_cli
+from tests.inprocess import run_inprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -55,7 +56,7 @@ POLICY: dict[str, Any] = {
 
 
 def _cli(settings: Settings, *args: str, code: int = 0) -> dict[str, Any]:
-    done = run_cli(*args, "--json", home=settings.home, timeout=600)
+    done = run_inprocess(*args, "--json", home=settings.home, timeout=600)
     assert done.returncode == code, done.stderr[-4000:]
     doc: dict[str, Any] = json.loads(done.stdout)
     return doc

@@ -1,11 +1,16 @@
 """`modelship nightly` on the session's stack: a first night releases, a worse challenger
 is skipped with a Slack notice and production untouched, a better one (after drift) is
-promoted through the promote subflow with trigger ``schedule``."""
+promoted through the promote subflow with trigger ``schedule``.
+
+The first night runs through the console script (its exit code and JSON document); the
+others, and ``status``, in the test process (:func:`tests.inprocess.run_inprocess`)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +20,7 @@ from modelship.settings import Settings
 from tasks import train as training
 from tests import models
 from tests.conftest import run_cli
+from tests.inprocess import run_inprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -42,15 +48,18 @@ def train_weak(request: training.TrainRequest) -> str:
                                   heldout_labels=labels[40:], params={"trainer": "weak"})
 
 
-def _nightly(settings: Settings, policy: Path, *args: str) -> dict[str, Any]:
-    done = run_cli("nightly", "--model", MODEL, "--policy", str(policy), "--json", *args,
-                   home=settings.home, timeout=600)
+def _nightly(settings: Settings, policy: Path, *args: str,
+             run: Callable[..., subprocess.CompletedProcess[str]] = run_inprocess
+             ) -> dict[str, Any]:
+    done = run("nightly", "--model", MODEL, "--policy", str(policy), "--json", *args,
+               home=settings.home, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return dict(json.loads(done.stdout))
 
 
 def _status(settings: Settings) -> dict[str, Any]:
-    return dict(json.loads(run_cli("status", MODEL, "--json", home=settings.home).stdout))
+    return dict(json.loads(run_inprocess("status", MODEL, "--json",
+                                         home=settings.home).stdout))
 
 
 def _version_tags(settings: Settings, version: int) -> dict[str, str]:
@@ -65,7 +74,7 @@ def test_nightly_skips_a_worse_challenger_and_promotes_a_better_one(
         stack_settings: Settings, tmp_path: Path) -> None:
     policy = models.write_policy(tmp_path / "policy.yaml", POLICY)
 
-    first = _nightly(stack_settings, policy, "--seed", "1", "--drift", "0")
+    first = _nightly(stack_settings, policy, "--seed", "1", "--drift", "0", run=run_cli)
     assert first["status"] == "promoted" and first["exit_code"] == 0, first
     assert first["comparison"]["verdict"] == "no_champion"
     assert first["release"]["trigger"] == "schedule"

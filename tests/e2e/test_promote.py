@@ -1,5 +1,11 @@
-"""`modelship promote | history | rollback | locks | unlock` through the console script, on
-the session's stack: the release as one Prefect flow run, its record, its Slack thread."""
+"""`modelship promote | history | rollback | locks | unlock` on the session's stack: the
+release as one Prefect flow run, its record, its Slack thread.
+
+Most commands run in the test process, through the function the console script runs
+(:func:`tests.inprocess.run_inprocess`); the console script itself stays for the contract of
+each command (its exit code and its JSON document: the dry-run plan, a rejected candidate's
+error document, a refused rollback, the ledger, a refused unlock) and for two processes
+racing for one release lock."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,7 @@ from modelship.locks import release_lock
 from modelship.settings import Settings
 from tests import models
 from tests.conftest import run_cli, start_cli
+from tests.inprocess import beside, run_inprocess
 from tests.integration.test_canary import slow_onnx_graph
 
 pytestmark = pytest.mark.e2e
@@ -43,12 +51,20 @@ POLICY: dict[str, Any] = {
 
 
 def _promote(settings: Settings, policy: Path, *args: str, code: int,
-             env: dict[str, str] | None = None) -> dict[str, Any]:
-    done = run_cli("promote", MODEL, *args, "--policy", str(policy), "--json",
-                   home=settings.home, env=env, timeout=600)
+             env: dict[str, str] | None = None,
+             run: Callable[..., subprocess.CompletedProcess[str]] = run_inprocess
+             ) -> dict[str, Any]:
+    """``modelship promote`` in-process, or through the console script with ``run=run_cli``."""
+    done = run("promote", MODEL, *args, "--policy", str(policy), "--json",
+               home=settings.home, env=env, timeout=600)
     assert done.returncode == code, done.stderr[-4000:]
     doc = json.loads(done.stdout)
     return doc.get("details", {}).get("record", doc) if "error" in doc else doc
+
+
+def _json(*args: str, settings: Settings) -> Any:
+    """A reporting command's JSON document, in-process."""
+    return json.loads(run_inprocess(*args, "--json", home=settings.home).stdout)
 
 
 def _get(url: str) -> Any:
@@ -77,7 +93,8 @@ def test_promote_releases_rejects_and_rolls_back_by_the_ledger(
     v3 = models.register_onnx(uri, MODEL, slow_onnx_graph())
     bad = models.register_directory(uri, MODEL, models.corrupt_onnx_dir(tmp_path))
 
-    plan = _promote(stack_settings, policy, "--version", str(v1), "--dry-run", code=0)
+    plan = _promote(stack_settings, policy, "--version", str(v1), "--dry-run", code=0,
+                    run=run_cli)
     assert plan["status"] == "planned" and plan["plan"]["stages"][3] == "canary"
     assert plan["plan"]["replicas"] == ["triton-0", "triton-1"]
     assert plan["plan"]["canary"]["samples_per_version"] >= 300
@@ -96,13 +113,13 @@ def test_promote_releases_rejects_and_rolls_back_by_the_ledger(
     slow = _promote(stack_settings, policy, "--version", str(v3), code=4)
     assert slow["status"] == "rejected" and slow["exit_code"] == 4
     assert [s for s in slow["stages"] if s["outcome"] == "failed"][0]["name"] == "gates"
-    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    status = _json("status", MODEL, settings=stack_settings)
     assert status["production_version"] == v2 == status["aliases"]["production"]
 
-    corrupt = _promote(stack_settings, policy, "--version", str(bad), code=3)
+    corrupt = _promote(stack_settings, policy, "--version", str(bad), code=3, run=run_cli)
     assert corrupt["stages"][-1]["name"] == "check" and corrupt["status"] == "rejected"
 
-    rolled = json.loads(run_cli("rollback", MODEL, "--json", home=stack_settings.home).stdout)
+    rolled = _json("rollback", MODEL, settings=stack_settings)
     assert rolled["from_version"] == v2 and rolled["to_version"] == v1
     assert rolled["aliases"] == {"production": v1, "previous": v2}
 
@@ -143,8 +160,7 @@ def test_a_second_release_is_told_who_holds_the_lock(stack_settings: Settings,
                       home=stack_settings.home, release_id="holder-test", kind="promote"):
         locked = _promote(stack_settings, policy, "--version", str(version), code=1)
         assert locked["status"] == "failed" and "holder-test" in locked["reason"]
-        shown = json.loads(run_cli("locks", MODEL, "--json",
-                                   home=stack_settings.home).stdout)["locks"]
+        shown = _json("locks", MODEL, settings=stack_settings)["locks"]
         assert shown[0]["holder"]["release_id"] == "holder-test"
         assert shown[0]["holder_alive"] is True
         refused = run_cli("unlock", MODEL, "--release", "holder-test", "--json",
@@ -222,48 +238,56 @@ def _start_promote(settings: Settings, policy: Path, version: int,
                      "--json", home=settings.home)
 
 
-def _poison_during_bake(settings: Settings, process: subprocess.Popen[str], model: str,
+def _poison_during_bake(settings: Settings, policy: Path, model: str,
                         version: int) -> tuple[int, Any]:
-    """Once every replica serves ``version``, flood it with poisoned rows until the release
-    ends.
+    """Promote ``version`` (in-process) and, once every replica serves it, flood it with
+    poisoned rows from a thread beside the release until the release ends.
 
     This CPU runtime (ONNX Runtime behind pytriton's backend stub) does not count a backend
     error in ``nv_inference_request_failure``, so the bake sees the breach the way its probe
     does: the dynamic batcher puts probe rows in the same batch as poisoned ones, and the
     whole batch fails. Four senders per replica keep poisoned rows in most batches.
     """
-    clients = build_clients(settings)
     counts = {"sent": 0, "failed": 0}
     lock = threading.Lock()
 
-    def flood(url: str) -> None:
-        while process.poll() is None:
-            failed = _send_poison(url, model)
-            with lock:
-                counts["sent"] += 1
-                counts["failed"] += failed
+    def poison_once_serving(done: threading.Event) -> None:
+        def flood(url: str) -> None:
+            while not done.is_set():
+                failed = _send_poison(url, model)
+                with lock:
+                    counts["sent"] += 1
+                    counts["failed"] += failed
 
-    try:
-        deadline = time.monotonic() + 300
-        while process.poll() is None and time.monotonic() < deadline and not all(
-                r.is_model_ready(model, str(version)) for r in clients.replicas):
-            time.sleep(0.05)
-        urls = [r.endpoint.http for r in clients.replicas for _ in range(4)]
-        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-            list(pool.map(flood, urls))
-        result = _finished(process)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        clients.close()
+        clients = build_clients(settings)
+        try:
+            deadline = time.monotonic() + 300
+            while not done.is_set() and time.monotonic() < deadline and not all(
+                    r.is_model_ready(model, str(version)) for r in clients.replicas):
+                time.sleep(0.05)
+            urls = [r.endpoint.http for r in clients.replicas for _ in range(4)]
+            with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+                list(pool.map(flood, urls))
+        finally:
+            clients.close()
+
+    with beside(poison_once_serving) as poisoning:
+        done = run_inprocess("promote", model, "--version", str(version), "--policy",
+                             str(policy), "--json", home=settings.home)
+    poisoning.result()
+    result = _record(done.returncode, done.stdout, done.stderr)
     assert counts["failed"] > 0, f"no poisoned request reached v{version} ({counts})"
     return result
 
 
 def _finished(process: subprocess.Popen[str], timeout: float = 600) -> tuple[int, Any]:
     out, err = process.communicate(timeout=timeout)
+    return _record(process.returncode, out, err)
+
+
+def _record(code: int, out: str, err: str) -> tuple[int, Any]:
     doc = json.loads(out) if out.strip() else {"stderr": err[-4000:]}
-    return process.returncode, doc.get("details", {}).get("record", doc)
+    return code, doc.get("details", {}).get("record", doc)
 
 
 def test_a_bake_breach_rolls_back_by_itself(stack_settings: Settings,
@@ -279,17 +303,15 @@ def test_a_bake_breach_rolls_back_by_itself(stack_settings: Settings,
 
     # The swap is done when every replica serves the poisoned version; then the bake
     # watches it, and real traffic that trips it arrives.
-    code, record = _poison_during_bake(stack_settings, _start_promote(stack_settings, policy,
-                                                                      poison), MODEL, poison)
+    code, record = _poison_during_bake(stack_settings, policy, MODEL, poison)
     assert code == 4, record.get("bake")
     assert record["status"] == "rolled_back" and record["bake"]["outcome"] == "breach"
     assert "error rate" in record["bake"]["reason"]
     assert record["bake"]["rolled_back"]
-    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    status = _json("status", MODEL, settings=stack_settings)
     assert status["consistent"] and status["production_version"] == base
     assert status["aliases"]["production"] == base  # the alias moves last: it never moved
-    latest = json.loads(run_cli("history", MODEL, "--json",
-                                home=stack_settings.home).stdout)["releases"][0]
+    latest = _json("history", MODEL, settings=stack_settings)["releases"][0]
     assert (latest["to_version"], latest["status"], latest["exit_code"]) == \
         (poison, "rolled_back", 4)
 
@@ -315,7 +337,7 @@ def test_two_concurrent_promotions_of_one_model_one_proceeds(stack_settings: Set
     _, lost = next(result for result in done.values() if result[0] == 1)
     assert lost["status"] == "failed" and "lock" in lost["reason"]
     assert done[winner][1]["id"] in lost["reason"]  # told who holds it
-    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    status = _json("status", MODEL, settings=stack_settings)
     assert status["consistent"] and status["production_version"] == winner
 
 
@@ -328,14 +350,12 @@ def test_a_first_release_that_breaches_its_bake_is_withdrawn(stack_settings: Set
     poison = models.register_onnx(uri, model, poison_onnx_graph())
     policy = models.write_policy(tmp_path / "bake.yaml", {
         **POLICY, "bake": {**POLICY["bake"], "duration_s": 20.0}})
-    code, record = _poison_during_bake(
-        stack_settings, _start_promote(stack_settings, policy, poison, model), model, poison)
+    code, record = _poison_during_bake(stack_settings, policy, model, poison)
     assert code == 4, record
     assert record["from_version"] is None and record["bake"]["rolled_back"]["ok"]
     assert record["bake"]["rolled_back"]["kind"] == "withdraw"
-    status = json.loads(run_cli("status", model, "--json", home=stack_settings.home).stdout)
+    status = _json("status", model, settings=stack_settings)
     assert status["production_version"] is None and not status["served"]
     assert [r["ready_versions"] for r in status["replicas"]] == [[], []]
-    healed = json.loads(run_cli("reconcile", model, "--json",
-                                home=stack_settings.home).stdout)
+    healed = _json("reconcile", model, settings=stack_settings)
     assert healed["changed"] == 0 and "no production recorded" in healed["models"][0]["status"]

@@ -1,7 +1,8 @@
 """A real PyTorch model (the ``mlflow.pytorch`` flavor, with a tensor signature) promoted
-end to end through the console script on the session's stack: check exports it with
-``torch.onnx.export`` and proves parity on the golden rows, stage, canary, swap, bake and
-record follow, and every replica then answers what the torch module computes."""
+end to end on the session's stack (``modelship promote`` in the test process,
+:func:`tests.inprocess.run_inprocess`): check exports it with ``torch.onnx.export`` and
+proves parity on the golden rows, stage, canary, swap, bake and record follow, and every
+replica then answers what the torch module computes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from model_registry.client import point_mlflow_at
 from modelship.clients import build_clients
 from modelship.settings import Settings
 from tests import models
-from tests.conftest import run_cli
+from tests.inprocess import run_inprocess
 
 pytestmark = pytest.mark.e2e
 torch = pytest.importorskip("torch")
@@ -59,8 +60,8 @@ def _register(tracking_uri: str, module: Any, rows: np.ndarray) -> int:
 
 
 def _promote(settings: Settings, policy: Path, version: int) -> dict[str, Any]:
-    done = run_cli("promote", MODEL, "--version", str(version), "--policy", str(policy),
-                   "--json", home=settings.home, timeout=600)
+    done = run_inprocess("promote", MODEL, "--version", str(version), "--policy", str(policy),
+                         "--json", home=settings.home, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return dict(json.loads(done.stdout))
 

@@ -1,6 +1,8 @@
 """The pre-deploy artifact gate on the real stack: good candidates pass, bad ones are
 rejected at the right stage with a message that names the fix, and production keeps
-serving what it served."""
+serving what it served. ``check`` by alias runs through the console script (its JSON report
+and stderr progress); the other commands run in the test process
+(:func:`tests.inprocess.run_inprocess`)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from modelship.triton.infer import TritonInference
 from modelship.triton.model_config import from_pbtxt, to_json, with_versions
 from tests import models
 from tests.conftest import run_cli
+from tests.inprocess import run_inprocess
 
 pytestmark = pytest.mark.integration
 
@@ -308,8 +311,8 @@ def test_cli_check_by_alias_prints_one_json_report(
 def test_cli_lint_failing_policy_is_refused_with_exit_2(
         stack_settings: Settings, production: Production, tmp_path: Path) -> None:
     policy = models.write_policy(tmp_path / "bad.yaml", {"triton": {"max_batch_size": 0}})
-    done = run_cli("check", MODEL, "--version", str(production.version), "--policy",
-                   str(policy), "--json", home=stack_settings.home)
+    done = run_inprocess("check", MODEL, "--version", str(production.version), "--policy",
+                         str(policy), "--json", home=stack_settings.home)
     assert done.returncode == 2, done.stderr[-2000:]
     error = json.loads(done.stdout)
     assert "max_batch_size" in error["message"] and str(policy) in error["message"]
@@ -319,8 +322,8 @@ def test_cli_staging_different_bytes_under_an_existing_version_is_refused(
         stack_settings: Settings, clients: Clients, production: Production,
         tmp_path: Path) -> None:
     policy = models.write_policy(tmp_path / "other.yaml", {"triton": {"max_batch_size": 16}})
-    done = run_cli("stage", MODEL, "--version", str(production.version), "--policy",
-                   str(policy), "--json", home=stack_settings.home)
+    done = run_inprocess("stage", MODEL, "--version", str(production.version), "--policy",
+                         str(policy), "--json", home=stack_settings.home)
     assert done.returncode == 3, done.stderr[-2000:]
     error = json.loads(done.stdout)
     assert error["error"] == "StagingError" and "immutable" in error["message"]
@@ -329,17 +332,18 @@ def test_cli_staging_different_bytes_under_an_existing_version_is_refused(
 
 def test_cli_wrong_s3_credentials_and_unreachable_mlflow(
         stack_settings: Settings, production: Production) -> None:
-    wrong = run_cli("check", MODEL, "--version", str(production.version), "--json",
-                    home=stack_settings.home,
-                    env={"AWS_ACCESS_KEY_ID": "intruder", "AWS_SECRET_ACCESS_KEY": "nope"})
+    wrong = run_inprocess("check", MODEL, "--version", str(production.version), "--json",
+                          home=stack_settings.home,
+                          env={"AWS_ACCESS_KEY_ID": "intruder",
+                               "AWS_SECRET_ACCESS_KEY": "nope"})
     assert wrong.returncode == 2, wrong.stderr[-2000:]
     assert "refused the credentials" in json.loads(wrong.stdout)["message"]
 
     from modelship.stack.process import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
-    down = run_cli("check", MODEL, "--version", str(production.version), "--json",
-                   home=stack_settings.home, env={"MLFLOW_TRACKING_URI": dead})
+    down = run_inprocess("check", MODEL, "--version", str(production.version), "--json",
+                         home=stack_settings.home, env={"MLFLOW_TRACKING_URI": dead})
     assert down.returncode == 1, down.stderr[-2000:]
     error = json.loads(down.stdout)
     assert error["error"] == "PreflightError" and dead in error["message"]
