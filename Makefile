@@ -11,9 +11,9 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export GX_ANALYTICS_ENABLED := false
 
-.PHONY: install browser demo test test-fast lint unit bench clean-stack deploy worker
+.PHONY: install browser gateway demo test test-fast lint unit bench clean-stack deploy worker
 
-install: $(VENV)/.installed $(RUNTIME)/.installed browser
+install: $(VENV)/.installed $(RUNTIME)/.installed browser gateway
 	@# The project's own modules as well (the editable install runs them from this tree):
 	@# with PYTHONDONTWRITEBYTECODE set no .pyc is ever written at run time, and every
 	@# process compiled ~120 modules again (~1 s of CPU per CLI run). Only changed files are
@@ -28,6 +28,16 @@ browser:
 	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; }
+
+# Debian's nginx: the stack's gateway in front of the Tritons (docs/gateway.md), which
+# `stack up` runs itself on loopback ports. Installed only when missing, with apt; the
+# distribution's own service (port 80), which the install may start, is stopped and disabled.
+gateway:
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq nginx && \
+	  { ! command -v systemctl >/dev/null 2>&1 || \
+	    $(SUDO) systemctl disable --now nginx >/dev/null 2>&1 || true; }; }
 
 # torch for the dev extra: the CPU build, from a folder of wheels when it exists (these
 # machines keep torch 2.13.0+cpu in /opt/wheels; uv does not look there by itself). Without
