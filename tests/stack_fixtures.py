@@ -5,6 +5,7 @@ Loaded as a pytest plugin by tests/conftest.py so integration and e2e tests shar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +15,20 @@ from modelship.settings import Settings
 from modelship.stack import manager
 from tests.conftest import base_settings, stack_settings_at
 
+#: The home of a stack that is already up (2 replicas + canary) for this session to use
+#: instead of starting its own; whoever started it stops it. ``make test`` brings the canary
+#: file's stack up this way while lint runs (see Makefile).
+EXTERNAL_STACK = "MODELSHIP_TEST_STACK_HOME"
+
 
 @pytest.fixture(scope="session")
 def stack_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Bring the whole stack up once (2 replicas + canary) and always bring it down."""
+    """Bring the whole stack up once (2 replicas + canary) and always bring it down; or use
+    the running one that :data:`EXTERNAL_STACK` names."""
+    external = os.environ.get(EXTERNAL_STACK)
+    if external:
+        yield Path(external)
+        return
     home = tmp_path_factory.mktemp("stack") / ".modelship"
     settings = base_settings(home)
     try:
