@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from modelship.stack.process import ProcessRecord, is_alive, port_open, process_start_ticks
+from modelship.stack.process import ProcessRecord, process_start_ticks
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.e2e
 
 
-def _processes_mentioning(text: str) -> list[int]:
+def processes_mentioning(text: str) -> list[int]:
+    """The live processes whose command line holds ``text`` (e.g. a stack's home)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -32,44 +33,9 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def test_up_status_idempotent_up_and_down_leave_nothing_behind(tmp_path: Path) -> None:
-    home = tmp_path / ".modelship"
-    up = run_cli("stack", "up", "--replicas", "1", "--json", home=home)
-    assert up.returncode == 0, up.stderr[-3000:]
-    doc = json.loads(up.stdout)
-    assert set(doc) >= {"mlflow_uri", "s3_endpoint", "bucket", "prefect_api_url",
-                        "slack_api_url", "approvals_url", "triton"}
-    assert doc["approvals_url"].startswith("http://127.0.0.1:")
-    assert len(doc["triton"]["replicas"]) == 1
-    assert set(doc["triton"]["canary"]) == {"http", "grpc", "metrics"}
-    assert (home / "stack.json").stat().st_mode & 0o777 == 0o600
-    state = json.loads((home / "stack.json").read_text())
-    records = [ProcessRecord.from_dict(p) for p in state["processes"]]
-    ports = [p for r in records for p in r.ports]
-    assert {r.name for r in records} == {"seaweedfs", "mlflow", "prefect", "slack", "approvals",
-                                         "webhooks", "triton-0", "canary"}
-    assert all(is_alive(r) for r in records)
-
-    status = run_cli("stack", "status", "--json", home=home)
-    assert status.returncode == 0
-    assert json.loads(status.stdout)["triton"] == doc["triton"]
-
-    again = run_cli("stack", "up", "--replicas", "1", home=home)
-    assert again.returncode == 0
-    assert "already running" in again.stdout
-    assert json.loads((home / "stack.json").read_text())["processes"] == state["processes"]
-
-    wrong_count = run_cli("stack", "up", "--replicas", "3", home=home)
-    assert wrong_count.returncode == 1
-    assert "stack down" in wrong_count.stderr
-
-    down = run_cli("stack", "down", "--json", home=home)
-    assert down.returncode == 0, down.stderr
-    assert sorted(json.loads(down.stdout)["stopped"]) == sorted(r.name for r in records)
-    assert not any(is_alive(r) for r in records)
-    assert not [p for p in ports if port_open(p)]
-    assert not _processes_mentioning(str(home))
-    assert not (home / "stack.json").exists()
+# `stack up` of a real stack, `status`, the idempotent `up`, a refused replica count and
+# `down` leaving nothing behind: tests/integration/test_stack_heal.py, on the stack that
+# module brings up with the console script (one stack start for both).
 
 
 def test_down_with_nothing_running_says_so(tmp_path: Path) -> None:
@@ -93,7 +59,7 @@ def test_missing_triton_runtime_names_the_fix_and_starts_nothing(tmp_path: Path)
     assert done.returncode == 1
     assert "does not exist" in done.stderr and "make install" in done.stderr
     assert not (home / "stack.json").exists()
-    assert not _processes_mentioning(str(home))
+    assert not processes_mentioning(str(home))
 
 
 def test_port_already_in_use_is_named(tmp_path: Path) -> None:
@@ -136,7 +102,7 @@ def test_component_dying_during_startup_is_named_and_everything_stops(tmp_path: 
     assert "simulated: cannot open model repository" in done.stderr
     assert str(home / "logs") in done.stderr
     assert not (home / "stack.json").exists()
-    assert not _processes_mentioning(str(home))
+    assert not processes_mentioning(str(home))
 
 
 def test_broken_binary_is_named(tmp_path: Path) -> None:

@@ -1,7 +1,10 @@
 """A stack of our own that heals itself (issue 10, fault 4 and the hygiene items).
 
 It is not the session stack: this module starts a one-replica stack in its own home, kills
-parts of it, and stops it at the end, so no other test is harmed.
+parts of it, and stops it at the end, so no other test is harmed. The stack comes up
+through the console script (`modelship stack up --replicas 1 --json`), so the same stack
+also proves `stack up | status | down` end to end: the first test reads `up`'s answer, the
+last one runs `stack down` and finds nothing left behind.
 """
 
 from __future__ import annotations
@@ -9,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,13 +29,21 @@ from modelship.policy import Policy, SwapPolicy
 from modelship.settings import Settings
 from modelship.signing import key_bytes
 from modelship.stack import manager
-from modelship.stack.process import ProcessRecord, group_members, shm_regions, stop_process
+from modelship.stack.process import (
+    ProcessRecord,
+    group_members,
+    is_alive,
+    port_open,
+    shm_regions,
+    stop_process,
+)
 from modelship.stack.state import process_records, read_state
 from modelship.triton.infer import TritonInference
 from tasks.reconcile import reconcile, reconcile_stack
 from tasks.swap import SwapOptions, SwapTarget, fleet_status, pin_signature, swap_fleet
 from tests import models
-from tests.conftest import base_settings, stack_settings_at
+from tests.conftest import base_settings, run_cli, stack_settings_at
+from tests.e2e.test_stack_cli import processes_mentioning
 
 pytestmark = pytest.mark.integration
 
@@ -44,6 +57,9 @@ class OwnStack:
     settings: Settings
     clients: Clients
     version: int
+    #: `modelship stack up --replicas 1 --json` as it answered, and stack.json right after
+    up: subprocess.CompletedProcess[str]
+    state: dict[str, Any]
 
 
 def record(settings: Settings, name: str) -> ProcessRecord:
@@ -61,7 +77,9 @@ def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnStack]:
     home = tmp_path_factory.mktemp("heal") / ".modelship"
     base = base_settings(home)
     try:
-        manager.up(base, replicas=1, on_ready=hook)
+        up = run_cli("stack", "up", "--replicas", "1", "--json", home=home)
+        assert up.returncode == 0, up.stderr[-3000:]
+        state = json.loads((home / "stack.json").read_text())
         settings = stack_settings_at(home)
         clients = build_clients(settings)
         assert clients.storage is not None
@@ -74,7 +92,7 @@ def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnStack]:
                                             version=version, probe_feed=FEED,
                                             probe_outputs=["label"]),
                    SwapOptions(SwapPolicy()))
-        yield OwnStack(settings, clients, version)
+        yield OwnStack(settings, clients, version, up, state)
         clients.close()
     finally:
         manager.down(base)
@@ -86,6 +104,37 @@ def answers(stack: OwnStack) -> str:
         return inference.infer(MODEL, FEED, outputs=["label"]).model_version
     finally:
         inference.close()
+
+
+@pytest.mark.e2e
+def test_stack_up_answers_with_its_endpoints_and_up_again_is_idempotent(
+        own_stack: OwnStack) -> None:
+    home = own_stack.settings.home
+    doc = json.loads(own_stack.up.stdout)
+    assert set(doc) >= {"mlflow_uri", "s3_endpoint", "bucket", "prefect_api_url",
+                        "slack_api_url", "approvals_url", "triton"}
+    assert doc["approvals_url"].startswith("http://127.0.0.1:")
+    assert len(doc["triton"]["replicas"]) == 1
+    assert set(doc["triton"]["canary"]) == {"http", "grpc", "metrics"}
+    assert (home / "stack.json").stat().st_mode & 0o777 == 0o600
+    records = [ProcessRecord.from_dict(p) for p in own_stack.state["processes"]]
+    assert {r.name for r in records} == {"seaweedfs", "mlflow", "prefect", "slack", "approvals",
+                                         "webhooks", "triton-0", "canary"}
+
+    status = run_cli("stack", "status", "--json", home=home)
+    assert status.returncode == 0
+    assert json.loads(status.stdout)["triton"] == doc["triton"]
+
+    before = json.loads((home / "stack.json").read_text())["processes"]
+    assert all(is_alive(ProcessRecord.from_dict(p)) for p in before)
+    again = run_cli("stack", "up", "--replicas", "1", home=home)
+    assert again.returncode == 0
+    assert "already running" in again.stdout
+    assert json.loads((home / "stack.json").read_text())["processes"] == before
+
+    wrong_count = run_cli("stack", "up", "--replicas", "3", home=home)
+    assert wrong_count.returncode == 1
+    assert "stack down" in wrong_count.stderr
 
 
 def test_a_killed_replica_is_restarted_alone_and_serves_production_before_up_returns(
@@ -198,3 +247,20 @@ def test_replicas_zero_is_a_usage_error(own_stack: OwnStack) -> None:
     with pytest.raises(UsageError) as info:
         manager.up(own_stack.settings, replicas=0)
     assert info.value.exit_code == 2
+
+
+@pytest.mark.e2e
+def test_stack_down_stops_everything_and_leaves_nothing_behind(own_stack: OwnStack) -> None:
+    """Last in this module: the stack is gone afterwards (the fixture's down is a no-op)."""
+    home = own_stack.settings.home
+    state = json.loads((home / "stack.json").read_text())
+    records = [ProcessRecord.from_dict(p) for p in state["processes"]]
+    ports = [p for r in records for p in r.ports]
+    assert {r.name for r in records} == {r["name"] for r in own_stack.state["processes"]}
+    down = run_cli("stack", "down", "--json", home=home)
+    assert down.returncode == 0, down.stderr
+    assert sorted(json.loads(down.stdout)["stopped"]) == sorted(r.name for r in records)
+    assert not any(is_alive(r) for r in records)
+    assert not [p for p in ports if port_open(p)]
+    assert not processes_mentioning(str(home))
+    assert not (home / "stack.json").exists()
