@@ -199,14 +199,16 @@ def main() -> None:
 
 
 #: What a CLI zygote imports once (:func:`cli_zygote`): the CLI, the release and rollback
-#: flows, and what their stages import late (check: GX, pandas, ONNX, MLflow's flavors).
-#: Not gRPC or tritonclient.http (gevent): their import is not known to be fork-safe, so a
-#: run imports them itself.
+#: flows (and with them gRPC and the canary's load generator), what their stages import
+#: late (check: GX, pandas, ONNX, MLflow's flavors; the canary report: matplotlib). Not
+#: tritonclient.http: it imports gevent, whose hub is not known to be fork-safe, so a run
+#: imports it itself.
 CLI_PRELOAD = ("modelship.cli", "flows.promote", "flows.standalone", "tasks.check",
                "tasks.expectations", "tasks.export", "tasks.validate", "tasks.trial_load",
                "tasks.status", "tasks.recovery", "tasks.reconcile", "model_registry.golden",
                "mlflow", "mlflow.onnx", "mlflow.pyfunc", "mlflow.sklearn", "pandas", "onnx",
-               "onnxruntime", "great_expectations", "great_expectations.expectations")
+               "onnxruntime", "great_expectations", "great_expectations.expectations",
+               "matplotlib.figure", "matplotlib.backends.backend_agg")
 #: Variables a zygote's run may add: read when it runs (by :func:`cli_main`, and the
 #: check cache's switch by the settings), not at import.
 FAULT_ENV = ("FAULT", "FAULT_STAGE", "FAULT_MARK", "MODELSHIP_CHECK_CACHE")

@@ -33,6 +33,7 @@ at a time.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import logging
@@ -283,6 +284,10 @@ class Zygote:
                 lines.next()
                 raise subprocess.TimeoutExpired(list(argv), timeout or 0.0, out.read_text(),
                                                 err.read_text()) from None
+            except BaseException:  # the caller stops (Ctrl-C, a test timeout): so does the run
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                raise
         result = subprocess.CompletedProcess(list(argv), code, out.read_text(),
                                              err.read_text())
         out.unlink()

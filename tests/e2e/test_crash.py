@@ -73,20 +73,30 @@ or incomplete run (issue 18 item 2) and is the cheapest; ``promote`` reruns the 
 after the killed staging, and finishes the releases stopped at or past their record (a
 no-op on the fleet that must repair the aliases and tags).
 
-**Cost** (each cell prints where its time goes). The cells share one stack of their own
-(faults kill parts of it, so not the session's) and one model whose versions take turns:
-each cell promotes the version that does not serve, from the state the cell before it
-settled in. Nothing is released for setup: the first cell half-publishes the model's
-first release and its rerun releases it, the second cell's release (killed at its
-record) is the second. The policy is the smallest that still runs every stage: one
-threshold gate (the canary stops after its first window of 100 requests), a 2-s bake on
-errors alone (a 1-s reference is below two windows, so no latency rule). ``status`` is
-read by the CLI once per fault kind (its exit code and JSON are the contract) and
-otherwise in this process through the function the CLI calls
-(:func:`tasks.status.status_report`; exit 1 unless ``consistent``), which spares a CLI
-start (~6-20 s) twice a cell; ``stack up`` runs only after a component was killed. What
-remains is the product's: every faulted run starts the CLI and the Prefect flow run,
-resolves, checks (GX, export, trial load) and, from the canary on, runs a canary.
+**Cost** (each cell prints where its time goes, and each CLI run its own timeline from
+its record: start-up, every stage, the time between stages, the exit). The cells share a
+stack of their own per half (faults kill parts of it, so not the session's; ``GROUPS``:
+two halves of about the same time, one per ``make test`` worker) and one model whose
+versions take turns: each cell promotes the version that does not serve, from the state
+the cell before it settled in. Nothing is released for setup in half A: the first cell
+half-publishes the model's first release and its rerun releases it, the second cell's
+release (killed at its record) is the second; half B, on a stack of its own, spends one.
+The policy is the smallest that still runs every stage: one threshold gate (the canary
+stops after its first window of 100 requests), a 2-s bake on errors alone (a 1-s
+reference is below two windows, so no latency rule), and a 15-s swap deadline (a replica
+that cannot load, S3 down, is given up on then, not after the default 60 s). Every
+``modelship`` run but ``stack up`` is a fork of a CLI zygote (:func:`tests.faults.cli_zygote`,
+``tests/zygote.py``): a process that imported the CLI, the flows and what their stages
+import late (Prefect, MLflow, GX, ONNX: 10-30 s a run) once, while the stack started; the
+child is a real process running ``modelship.cli.main`` (its own pid, signals, exit code
+and output). The console script itself runs the first ``status``, ``rollback`` and
+``promote`` rerun (their exit code and JSON are the contract) and every ``stack up``.
+``status`` is read by the CLI once per fault kind and otherwise in this process through
+the function the CLI calls (:func:`tasks.status.status_report`; exit 1 unless
+``consistent``); ``stack up`` runs only after a component was killed. What remains is the
+product's: every faulted run starts the Prefect flow run, resolves, checks (GX, export,
+trial load; a check-stage fault never takes a cached check) and, from the canary on,
+runs a canary.
 """
 
 from __future__ import annotations
@@ -138,7 +148,7 @@ POLICY: dict[str, Any] = {
              "max_latency_increase_pct": 400.0},
     # a replica that cannot load (S3 down) is given up on after this, not the default 60 s
     # (a healthy switch of this model takes a few seconds even on a loaded machine)
-    "swap": {"deadline_s": 25.0},
+    "swap": {"deadline_s": 15.0},
 }
 MANIFEST = "/release.json"
 APPROVAL = ("--require-approval", "--approvers", "U0FAULTAPPROVER")
@@ -167,27 +177,38 @@ def _cell(kind: str, stage: str, next_command: str) -> Cell:
     return Cell(Fault(kind, stage), next_command)
 
 
-CELLS = [
-    # first, on the fresh stack: the model's first release, half-published; its rerun
-    # is the matrix's first release and the next cell's the second, so every rollback
-    # after them has a version that served before (no release spent on setup)
-    _cell("sigkill", "stage", "promote"),
-    _cell("sigkill", "record", "promote"),
-    _cell("sigkill", "check", "rollback"),
-    _cell("sigkill", "canary", "rollback"),
-    _cell("sigkill", "approval", "rollback"),
-    _cell("sigkill", "swap", "rollback"),
-    _cell("sigkill", "bake", "rollback"),
-    _cell("sigterm", "check", "rollback"),
-    _cell("sigterm", "approval", "rollback"),
-    _cell("sigterm", "bake", "rollback"),
-    _cell("sigterm", "record", "promote"),
-    _cell("sigint", "swap", "rollback"),
-    _cell("mlflow", "record", "promote"),
-    _cell("s3", "swap", "rollback"),
-    _cell("s3", "bake", "promote"),
-    _cell("prefect", "bake", "rollback"),
-]
+#: The cells in two halves of about the same time. ``make test`` cuts this file into its
+#: two halves of consecutive cells, one per xdist worker (``tests/conftest.py``: SPLIT),
+#: each with a stack of its own; alone, the file runs A then B on one stack. Each half
+#: starts with promote cells, so that on a fresh stack it spends as few setup releases as
+#: it can (:func:`_start`: A none, B one), and the rollbacks after them have a version
+#: that served before.
+GROUPS = {
+    # A: the model's first release, half-published; its rerun is the first release and
+    # the next cell's the second (no release spent on setup)
+    "crash-a": [
+        _cell("sigkill", "stage", "promote"),
+        _cell("sigkill", "record", "promote"),
+        _cell("sigkill", "check", "rollback"),
+        _cell("sigkill", "swap", "rollback"),
+        _cell("sigkill", "bake", "rollback"),
+        _cell("sigterm", "bake", "rollback"),
+        _cell("s3", "swap", "rollback"),
+        _cell("prefect", "bake", "rollback"),
+    ],
+    # B: one setup release on a stack of its own, then the reruns release
+    "crash-b": [
+        _cell("sigterm", "record", "promote"),
+        _cell("mlflow", "record", "promote"),
+        _cell("s3", "bake", "promote"),
+        _cell("sigkill", "canary", "rollback"),
+        _cell("sigkill", "approval", "rollback"),
+        _cell("sigterm", "check", "rollback"),
+        _cell("sigterm", "approval", "rollback"),
+        _cell("sigint", "swap", "rollback"),
+    ],
+}
+CELLS = [cell for cells in GROUPS.values() for cell in cells]
 
 
 class Clock:
@@ -238,6 +259,7 @@ class Matrix:
     settled: Observation | None = None  # what the last cell that passed ended in
     zygote: Any = None  # tests.zygote.Zygote of `modelship` (None: every run a process)
     by_console: set[str] = field(default_factory=set)  # commands run once by the script
+    status_by_cli: set[str] = field(default_factory=set)  # fault kinds whose status the CLI read
 
     @property
     def home(self) -> Path:
@@ -501,15 +523,17 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
         keys = matrix.version_keys(candidate)
         assert not [k for k in keys if k.endswith(MANIFEST)], keys
     clock.lap("observe")
-    # status is true: non-zero exactly while something disagrees (the CLI, the first
-    # time by its console script)
-    console = matrix.first_time("status")
-    code, doc = matrix.status(cli=True, console=console)
+    # status is true: non-zero exactly while something disagrees (the CLI once per fault
+    # kind, the first time by its console script; the function it calls otherwise)
+    by_cli = cell.fault.kind not in matrix.status_by_cli
+    matrix.status_by_cli.add(cell.fault.kind)
+    console = by_cli and matrix.first_time("status")
+    code, doc = matrix.status(cli=by_cli, console=console)
     wrong = disagreements(mid)
     assert (code == 0) == (not wrong), (
         f"status exit {code} while the observed disagreements are {wrong}", doc,
         mid.summary(), run.describe())
-    clock.lap("status (console script)" if console else "status")
+    clock.lap("status (console script)" if console else "status (cli)" if by_cli else "status")
 
     # the next command converges
     if cell.next_command == "promote":  # the rerun, no approval asked again
