@@ -6,7 +6,7 @@ import importlib
 import sys
 
 BENCHMARKS = ["bench.stack_startup", "bench.stack_restart", "bench.staging", "bench.judge",
-              "bench.loadgen", "bench.swap", "bench.fleet_scale", "bench.e2e"]
+              "bench.loadgen", "bench.swap", "bench.fleet_scale", "bench.traffic", "bench.e2e"]
 
 
 def main() -> None:

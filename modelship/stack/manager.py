@@ -1,7 +1,8 @@
 """``modelship stack up | down | status``: the embedded stack of real servers.
 
-``up`` starts SeaweedFS (S3), MLflow, a Prefect server, a Slack emulator, N Triton replicas
-and one canary Triton on free loopback ports, waits for each to be ready under a deadline,
+``up`` starts SeaweedFS (S3), MLflow, a Prefect server, a Slack emulator, N Triton replicas,
+one canary Triton and the gateway in front of them (nginx, :mod:`modelship.nginx`) on free
+loopback ports, waits for each to be ready under a deadline,
 and writes ``$MODELSHIP_HOME/stack.json``. ``down`` stops exactly the process groups that
 file lists, and checks that their ports are closed.
 """
@@ -9,6 +10,7 @@ file lists, and checks that their ports are closed.
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import sys
 import threading
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelship import nginx
 from modelship.errors import ModelshipError, StackError, UsageError
 from modelship.progress import Progress, quiet
 from modelship.settings import Settings
@@ -293,6 +296,8 @@ class _StackPorts:
     webhooks: int
     #: (http, grpc, metrics) of each Triton: the replicas in order, the canary last
     triton: list[tuple[int, ...]]
+    #: (http, grpc, admin) of the gateway
+    gateway: tuple[int, int, int] = (0, 0, 0)
 
 
 def _choose_ports(home: Path, n_triton: int, base_port: int | None,
@@ -313,12 +318,32 @@ def _choose_ports(home: Path, n_triton: int, base_port: int | None,
             hint="run `modelship stack up` again to pick other ports, or free that port",
         )
     rest = ports[len(c.SEAWEED_PORT_NAMES):]
-    save_ports(home, {"ports": ports, "approvals": approvals_port, "webhooks": webhooks_port})
+    gateway = _gateway_ports(saved_ports(home), {*ports, approvals_port, webhooks_port,
+                                                 seaweed_ports["admin_grpc"]},
+                             None if base_port is None else base_port + len(ports) + 2)
+    save_ports(home, {"ports": ports, "approvals": approvals_port, "webhooks": webhooks_port,
+                      "gateway": list(gateway)})
     return _StackPorts(
         seaweed=seaweed_ports, mlflow=rest[0], prefect=rest[1], slack=rest[2],
         approvals=approvals_port, webhooks=webhooks_port,
         triton=[tuple(rest[3 + 3 * i: 6 + 3 * i]) for i in range(n_triton)],
+        gateway=gateway,
     )
+
+
+def _gateway_ports(saved: dict[str, Any], avoid: set[int],
+                   base_port: int | None) -> tuple[int, int, int]:
+    """The gateway's (http, grpc, admin) ports: this home's last ones when all are free
+    (clients keep their gateway URL across restarts), else new ones."""
+    if base_port is not None:
+        http, grpc, admin = _allocate_ports(3, base_port)
+        return http, grpc, admin
+    last = saved.get("gateway")
+    if (isinstance(last, list) and len(last) == 3
+            and all(isinstance(p, int) and p not in avoid and not port_open(p) for p in last)):
+        return int(last[0]), int(last[1]), int(last[2])
+    http, grpc, admin = free_ports(3, avoid=avoid)
+    return http, grpc, admin
 
 
 def _port_numbers(home: Path, count: int, base_port: int | None,
@@ -353,13 +378,15 @@ class _Binaries:
     runtime: TritonRuntime
     weed: Path
     backend_dir: Path
+    nginx: Path
 
 
 def _resolve_binaries(settings: Settings, home: Path) -> _Binaries:
     runtime = find_triton_runtime(settings.triton_runtime.resolve())
     weed = _weed_binary()
     return _Binaries(runtime=runtime, weed=weed,
-                     backend_dir=prepare_backend_dir(runtime, home / "triton-backends"))
+                     backend_dir=prepare_backend_dir(runtime, home / "triton-backends"),
+                     nginx=nginx.nginx_binary())
 
 
 def _initial_state(settings: Settings, home: _StackHome, ports: _StackPorts,
@@ -392,9 +419,33 @@ def _initial_state(settings: Settings, home: _StackHome, ports: _StackPorts,
         "mlflow_webhook_secret": keys["mlflow_webhook_secret"],
         "mlflow_webhook_key": keys["mlflow_webhook_key"],
         "triton": {"replicas": endpoints[:-1], "canary": endpoints[-1]},
+        "gateway": _gateway_state(home.path, ports.gateway, endpoints),
         "processes": [],
         "commands": {},
     }
+
+
+def _gateway_state(home: Path, ports: tuple[int, int, int],
+                   endpoints: list[dict[str, str]]) -> dict[str, Any]:
+    """The gateway's URLs and its layout: the replicas behind ``production``, the canary
+    Triton (the last endpoint) behind ``canary`` (the local adapter of the TrafficRouter
+    port reads it, :mod:`modelship.traffic.local_gateway`)."""
+    def pair(e: dict[str, str]) -> tuple[str, str]:
+        return e["http"].removeprefix("http://"), e["grpc"]
+
+    layout = nginx.GatewayLayout(
+        http_port=ports[0], grpc_port=ports[1], admin_port=ports[2],
+        production=tuple(pair(e) for e in endpoints[:-1]), canary=pair(endpoints[-1]),
+        prefix=str(home / "gateway"), error_log=str(home / "logs" / "gateway.log"),
+        host=LOOPBACK, user=_root_user())
+    return {"http": layout.http_url, "grpc": layout.grpc_address, "admin": layout.admin_url,
+            "layout": layout.to_dict()}
+
+
+def _root_user() -> str | None:
+    """root's name when this runs as root: nginx's workers then run as root too, since only
+    the owner may write into the stack's private home (their request-body buffers)."""
+    return pwd.getpwuid(0).pw_name if os.geteuid() == 0 else None
 
 
 def _triton_endpoints(state: dict[str, Any]) -> list[dict[str, str]]:
@@ -435,7 +486,7 @@ class _Startup:
     def start_all(self, ports: _StackPorts, binaries: _Binaries) -> None:
         """Start every server and wait until all are ready, or stop them all and raise."""
         try:
-            services = self._launch_services(ports, binaries.weed)
+            services = self._launch_services(ports, binaries.weed, binaries.nginx)
             self._await_all(services, ports, binaries)
         except BaseException:
             self._stop_children()
@@ -478,7 +529,8 @@ class _Startup:
             self.report.ready_s[record.name] = round(time.monotonic() - self.started, 2)
         self.progress(f"{record.name} ready ({waited:.1f} s)")
 
-    def _launch_services(self, ports: _StackPorts, weed: Path) -> dict[str, _Child]:
+    def _launch_services(self, ports: _StackPorts, weed: Path, binary: Path
+                         ) -> dict[str, _Child]:
         """Start every server but Triton (which needs S3 ready first), by name."""
         state, home, data = self.state, self.home, self.home.data
         base_env, venv_bin = self.base_env, _project_bin()
@@ -531,15 +583,28 @@ class _Startup:
             c.webhooks_env(base_env, home=home.path), [ports.webhooks],
         )
         return {"seaweedfs": weed_proc, "prefect": prefect_proc, "mlflow": mlflow_proc,
-                "slack": slack_proc, "approvals": approvals_proc, "webhooks": webhooks_proc}
+                "slack": slack_proc, "approvals": approvals_proc, "webhooks": webhooks_proc,
+                "gateway": self._launch_gateway(ports, binary)}
+
+    def _launch_gateway(self, ports: _StackPorts, binary: Path) -> _Child:
+        """nginx in front of the Tritons, production only: a fresh stack has no release in
+        flight. It needs no upstream to start (nginx connects per request)."""
+        layout = nginx.GatewayLayout.from_dict(self.state["gateway"]["layout"])
+        _private_dir(Path(layout.prefix))
+        nginx.write_config(layout, nginx.render_config(layout, 0.0, 0.0,
+                                                       generation=f"up-{time.time_ns()}"))
+        self.progress(f"starting the gateway (nginx) on {layout.http_url} and "
+                      f"{layout.grpc_address} (gRPC)")
+        return self._launch("gateway", nginx.command(binary, layout), self.base_env,
+                            list(ports.gateway))
 
     def _await_all(self, services: dict[str, _Child], ports: _StackPorts,
                    binaries: _Binaries) -> None:
         """Wait for every server in parallel; MLflow's wait and Triton's start follow S3's
         readiness (Triton loads its repository from S3)."""
-        with ThreadPoolExecutor(max_workers=len(ports.triton) + 4) as pool:
+        with ThreadPoolExecutor(max_workers=len(ports.triton) + 6) as pool:
             waits = [pool.submit(self._await_ready, *services[name])
-                     for name in ("prefect", "slack", "approvals", "webhooks")]
+                     for name in ("prefect", "slack", "approvals", "webhooks", "gateway")]
             self._await_ready(*services["seaweedfs"])
             waits.append(pool.submit(self._await_ready, *services["mlflow"]))
             for triton in self._launch_tritons(ports, binaries):
@@ -610,6 +675,8 @@ def _component_env(name: str, state: dict[str, Any], settings: Settings) -> dict
         return c.approvals_env(base_env, home=home)
     if name == "webhooks":
         return c.webhooks_env(base_env, home=home)
+    if name == "gateway":
+        return base_env
     runtime = find_triton_runtime(settings.triton_runtime.resolve())
     return server_env(runtime, base_env, s3_access_key=state["access_key"],
                       s3_secret_key=state["secret_key"], s3_region=state["region"])
@@ -635,6 +702,8 @@ def _component_check(name: str, state: dict[str, Any], record: ProcessRecord
     if name == "approvals":
         root = str(state["approvals_url"]).removesuffix("/slack/interactivity")
         return lambda: http_ok(f"{root}/health")
+    if name == "gateway":
+        return _gateway_ready_check(nginx.GatewayLayout.from_dict(state["gateway"]["layout"]))
     endpoint = next(e for e in _triton_endpoints(state) if e["name"] == name)
     grpc_port = int(endpoint["grpc"].rsplit(":", 1)[1])
     return _triton_ready_check(endpoint["http"], grpc_port)
@@ -650,7 +719,9 @@ def _restart(settings: Settings, state: dict[str, Any], dead: list[str],
         old = records[name]
         # its orphaned children (Triton's backend stubs) and their shm regions, if any
         stop_process(old, clean_shm=_is_triton(name))
-        busy = [p for p in old.ports if port_open(p)]
+        # its leftovers (nginx's workers outlive a killed master) release the ports as they
+        # exit, a moment after the signal
+        busy = _wait_ports_closed(list(old.ports), deadline_s=5.0)
         if busy:
             raise StackError(
                 f"cannot restart {name}: its port(s) {', '.join(map(str, busy))} are taken "
@@ -679,6 +750,15 @@ def _restart(settings: Settings, state: dict[str, Any], dead: list[str],
         progress(f"{name} ready again ({waited:.1f} s)")
     report.total_s = round(time.monotonic() - started, 2)
     return report
+
+
+def _gateway_ready_check(layout: nginx.GatewayLayout) -> Callable[[], bool]:
+    """Ready when its workers answer with a split and its client ports accept."""
+    def check() -> bool:
+        nginx.read_live(layout, timeout_s=2.0)
+        return port_open(layout.http_port) and port_open(layout.grpc_port)
+
+    return check
 
 
 def _triton_ready_check(http_url: str, grpc_port: int) -> Callable[[], bool]:
