@@ -17,8 +17,10 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 
 from modelship.clients import build_clients
+from modelship.jsonable import jsonable
 from modelship.settings import Settings
-from tests.conftest import run_cli
+from modelship.stack import manager
+from tests.conftest import run_cli, stack_settings_at
 from tests.e2e.test_approvals_browser import browser  # noqa: F401 - the Chromium fixture
 
 pytestmark = pytest.mark.e2e
@@ -123,30 +125,35 @@ def _wait_for_text(driver: webdriver.Chrome, *texts: str, timeout_s: float = 60)
 
 def _snapshot(settings: Settings) -> dict[str, Any]:
     """What a restart must keep: the endpoints, what serves, the ledger, the registered and
-    the staged versions."""
+    the staged versions. Read in this process through the functions ``stack status``,
+    ``status`` and ``history`` call (each CLI start costs seconds), with the settings a
+    command would load from the stack's stack.json now."""
     import mlflow
 
-    home = settings.home
-    stack = json.loads(run_cli("stack", "status", "--json", home=home).stdout)
-    status = json.loads(run_cli("status", MODEL, "--json", home=home).stdout)
-    history = json.loads(run_cli("history", MODEL, "--json", home=home).stdout)
-    uri = str(settings.mlflow_tracking_uri)
-    registered = sorted(int(v.version) for v in mlflow.MlflowClient(
-        uri, registry_uri=uri).search_model_versions(f"name='{MODEL}'"))
+    from tasks.fleet import history
+    from tasks.status import status_report
+
+    settings = stack_settings_at(settings.home)
+    stack = manager.status(settings)
     clients = build_clients(settings)
     try:
         assert clients.storage is not None
+        status = jsonable(status_report(settings, clients, model=MODEL))
+        ledger = jsonable(history(clients, model=MODEL))
         prefix = f"{settings.repository_prefix}/{MODEL}/"
         staged = sorted({key[len(prefix):].split("/")[0]
                          for key in clients.storage.list_keys(prefix)})
     finally:
         clients.close()
+    uri = str(settings.mlflow_tracking_uri)
+    registered = sorted(int(v.version) for v in mlflow.MlflowClient(
+        uri, registry_uri=uri).search_model_versions(f"name='{MODEL}'"))
     return {"endpoints": {k: stack[k] for k in ("mlflow_uri", "s3_endpoint", "prefect_api_url",
                                                  "slack_api_url", "approvals_url", "triton")},
             "production": status.get("production_version"),
             "aliases": status.get("aliases"), "consistent": status.get("consistent"),
             "serving": [sorted(r.get("ready_versions", [])) for r in status["replicas"]],
-            "ledger": [(r["id"], r["status"]) for r in history["releases"]],
+            "ledger": [(r["id"], r["status"]) for r in ledger],
             "registered": registered, "staged": staged}
 
 

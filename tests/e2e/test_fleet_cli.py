@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from modelship.clients import build_clients
+from modelship.jsonable import jsonable
 from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.locks import release_lock
 from modelship.settings import Settings
@@ -23,6 +24,7 @@ from modelship.triton.model_config import (
     with_versions,
     without_dynamic_batching,
 )
+from tasks.status import status_report
 from tests import models
 from tests.conftest import run_cli, start_cli
 
@@ -35,6 +37,20 @@ def _json(*args: str, settings: Settings, code: int = 0) -> Any:
     done = run_cli(*args, "--json", home=settings.home)
     assert done.returncode == code, done.stderr[-3000:]
     return json.loads(done.stdout)
+
+
+def _status_now(settings: Settings, code: int) -> Any:
+    """What ``modelship status MODEL --json`` answers, and its exit code (0 when consistent,
+    else 1), read in this process through the function the CLI calls: for the checks
+    between steps (a CLI start costs seconds). The CLI's own status answers, exit codes
+    and table are tested below (``_status``, ``test_status_*``)."""
+    clients = build_clients(settings)
+    try:
+        doc = jsonable(status_report(settings, clients, model=MODEL))
+    finally:
+        clients.close()
+    assert (0 if doc["consistent"] else 1) == code, doc
+    return doc
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +78,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
 
     plan = _json("swap", MODEL, "--to", str(v2), "--dry-run", "--force", settings=stack_settings)
     assert plan["dry_run"] and plan["kind"] == "swap" and plan["plan"]
-    assert _json("status", MODEL, settings=stack_settings)["production_version"] == v1
+    assert _status_now(stack_settings, 0)["production_version"] == v1
 
     swapped = _json("swap", MODEL, "--to", str(v2), "--force", settings=stack_settings)
     assert swapped["kind"] == "swap" and swapped["from_version"] == v1
@@ -70,7 +86,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
                                                       "resume_batching"]
     assert set(swapped["timeline"]) == {"triton-0", "triton-1"}
     assert swapped["skew_ms"] is not None
-    status = _json("status", MODEL, settings=stack_settings)
+    status = _status_now(stack_settings, 0)
     assert status["consistent"] and status["production_version"] == v2
     assert len({r["config_digest"] for r in status["replicas"]}) == 1
 
@@ -82,7 +98,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
         locked = _json("swap", MODEL, "--to", str(v1), settings=stack_settings, code=1)
     assert locked["error"] == "ReleaseLocked" and "another release" in locked["message"]
     assert "modelship locks" in locked["hint"]
-    assert _json("status", MODEL, settings=stack_settings)["production_version"] == v2
+    assert _status_now(stack_settings, 0)["production_version"] == v2
 
     clients = build_clients(stack_settings)
     assert clients.registry is not None
@@ -90,7 +106,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
     rolled = _json("rollback", MODEL, settings=stack_settings)
     assert rolled["from_version"] == v2 and rolled["to_version"] == v1
     assert rolled["aliases"]["production"] == v1 and rolled["aliases"]["previous"] == v2
-    status = _json("status", MODEL, settings=stack_settings)
+    status = _status_now(stack_settings, 0)
     assert status["production_version"] == v1 and status["aliases"]["production"] == v1
     history = _json("history", MODEL, settings=stack_settings)["releases"]
     assert history[0]["kind"] == "rollback" and history[0]["status"] == "released"
@@ -127,13 +143,13 @@ def test_a_mixed_fleet_is_repaired_by_reconcile_and_by_swap(
     assert plan["dry_run"] and plan["changed"] == 0
     assert [r["replica"] for r in plan["models"][0]["replicas"] if r["action"] == "load"] \
         == [odd]
-    assert _json("status", MODEL, settings=stack_settings, code=1)["replicas"][1][
+    assert _status_now(stack_settings, 1)["replicas"][1][
         "ready_versions"] == [v2]  # a dry run changes nothing
     repaired = _json("reconcile", MODEL, settings=stack_settings)
     assert repaired["ok"] and repaired["changed"] == 1
     loaded = [r for r in repaired["models"][0]["replicas"] if r["action"] == "load"]
     assert [r["replica"] for r in loaded] == [odd]
-    status = _json("status", MODEL, settings=stack_settings)
+    status = _status_now(stack_settings, 0)
     assert status["consistent"] and status["production_version"] == v1
 
     # --watch: one JSON document per round until interrupted; a converged fleet is left alone.
@@ -157,7 +173,7 @@ def test_a_mixed_fleet_is_repaired_by_reconcile_and_by_swap(
     assert any("mixed" in line for line in planned["plan"])
     converged = _json("swap", MODEL, "--to", str(v2), "--force", settings=stack_settings)
     assert converged["kind"] == "converge" and not converged["aborted"]
-    status = _json("status", MODEL, settings=stack_settings)
+    status = _status_now(stack_settings, 0)
     assert status["consistent"] and status["production_version"] == v2
     assert status["aliases"]["production"] == v2
 
@@ -268,17 +284,17 @@ def test_status_compares_the_fleet_with_the_pin_the_alias_and_the_ledger(
     shown = run_cli("status", MODEL, home=stack_settings.home)
     assert shown.returncode == 1 and f"next: `modelship reconcile {MODEL}`" in shown.stdout
     assert _json("reconcile", MODEL, settings=stack_settings)["changed"] == 2
-    assert _status(stack_settings, 0)["consistent"]
+    assert _status_now(stack_settings, 0)["consistent"]
 
     clients = build_clients(stack_settings)
     assert clients.registry is not None and clients.storage is not None
     try:
         clients.registry.set_alias(MODEL, "production", versions[1])
-        moved = _status(stack_settings, 1)
+        moved = _status_now(stack_settings, 1)
         assert [d["kind"] for d in moved["disagreements"]] == ["alias"]
         assert moved["next"].startswith(f"`modelship swap {MODEL} --to {v1}`")
         assert _json("swap", MODEL, "--to", str(v1), settings=stack_settings)["repaired"]
-        assert _status(stack_settings, 0)["aliases"]["production"] == v1
+        assert _status_now(stack_settings, 0)["aliases"]["production"] == v1
 
         # A release whose process is gone, still `running` in the ledger.
         gone = subprocess.Popen(["true"])
@@ -287,12 +303,12 @@ def test_status_compares_the_fleet_with_the_pin_the_alias_and_the_ledger(
         dead.holder["pid"] = gone.pid
         dead.stages.append(StageEntry("check", now_iso()))
         Ledger(clients.storage).write(dead)
-        found = _status(stack_settings, 1)
+        found = _status_now(stack_settings, 1)
         assert [d["kind"] for d in found["disagreements"]] == ["dead_release"]
         assert found["record"]["id"] == dead.id and found["record"]["process"] == "dead"
         assert found["next"].startswith(f"`modelship reconcile {MODEL}`")
         _json("reconcile", MODEL, settings=stack_settings)
-        assert _status(stack_settings, 0)["record"]["status"] == "interrupted"
+        assert _status_now(stack_settings, 0)["record"]["status"] == "interrupted"
     finally:
         clients.registry.set_alias(MODEL, "production", v1)
         clients.close()

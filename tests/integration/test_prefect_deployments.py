@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from modelship.clients import build_clients
 from modelship.settings import Settings
 from tasks import train as training
 from tests import models
@@ -128,12 +129,10 @@ def test_deploy_then_a_worker_runs_nightly_and_promote(
         "model": MODEL, "seed": 11, "drift": 0.0, "policy_file": str(policy),
         "dry_run": False})
     assert run["state_type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
-    history = json.loads(run_cli("history", MODEL, "--json",
-                                 home=stack_settings.home).stdout)["releases"]
+    history, status = _history_and_status(stack_settings)
     assert [(r["kind"], r["status"], r["trigger"]) for r in history] == [
         ("promote", "released", "schedule")]
     released = history[0]["to_version"]
-    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
     assert status["production_version"] == released == status["aliases"]["production"]
 
     # The registry trigger: alias `candidate` on a new version -> MLflow's signed webhook ->
@@ -148,12 +147,23 @@ def test_deploy_then_a_worker_runs_nightly_and_promote(
     promote = _wait_for_webhook_run(stack_settings, MODEL, candidate)
     assert promote["state_type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
     assert promote["deployment_id"] == deployments["promote"]["id"]
-    history = json.loads(run_cli("history", MODEL, "--json",
-                                 home=stack_settings.home).stdout)["releases"]
+    history, status = _history_and_status(stack_settings)
     assert [(r["kind"], r["status"], r["trigger"], r["to_version"]) for r in history][0] == (
         "promote", "released", "webhook", candidate)
-    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
     assert status["production_version"] == candidate == status["aliases"]["production"]
+
+
+def _history_and_status(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """What ``modelship history MODEL`` and ``modelship status MODEL`` answer, read in this
+    process through the functions they call (each CLI start costs seconds)."""
+    from tasks.fleet import history
+    from tasks.status import status_report
+
+    clients = build_clients(settings)
+    try:
+        return history(clients, model=MODEL), status_report(settings, clients, model=MODEL)
+    finally:
+        clients.close()
 
 
 def _wait_for_webhook_run(settings: Settings, model: str, version: int,
