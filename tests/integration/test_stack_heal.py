@@ -119,7 +119,7 @@ def test_stack_up_answers_with_its_endpoints_and_up_again_is_idempotent(
     assert (home / "stack.json").stat().st_mode & 0o777 == 0o600
     records = [ProcessRecord.from_dict(p) for p in own_stack.state["processes"]]
     assert {r.name for r in records} == {"seaweedfs", "mlflow", "prefect", "slack", "approvals",
-                                         "webhooks", "triton-0", "canary"}
+                                         "webhooks", "triton-0", "canary", "gateway"}
 
     status = run_cli("stack", "status", "--json", home=home)
     assert status.returncode == 0

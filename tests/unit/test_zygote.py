@@ -80,9 +80,12 @@ def test_a_signal_ends_the_run_as_it_ends_a_process(zygote: Zygote, name: str) -
         [sys.executable, "-c", f"import os, signal, time; os.kill(os.getpid(), "
                                f"signal.{name}); time.sleep(5)"],
         capture_output=True, text=True, timeout=30)
-    assert done.returncode == plain.returncode == -getattr(signal, name) \
-        or (name == "SIGINT" and done.returncode == plain.returncode == -signal.SIGINT), \
-        (done, plain)
+    expected = -getattr(signal, name)
+    if name == "SIGINT" and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # This process started with SIGINT ignored (a background job of a script, as CI's
+        # `make test` may be): its children inherit that, and a plain process ignores it too.
+        expected = 0
+    assert done.returncode == plain.returncode == expected, (done, plain)
 
 
 def test_nothing_a_run_changes_reaches_the_next(zygote: Zygote) -> None:
