@@ -40,6 +40,15 @@ SPLIT_PATH = "/modelship/split"
 RESOLUTION_PCT = 0.01
 #: Worker processes of the gateway (a 2-core machine shares them with the whole stack).
 WORKER_PROCESSES = 1
+#: The log of mirrored HTTP requests' bodies (shadow canaries sample real inputs from it),
+#: in the gateway's prefix.
+SAMPLE_LOG = "mirror-samples.log"
+#: One JSON object per mirrored HTTP request (``escape=json``: a body's bytes >= 0x80 are
+#: written raw, below 0x20 as ``\u00XX``, so ``latin-1`` decoding gives the bytes back).
+#: ``$request_body`` is empty when the body did not fit in ``client_body_buffer_size``.
+SAMPLE_FORMAT = ('{"msec":"$msec","uri":"$request_uri","content_type":"$content_type",'
+                 '"header_length":"$http_inference_header_content_length",'
+                 '"status":"$status","body":"$request_body"}')
 #: Debian's nginx, also when /usr/sbin is not on PATH (a non-root shell).
 DEBIAN_NGINX = Path("/usr/sbin/nginx")
 INSTALL_HINT = "run `make install` (it installs Debian's nginx with apt)"
@@ -74,6 +83,11 @@ class GatewayLayout:
     @property
     def config_path(self) -> Path:
         return Path(self.prefix) / "nginx.conf"
+
+    @property
+    def sample_log(self) -> Path:
+        """Where the mirrored HTTP requests' bodies are logged while a mirror is on."""
+        return Path(self.prefix) / SAMPLE_LOG
 
     @property
     def http_url(self) -> str:
@@ -180,6 +194,10 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
     if 0 < mirror < 100:
         choosers += _chooser("modelship_mirror", "mirror", mirror, "1", "0")
     mirror_on = "            mirror /_modelship_mirror;\n" if mirror > 0 else ""
+    sampled = ""
+    if mirror > 0:  # the mirrored share's bodies, for the shadow canary's agreement
+        only = " if=$modelship_mirror" if mirror < 100 else ""
+        sampled = (f"            access_log {layout.sample_log} modelship_sample{only};\n")
     live = json.dumps({"canary_pct": canary, "mirror_pct": mirror, "generation": generation},
                       sort_keys=True)
     temp = "".join(f"    {kind}_temp_path {prefix}/tmp/{kind};\n"
@@ -195,6 +213,7 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
         "events {\n    worker_connections 4096;\n}\n"
         "http {\n"
         "    access_log off;\n"
+        f"    log_format modelship_sample escape=json '{SAMPLE_FORMAT}';\n"
         "    server_tokens off;\n"
         f"{temp}"
         "    client_max_body_size 256m;\n"
@@ -212,7 +231,7 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
         + "    server {  # KServe HTTP/REST\n"
         f"        listen {layout.host}:{layout.http_port};\n"
         "        location / {\n"
-        f"{mirror_on}"
+        f"{mirror_on}{sampled}"
         f"            proxy_pass http://{backend}_http;\n"
         "            proxy_http_version 1.1;\n"
         '            proxy_set_header Connection "";\n'

@@ -1,0 +1,407 @@
+"""The shadow canary (``canary.traffic: shadow``, issue 20 item 3): the candidate gets a
+copy of live production requests through the traffic router, and is judged on them.
+
+The run, in order (the decisions are :mod:`tasks.shadow_plan`'s, pure):
+
+1. **Load** the candidate C alone on the canary Triton (its staged config, versions
+   ``[C]``), so the mirrored copies of ``/v2/models/M/infer`` reach exactly C.
+2. **Golden rows**: each golden row goes once to production (a replica, ``/versions/P``)
+   and once to C: the agreement on the rows the check knows, for the record.
+3. **The window**: the sample log is emptied, Triton's counters are read on the canary
+   and every replica (one tick), then the router holds ``mirror_pct`` % through
+   :func:`tasks.traffic_state.holding` (written to the release's record before it is
+   set, read back, and returned to 100 % production on every way out: the window's end,
+   an error, a signal). Every second: a tick, the router read back, the sampled bodies
+   counted; :func:`tasks.shadow_plan.window_action` holds, ends, or aborts (a dead or
+   stuck router: exit 1, the mirror back to 0).
+4. **Agreement on real inputs**: nginx logged each mirrored HTTP request's body
+   (:data:`modelship.nginx.SAMPLE_FORMAT`). Up to ``canary.min_samples`` of them, spread
+   over the window, are sent byte for byte to production (``/versions/P`` on a replica)
+   and to C (``/versions/C`` on the canary) and the answers compared
+   (:func:`tasks.agreement.rows_agree`). The log is deleted afterwards: it holds
+   production's inputs. The candidate's answers go nowhere but this comparison.
+5. **Judge** with the policy's gates (:func:`tasks.gates.evaluate`) on a
+   :class:`~modelship.measurements.CanarySnapshot` built from Triton's counters
+   (per-version, server-side: requests, failures, queue + compute µs; per-second
+   intervals for ``server_latency_ratio``) and the live agreement; client-side latency
+   rules become server-side ones or are skipped (:func:`tasks.shadow_plan.shadow_rules`).
+
+Why sample through nginx's log rather than a sampler process on the mirror's path: the
+log is written by the gateway itself after the client's answer, nothing new runs or can
+die in front of the candidate, the mirrored copies keep going straight to the canary, and
+the sampled bodies are exactly the mirrored ones (both read one ``split_clients`` draw).
+Limits: HTTP only (gRPC requests are mirrored and counted by Triton, but their bodies are
+not sampled); a body larger than the gateway's buffer (1 MiB) is not sampled (counted).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from modelship.candidate import ReleaseCandidate
+from modelship.clients import Clients
+from modelship.errors import InfrastructureError, UsageError
+from modelship.ledger import now_iso
+from modelship.measurements import ArmMeasurements, CanarySnapshot
+from modelship.policy import Policy
+from modelship.progress import Progress, quiet
+from modelship.settings import Settings
+from modelship.traffic.local_gateway import LocalGateway
+from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter
+from modelship.triton.client import TritonServer
+from modelship.triton.metrics import Scrape, scrape
+from modelship.triton.model_config import to_json, with_versions
+from modelship.triton.target import render_for_servers
+from tasks.agreement import agreement_kind, rows_agree
+from tasks.canary import (
+    KEPT_LOADED,
+    CanaryResult,
+    _canary_clients,
+    _candidate_inputs,
+    _publish,
+    _report_dir,
+    _unload,
+    _wait_ready,
+)
+from tasks.canary_slot import in_canary_slot
+from tasks.gates import evaluate
+from tasks.record import ReleaseJournal
+from tasks.shadow_plan import (
+    ArmTotals,
+    SampledRequest,
+    ShadowPlan,
+    arm_totals,
+    parse_samples,
+    pick,
+    shadow_intervals,
+    shadow_rules,
+    versioned_uri,
+    window_action,
+)
+from tasks.traffic_state import configured_router, holding, read_live, traffic_intent
+
+__all__ = ["LOOK_S", "replay_of", "run_shadow", "shadow_task"]
+
+#: Seconds between looks at the window (one tick of Triton's counters each).
+LOOK_S = 1.0
+
+Outputs = dict[str, np.ndarray]
+
+
+def _infer(base_url: str, uri: str, body: bytes, headers: Mapping[str, str],
+           timeout_s: float) -> Outputs:
+    """One inference with these exact bytes; raises on anything but an answer."""
+    from modelship.loadgen.transports.kserve_http import answer_outputs, http_base
+
+    request = urllib.request.Request(http_base(base_url) + uri, data=body, method="POST",
+                                     headers=dict(headers))
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310
+        length = response.headers.get("Inference-Header-Content-Length")
+        return answer_outputs(response.read(), int(length) if length else None)
+
+
+def _compare(pairs: list[tuple[Outputs, Outputs]], policy: Policy
+             ) -> tuple[float | None, int, str]:
+    """Share of rows whose answers agree, rows compared, and the kind (None: none)."""
+    configured = policy.canary.agreement.kind
+    if not pairs:
+        return None, 0, configured if configured != "auto" else "classifier"
+    kind = agreement_kind(pairs[0][1], policy.canary.agreement.kind)
+    agreed = compared = 0
+    for candidate, baseline in pairs:
+        rows = rows_agree(kind, candidate, baseline, policy.canary.agreement)
+        agreed += int(rows.sum())
+        compared += int(rows.size)
+    return (agreed / compared if compared else None), compared, kind
+
+
+class _Shadow:
+    """The executor of one shadow window (see the module docstring)."""
+
+    def __init__(self, settings: Settings, clients: Clients, policy: Policy, *, model: str,
+                 candidate: int, baseline: int, router: LocalGateway, canary: TritonServer,
+                 progress: Progress) -> None:
+        self.settings, self.policy, self.model = settings, policy, model
+        self.candidate, self.baseline = candidate, baseline
+        self.router, self.canary, self.progress = router, canary, progress
+        self.replicas = list(clients.replicas)
+        self.plan = ShadowPlan.from_policy(policy.canary)
+        self.notes: list[str] = []
+        self.ticks: list[dict[str, Scrape | None]] = []
+        self.events: list[dict[str, Any]] = []
+        self.window_s = 0.0
+
+    # ---------------------------------------------------------------- I/O steps
+
+    def _scrape(self, server: TritonServer) -> Scrape | None:
+        try:
+            return scrape(server.endpoint.metrics, self.settings.http_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a missed tick leaves its interval out
+            self.notes.append(f"a metrics scrape of {server.name} failed ({exc}); its "
+                              "interval is left out")
+            return None
+
+    def tick(self) -> None:
+        self.ticks.append({"canary": self._scrape(self.canary),
+                           **{r.name: self._scrape(r) for r in self.replicas}})
+
+    def replay_golden(self, payload: Mapping[str, np.ndarray]) -> tuple[float | None, int]:
+        """Each golden row to production and to C, once: their agreement and rows."""
+        from modelship.loadgen.spec import Target
+        from modelship.loadgen.transports.kserve_http import build_body
+
+        rows = int(next(iter(payload.values())).shape[0])
+        pairs = []
+        for row in range(rows):
+            body, headers = build_body(Target("", self.model),
+                                       {k: v[row:row + 1] for k, v in payload.items()})
+            pair = self.pair(SampledRequest("", body, int(headers[
+                "Inference-Header-Content-Length"]) if "Inference-Header-Content-Length"
+                in headers else None, headers["Content-Type"]))
+            if pair is not None:
+                pairs.append(pair)
+        agreement, compared, _ = _compare(pairs, self.policy)
+        return agreement, compared
+
+    def pair(self, sample: SampledRequest) -> tuple[Outputs, Outputs] | None:
+        """``(candidate's, production's)`` answers to the same bytes; None when either
+        failed (an error, not a disagreement: Triton's counters judge errors)."""
+        timeout = self.settings.http_timeout_s
+        try:
+            production = _infer(self.replicas[0].endpoint.http,
+                                versioned_uri(self.model, self.baseline), sample.body,
+                                sample.headers(), timeout)
+            candidate = _infer(self.canary.endpoint.http,
+                               versioned_uri(self.model, self.candidate), sample.body,
+                               sample.headers(), timeout)
+        except (urllib.error.URLError, OSError, ValueError, TimeoutError) as exc:
+            self.notes.append(f"a sampled input was not answered by both versions ({exc})")
+            return None
+        return candidate, production
+
+    def sampled_lines(self) -> list[bytes]:
+        try:
+            return self.router.layout.sample_log.read_bytes().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def forget_samples(self) -> None:
+        """The sample log holds production's inputs: never left behind."""
+        self.router.layout.sample_log.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- the window
+
+    def window(self, write: Callable[[dict[str, Any]], None],
+               announce: Callable[[str], None]) -> dict[str, Any]:
+        """Mirror, watch, end (or abort); returns the record's ``traffic`` document."""
+        plan = self.plan
+        self.forget_samples()
+        self.tick()
+        started, mirrored, sampled = time.monotonic(), 0, 0
+        announce(f"shadow: mirroring {plan.mirror_pct:g} % of live requests to "
+                 f"{self.model} v{self.candidate} on the canary (answers discarded)")
+        with holding(self.router, plan.split, write=write, progress=self.progress) as doc:
+            while True:
+                time.sleep(LOOK_S)
+                self.tick()
+                cand, _ = arm_totals(self.ticks[0], self.ticks[-1], model=self.model,
+                                     candidate=self.candidate, baseline=self.baseline)
+                mirrored = cand.requests if cand is not None else 0
+                sampled = len(parse_samples(self.sampled_lines(), self.model).requests)
+                live, problem = read_live(self.router)
+                elapsed = time.monotonic() - started
+                action = window_action(plan, elapsed_s=elapsed, mirrored=mirrored,
+                                       sampled=sampled, live=live, problem=problem)
+                if action.kind == "hold":
+                    continue
+                self.window_s = elapsed
+                self.events.append({"at": now_iso(), "action": action.kind,
+                                    "elapsed_s": round(elapsed, 3), "mirrored": mirrored,
+                                    "sampled": sampled, "reason": action.reason})
+                self.progress(f"shadow: {action.kind}: {action.reason}")
+                if action.kind == "abort":
+                    raise InfrastructureError(action.reason, hint="check the gateway "
+                                              "(`modelship doctor`), then promote again",
+                                              component=self.router.name)
+                break
+        announce(f"shadow: window over after {self.window_s:.0f} s: {mirrored} mirrored, "
+                 f"{sampled} sampled; mirror back to 0")
+        return traffic_intent(doc, router=self.router.name, split=PRODUCTION_ONLY,
+                              at=now_iso())
+
+    # ---------------------------------------------------------------- the judgement
+
+    def snapshot(self, agreement: tuple[float | None, int, str],
+                 golden: tuple[float | None, int], summary: dict[str, Any]
+                 ) -> CanarySnapshot:
+        cand, prod = arm_totals(self.ticks[0], self.ticks[-1], model=self.model,
+                                candidate=self.candidate, baseline=self.baseline)
+        if cand is None or prod is None:
+            self.notes.append("Triton's counters are missing or restarted for "
+                              + ("the candidate" if cand is None else "production")
+                              + " over the window; the server-side rules cannot judge")
+        window = max(self.window_s, 1e-9)
+
+        def arm(version: int, totals: ArmTotals | None) -> ArmMeasurements:
+            if totals is None:
+                return ArmMeasurements(version, np.array([], dtype=float), 0, 0)
+            return ArmMeasurements(version, np.array([], dtype=float), totals.requests,
+                                   totals.failures, totals.answered / window,
+                                   totals.mean_us("queue"), totals.mean_us("compute"))
+
+        intervals = shadow_intervals(self.ticks, model=self.model, candidate=self.candidate,
+                                     baseline=self.baseline)
+        return CanarySnapshot(
+            model=self.model, candidate=arm(self.candidate, cand),
+            baseline=arm(self.baseline, prod), agreement=agreement[0],
+            agreement_samples=agreement[1], agreement_kind=agreement[2],
+            window_s=self.window_s,
+            extra={"server_metrics": {"candidate": None if cand is None else cand.to_dict(),
+                                      "baseline": None if prod is None else prod.to_dict()},
+                   "server_intervals": intervals, "payload_source": "live (mirrored)",
+                   "notes": self.notes, "gpu": None, "shadow": summary,
+                   "golden_agreement": golden[0]})
+
+
+@in_canary_slot  # one canary at a time on the canary Triton; the slot's holder owns the mirror
+def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: str,
+               candidate: int, baseline: int | None, router: TrafficRouter | None,
+               write: Callable[[dict[str, Any]], None],
+               announce: Callable[[str], None] = lambda _: None,
+               progress: Progress = quiet, report_dir: Path | None = None,
+               keep_loaded: bool = False,
+               release: ReleaseCandidate | None = None) -> CanaryResult:
+    """The shadow canary of ``candidate`` against production ``baseline``.
+
+    Args:
+        router: The configured traffic router (the stack's local gateway).
+        write: Puts the ``traffic`` document on the release's record and writes it (before
+            every change of the router).
+        announce: Receives the window's start and end (the Slack thread).
+        keep_loaded: Leave C loaded on the canary after a window that completed (an
+            approval wait); the caller unloads it.
+        Others: as :func:`tasks.canary.run_canary`.
+
+    Returns:
+        The result; ``load`` is the shadow's summary (``mode``, ``mirrored``, ``sampled``,
+        ``compared``, ``agreement``, ``golden_agreement``, ``verdicts``).
+
+    Raises:
+        UsageError: no production version (nothing to mirror), or a router that cannot
+            sample the mirrored requests (exit 2).
+        InfrastructureError: the router did not take the mirror, stopped answering or got
+            stuck (the mirror is returned to 0 where it answers), or the canary Triton
+            could not load C (exit 1).
+    """
+    if baseline is None:
+        raise UsageError(f"a shadow canary of {model} needs a production version to mirror "
+                         "live requests from; there is none yet",
+                         hint="release the first version with canary.traffic: replay",
+                         key="canary.traffic")
+    if not isinstance(router, LocalGateway):
+        raise UsageError(
+            "canary.traffic: shadow needs the stack's local gateway: it samples the mirrored "
+            "requests' bodies for the agreement on live inputs"
+            + ("" if router is None else f" ({router.name} cannot)"),
+            hint="run `modelship stack up` (it starts the gateway), or use canary.traffic: "
+            "replay", key="canary.traffic")
+    started = time.monotonic()
+    server, storage = _canary_clients(clients, model, candidate, baseline)
+    config, payload, _ = _candidate_inputs(settings, clients, storage, policy=policy,
+                                           model=model, candidate=candidate,
+                                           baseline=baseline, release=release)
+    config, _ = render_for_servers(with_versions(config, [candidate]), [server],
+                                   timeout_s=settings.http_timeout_s)
+    run = _Shadow(settings, clients, policy, model=model, candidate=candidate,
+                  baseline=baseline, router=router, canary=server, progress=progress)
+    completed = False
+    try:
+        progress(f"shadow: loading {model} v{candidate} alone on the canary {server.name}")
+        server.load_model(model, config_json=to_json(config))
+        _wait_ready(server, model, [candidate], settings.control_timeout_s)
+        golden = run.replay_golden(payload)
+        traffic = run.window(write, announce)
+        found = parse_samples(run.sampled_lines(), model)
+        chosen = pick(found.requests, run.plan.min_samples)
+        progress(f"shadow: comparing {len(chosen)} of {len(found.requests)} sampled live "
+                 "inputs on both versions")
+        pairs = [p for p in map(run.pair, chosen) if p is not None]
+        completed = True
+    finally:
+        run.forget_samples()
+        cleanup = KEPT_LOADED if keep_loaded and completed else _unload(server, model,
+                                                                         progress)
+    agreement = _compare(pairs, policy)
+    judged, skipped = shadow_rules(policy.gates)
+    summary = {"mode": "shadow", "mirror_pct": run.plan.mirror_pct,
+               "window_s": round(run.window_s, 3), "events": run.events,
+               "sampled": len(found.requests), "left_out": dict(found.left_out),
+               "compared_inputs": len(pairs), "compared_rows": agreement[1],
+               "agreement": agreement[0], "golden_agreement": golden[0],
+               "golden_rows": golden[1]}
+    snapshot = run.snapshot(agreement, golden, summary)
+    summary["mirrored"] = snapshot.candidate.requests
+    summary["production_requests"] = snapshot.baseline.requests if snapshot.baseline else 0
+    report = evaluate(snapshot, judged, min_samples=policy.canary.min_samples)
+    summary["verdicts"] = {r["rule"]: {"metric": r["metric"], "verdict": r["verdict"],
+                                       "value": r["value"]}
+                           for r in report.to_dict()["results"]}
+    write({**traffic, "shadow": json.loads(json.dumps(summary, default=str))})
+    result = CanaryResult(model=model, candidate=candidate, baseline=baseline,
+                          verdict=str(report.verdict), snapshot=snapshot, gate_report=report,
+                          load=summary, cleanup=cleanup, skipped_rules=skipped)
+    result.seconds = time.monotonic() - started
+    _publish(result, report_dir or _report_dir(settings, model, candidate), progress)
+    announce(f"shadow: {result.verdict}: agreement on live inputs "
+             + (f"{agreement[0]:.1%}" if agreement[0] is not None else "not measured")
+             + f" over {agreement[1]} rows (golden rows "
+             + (f"{golden[0]:.1%}" if golden[0] is not None else "not measured") + ")")
+    return result
+
+
+def replay_of(policy: Policy) -> Policy:
+    """``policy`` with the replay canary (a first release has no production to mirror)."""
+    canary = policy.canary.model_copy(update={"traffic": "replay", "mirror_pct": None})
+    return policy.model_copy(update={"canary": canary})
+
+
+@task(name="canary", task_run_name="shadow canary {model} v{candidate} vs {baseline}",
+      cache_policy=NO_CACHE)
+def shadow_task(settings: Settings, clients: Clients, policy: Policy, journal: ReleaseJournal,
+                model: str, candidate: int, baseline: int | None, keep_loaded: bool = False,
+                release: ReleaseCandidate | None = None) -> CanaryResult:
+    """The shadow canary inside a promotion: the mirror's hold is written to the release's
+    record (``traffic``) before each change of the router, the window's start, end and
+    verdict go to the Slack thread. A first release has no production to mirror: the
+    replay canary judges it (noted on the record)."""
+    progress = get_run_logger().info
+    if baseline is None:
+        journal.note("canary.traffic: shadow: no production version to mirror live requests "
+                     "from on a first release; the replay canary judges it")
+        from tasks.canary import run_canary
+
+        return run_canary(settings, clients, replay_of(policy), model=model,
+                          candidate=candidate, baseline=None, progress=progress,
+                          keep_loaded=keep_loaded, release=release)
+
+    def write(doc: dict[str, Any]) -> None:
+        journal.record.traffic = doc
+        journal.save()
+
+    def announce(text: str) -> None:
+        journal.thread.reply(text, [])
+
+    return run_shadow(settings, clients, policy, model=model, candidate=candidate,
+                      baseline=baseline, router=configured_router(settings, progress),
+                      write=write, announce=announce, progress=progress,
+                      keep_loaded=keep_loaded, release=release)
