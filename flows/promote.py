@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -52,6 +52,7 @@ from tasks.approve import (
 from tasks.canary_sizing import SEQUENTIAL_SHARE, plan_rules
 from tasks.check import CheckReport
 from tasks.evidence import release_candidate
+from tasks.holdback import holdback_applies, holdback_watch
 from tasks.prefect_tasks import (
     approve_task,
     bake_task,
@@ -68,6 +69,7 @@ from tasks.prefect_tasks import (
     stage_task,
     swap_task,
 )
+from tasks.progressive import live_canary, replay_policy
 from tasks.record import ReleaseJournal
 from tasks.traffic_plan import not_carried_out
 
@@ -227,7 +229,8 @@ def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledge
                                      release)
         payload = release.rows(BAKE_ROWS)
         baseline = None
-        if serving is not None and policy.bake.duration_s > 0:
+        if serving is not None and policy.bake.duration_s > 0 \
+                and not holdback_applies(policy, serving):  # a holdback is the control
             with journal.stage("baseline") as entry:
                 baseline = baseline_task(settings, clients, policy, model, serving, payload)
                 entry.details.update(baseline.to_dict())
@@ -241,12 +244,12 @@ def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledge
         with fleet.ending(settings, clients, policy, journal, progress=progress):
             with journal.stage("swap") as entry:
                 record.swap = swap_task(settings, clients, policy, model, version,
-                                        serving, result.candidate_bytes,
+                                        serving, result.candidate_bytes if result else None,
                                         release.config_pbtxt)
                 entry.details["skew_ms"] = record.swap.get("skew_ms")
             with journal.stage("bake") as entry:
                 _bake(settings, clients, policy, record, payload, baseline,
-                      entry.details)
+                      entry.details, save=journal.save, progress=progress)
                 # baked: the point of no return, decided before the stage's save (an
                 # S3 outage there then finishes forward, and the tag tells the next run)
                 record.intent["committed_at"] = now_iso()
@@ -257,10 +260,19 @@ def _release(settings: Settings, clients: Clients, policy: Policy, ledger: Ledge
 
 def _canary_to_approval(settings: Settings, clients: Clients, policy: Policy,
                         journal: ReleaseJournal, approval: ApprovalRequest,
-                        serving: int | None, release: ReleaseCandidate) -> CanaryResult:
-    """The canary, gates and approve stages; returns the canary's result."""
+                        serving: int | None, release: ReleaseCandidate) -> CanaryResult | None:
+    """The canary, gates and approve stages; returns the replay canary's result (None
+    after a progressive canary: its steps are in the record's ``traffic``)."""
     record = journal.record
     model, version = record.model, int(record.to_version or 0)
+    if policy.canary.traffic == "progressive" and serving is not None:
+        live_canary(settings, clients, policy, journal, serving=serving, release=release,
+                    progress=journal.progress)
+        return _approve(settings, clients, policy, journal, approval, serving, release, None)
+    if policy.canary.traffic == "progressive":
+        journal.note("canary.traffic: progressive: no production version to share live "
+                     "traffic with on a first release; the replay canary judges it")
+        policy = replay_policy(policy)
     with journal.stage("canary") as entry:
         result = canary_task(settings, clients, policy, model, version, serving,
                              approval.required, release)
@@ -274,12 +286,21 @@ def _canary_to_approval(settings: Settings, clients: Clients, policy: Policy,
     journal.save()
     with journal.stage("gates"):
         gates_task(result, model, version)
+    return _approve(settings, clients, policy, journal, approval, serving, release, result)
+
+
+def _approve(settings: Settings, clients: Clients, policy: Policy, journal: ReleaseJournal,
+             approval: ApprovalRequest, serving: int | None, release: ReleaseCandidate,
+             result: CanaryResult | None) -> CanaryResult | None:
+    """The approve stage (the replay canary's plot with it, when there is one)."""
+    record = journal.record
+    model, version = record.model, int(record.to_version or 0)
+    png = (result.report_paths.get("png") or "") if result is not None else ""
     with journal.stage("approve") as entry:
         channels = channels_for(
             settings, clients, release=release, baseline=serving,
             notifier=journal.thread.notifier,
-            plot=Path(result.report_paths.get("png") or "") if
-            result.report_paths.get("png") else None, timeout_s=approval.timeout_s,
+            plot=Path(png) if png else None, timeout_s=approval.timeout_s,
             max_error_rate=policy.bake.max_error_rate, policy=policy)
         entry.details.update(approve_task(approval, journal, channels, model,
                                           version))
@@ -322,15 +343,29 @@ def _stopped(journal: ReleaseJournal, exc: BaseException,
 
 
 def _bake(settings: Settings, clients: Clients, policy: Policy, record: ReleaseRecord,
-          payload: Any, baseline: baking.Reference | None, details: dict[str, Any]) -> None:
-    """Watch; on a breach or a lost replica, roll the fleet back to what served.
+          payload: Any, baseline: baking.Reference | None, details: dict[str, Any], *,
+          save: Callable[[], None], progress: Progress) -> None:
+    """Watch; on a breach or a lost replica, roll the fleet back to what served. With
+    ``bake.holdback_pct`` the previous version answers that share of live traffic on the
+    canary Triton during the watch, as its control (:mod:`tasks.holdback`); the share is
+    back to 0 before any rollback.
 
     A bake whose latency rules held in every window (the load left what the reference
     covers; errors were judged throughout) lets the release complete: the record's bake
     says ``held`` and a note says latency was never judged, and why.
     """
     version, previous = int(record.to_version or 0), record.from_version
-    report = bake_task(settings, clients, policy, record.model, version, payload, baseline)
+    if previous is not None and holdback_applies(policy, previous):
+        def write(doc: dict[str, Any]) -> None:
+            record.traffic = doc
+            save()
+
+        report = holdback_watch(settings, clients, policy, model=record.model,
+                                version=version, previous=previous, payload=payload,
+                                write=write, traffic=record.traffic, progress=progress)
+    else:
+        report = bake_task(settings, clients, policy, record.model, version, payload,
+                           baseline)
     record.bake = report.to_dict()
     details.update(outcome=report.verdict.outcome, reason=report.verdict.reason)
     if report.verdict.outcome == "held":

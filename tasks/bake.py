@@ -230,9 +230,9 @@ class Reference:
     """The latency rules' control: windows measured on the previous version.
 
     ``pre-swap``: ``baseline_s`` of the probe on production just before the swap, covering
-    the load it saw (its request rate ±``load_tolerance_pct``). ``holdback`` (issue 20, not
-    built yet): windows of the previous version on a share of the same live traffic at the
-    same time, which cover any load.
+    the load it saw (its request rate ±``load_tolerance_pct``). ``holdback`` (issue 20
+    item 4, :class:`Holdback`): windows of the previous version on a share of the same live
+    traffic at the same time (probed in the same runs), which cover any load.
     """
 
     windows: tuple[Window, ...]
@@ -477,6 +477,23 @@ def two_sample(before: np.ndarray, after: np.ndarray) -> TwoSample | None:
                      lag1=lag1(resid))
 
 
+def paired(control: np.ndarray, after: np.ndarray) -> TwoSample | None:
+    """The paired comparison of block statistics measured at the same time (a holdback
+    control and the fleet, window by window), or None with fewer than two pairs (pure):
+    the mean of the per-window differences, with the long-run variance of the differences
+    (what both arms share in a window, a surge, cancels out)."""
+    c = np.asarray(control, dtype=float).ravel()
+    a = np.asarray(after, dtype=float).ravel()
+    if c.size != a.size or a.size < 2:
+        return None
+    d = a - c
+    resid = d - d.mean()
+    df = int(d.size - 1)
+    sd = math.sqrt(max(long_run_variance(resid) * d.size / df, 0.0))
+    return TwoSample(diff=float(d.mean()), se=sd / math.sqrt(d.size), df=df, block_sd=sd,
+                     lag1=lag1(resid))
+
+
 def margin_log(policy: BakePolicy, reference_ms: float) -> float:
     """The rule's tolerance on the log scale: ``log(1 + pct/100)``, at least the noise
     floor ``min_latency_effect_us`` over the reference's quantile."""
@@ -564,23 +581,32 @@ def latency_state(windows: Sequence[Window], reference: Reference | None,
     points, final_alpha = look_plan(n_total, alpha_q)
     bake_over = len(windows) >= n_total > 0
     judged_rows = [block_stats(w, quantiles) for w in judged]
+    concurrent = reference.kind == "holdback"  # the control's window of the same index
+    control_by_index = {w.index: row for w, row in zip(reference.windows, ref_rows,
+                                                        strict=True)}
     for j, q in enumerate(quantiles):
         before = np.asarray([row[j] for row in ref_rows if row[j] is not None])
         stat_by_count: list[float] = []
+        control_by_count: list[float] = []
         rule: dict[str, Any] = {"rule": f"latency_p{q * 100:g}", "quantile": q,
                                 "reference_blocks": int(before.size), "looks": 0}
         breach = None
         for count, window in enumerate(judged, start=1):
             stat = judged_rows[count - 1][j]
-            if stat is not None:
+            mate = control_by_index.get(window.index, [None] * len(quantiles))[j] \
+                if concurrent else None
+            if stat is not None and (mate is not None or not concurrent):
                 stat_by_count.append(stat)
+                if mate is not None:
+                    control_by_count.append(mate)
             level = points.get(count)
             last = bake_over and count == len(judged)
             if level is None and not last:
                 continue
             for alpha_look in ([level] if level is not None else []) + \
                     ([final_alpha] if last else []):
-                test = two_sample(before, np.asarray(stat_by_count))
+                test = paired(np.asarray(control_by_count), np.asarray(stat_by_count)) \
+                    if concurrent else two_sample(before, np.asarray(stat_by_count))
                 if test is None:
                     continue
                 margin = margin_log(policy, math.exp(float(before.mean())))
@@ -603,8 +629,12 @@ def latency_state(windows: Sequence[Window], reference: Reference | None,
             state["breach"] = (
                 f"window {window.index}: {rule['rule']}: the probe's typical "
                 f"p{q * 100:g} over {len(stat_by_count)} windows since the swap is "
-                f"×{math.exp(test.diff):.2f} the reference's ({before.size} pre-swap "
-                f"windows at {reference.rate_rps or 0:.1f} req/s; matched load), above the "
+                f"×{math.exp(test.diff):.2f} the reference's ("
+                + (f"the holdback's windows of the same time, {len(control_by_count)} "
+                   "pairs; concurrent control" if concurrent else
+                   f"{before.size} pre-swap windows at {reference.rate_rps or 0:.1f} req/s; "
+                   "matched load")
+                + f"), above the "
                 f"tolerance ×{math.exp(margin):.2f} (p = {p:.2g} ≤ {alpha_look:.2g}, its "
                 f"share of α_q = {alpha_q:g} at this look; windows are blocks: spread "
                 f"{test.block_sd:.3f}, lag-1 {test.lag1:+.2f})")
@@ -705,28 +735,88 @@ def _scrape_all(replicas: Sequence[TritonServer], timeout_s: float
     return found, failed, gpus
 
 
+@dataclass(frozen=True)
+class Holdback:
+    """The bake's concurrent control (``bake.holdback_pct``, issue 20 item 4): the previous
+    version alone on ``server`` (the canary Triton), answering a share of live traffic
+    through the router while the fleet bakes the new one."""
+
+    server: TritonServer
+    version: int
+
+
 def measure_window(replicas: Sequence[TritonServer], *, index: int, model: str,
                    version: int, payload: Mapping[str, np.ndarray], policy: BakePolicy,
                    seconds: float, timeout_s: float) -> Window:
     """Probe the fleet for ``seconds`` and read what Triton counted for ``version``."""
-    before, failed, _ = _scrape_all(replicas, timeout_s)
+    window, _ = measure_windows(replicas, index=index, model=model, version=version,
+                                payload=payload, policy=policy, seconds=seconds,
+                                timeout_s=timeout_s)
+    return window
+
+
+def measure_windows(replicas: Sequence[TritonServer], *, index: int, model: str,
+                    version: int, payload: Mapping[str, np.ndarray], policy: BakePolicy,
+                    seconds: float, timeout_s: float, holdback: Holdback | None = None
+                    ) -> tuple[Window, Window | None]:
+    """Probe the fleet (and the holdback, in the same run of the probe: the same time,
+    the same machine) for ``seconds``; the fleet's window for ``version`` and the
+    holdback's for its version (None without a holdback)."""
+    servers = [*replicas, *([holdback.server] if holdback is not None else [])]
+    before, failed, _ = _scrape_all(servers, timeout_s)
     began = time.monotonic()
     spec = LoadSpec(protocol="grpc", rate_rps=policy.probe_rps, duration_s=seconds,
                     warmup_s=0.0, window_s=seconds, timeout_s=timeout_s)
-    report = run_load_sync([s.endpoint.grpc for s in replicas], model, payload, spec)
-    after, failed_after, gpus = _scrape_all(replicas, timeout_s)
+    report = run_load_sync([s.endpoint.grpc for s in servers], model, payload, spec)
+    after, failed_after, gpus = _scrape_all(servers, timeout_s)
     failed.update(failed_after)
-    for server in replicas:
+    taken = time.monotonic() - began
+    fleet = _window_of(replicas, range(len(replicas)), report, before, after, failed,
+                       gpus, index=index, key=(model, str(version)), seconds=taken,
+                       whole=holdback is None)
+    if holdback is None:
+        return fleet, None
+    return fleet, _window_of([holdback.server], [len(replicas)], report, before, after,
+                             failed, gpus, index=index, key=(model, str(holdback.version)),
+                             seconds=taken, whole=False)
+
+
+def _probe_of(report: Any, indexes: Sequence[int], *, whole: bool
+              ) -> tuple[int, int, dict[str, int], tuple[float, ...]]:
+    """The probe's requests sent, failed, error texts and answered latencies (ms) for the
+    targets at ``indexes``: the report's own figures when they are every target."""
+    mine = set(indexes)
+    measured = [r for r in report.measured_records() if r.server in mine]
+    latencies = tuple(float(r.latency_ms) for r in measured if r.ok)
+    if whole:
+        return int(report.requests), int(report.errors), dict(report.error_texts), latencies
+    texts: dict[str, int] = {}
+    for r in measured:
+        if not r.ok:
+            texts[r.error or "error"] = texts.get(r.error or "error", 0) + 1
+    return len(measured), sum(1 for r in measured if not r.ok), texts, latencies
+
+
+def _window_of(servers: Sequence[TritonServer], indexes: Sequence[int], report: Any,
+               before: Mapping[str, Scrape], after: Mapping[str, Scrape],
+               failed_all: Mapping[str, str], gpus_all: Mapping[str, dict[str, Any]], *,
+               index: int, key: tuple[str, str], seconds: float, whole: bool) -> Window:
+    """One window from the probe's records sent to ``servers`` (their ``indexes`` in the
+    probe's target list; ``whole``: every target) and what Triton counted there for
+    ``key``."""
+    names = {s.name for s in servers}
+    failed = {k: v for k, v in failed_all.items() if k in names}
+    for server in servers:
         row = report.by_server.get(server.endpoint.grpc) or {}
         sent, errors = int(row.get("requests", 0) or 0), int(row.get("errors", 0) or 0)
         if sent and errors == sent and server.name not in failed:
             failed[server.name] = f"every one of its {sent} probe requests failed"
-    seconds_taken = time.monotonic() - began
-    key = (model, str(version))
     per_replica: dict[str, dict[str, Any]] = {}
     server_requests = server_failures = 0.0
     queue_total = compute_total = 0.0
     for name, now in after.items():
+        if name not in names:
+            continue
         change = delta(before.get(name, {}), now).get(key)
         if change is None:
             continue
@@ -736,25 +826,25 @@ def measure_window(replicas: Sequence[TritonServer], *, index: int, model: str,
         if queue is not None and compute is not None:
             queue_total += queue * change.requests
             compute_total += compute * change.requests
-        per_replica[name] = {**load_of(change, seconds_taken), "queue_us": queue,
+        per_replica[name] = {**load_of(change, seconds), "queue_us": queue,
                              "compute_us": compute, "requests": change.requests,
                              "failures": change.failures}
     server_us = (queue_total + compute_total) / server_requests if server_requests else None
+    sent, probe_errors, texts, latencies = _probe_of(report, indexes, whole=whole)
     # Triton counts the probe's requests too: the server's count covers them, and failures
     # it did not count (wrong shapes, refused connections) come from the probe.
-    probe_only_errors = max(0, report.errors - int(server_failures))
-    latencies = tuple(float(r.latency_ms) for r in report.measured_records() if r.ok)
+    probe_only_errors = max(0, probe_errors - int(server_failures))
     load = fleet_load(per_replica)
-    return Window(index=index, seconds=seconds_taken,
-                  requests=int(max(server_requests, report.requests - report.errors)),
+    return Window(index=index, seconds=seconds,
+                  requests=int(max(server_requests, sent - probe_errors)),
                   errors=int(server_failures) + probe_only_errors, server_us=server_us,
-                  unreachable=failed, error_texts=dict(report.error_texts), gpu=gpus,
+                  unreachable=failed, error_texts=texts,
+                  gpu={k: v for k, v in gpus_all.items() if k in names},
                   latencies_ms=latencies,
                   queue_us=queue_total / server_requests if server_requests else None,
                   compute_us=compute_total / server_requests if server_requests else None,
                   rate_rps=load["rate_rps"], inflight=load["inflight"],
-                  pending=load["pending"], probe_requests=int(report.requests),
-                  replicas=per_replica)
+                  pending=load["pending"], probe_requests=sent, replicas=per_replica)
 
 
 def fleet_load(per_replica: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
@@ -810,23 +900,33 @@ class BakeReport:
 
 def watch(replicas: Sequence[TritonServer], *, model: str, version: int,
           payload: Mapping[str, np.ndarray], policy: BakePolicy, baseline: Baseline,
-          timeout_s: float, progress: Progress = quiet) -> BakeReport:
+          timeout_s: float, progress: Progress = quiet,
+          holdback: Holdback | None = None) -> BakeReport:
     """Watch ``version`` on the fleet for ``bake.duration_s``; stop at the first breach.
 
     Args:
         baseline: The reference (:func:`measure_reference`), or None for a first release
             (the latency rules are then off; errors are judged).
+        holdback: The concurrent control: its windows, probed in the same runs as the
+            fleet's, are the reference (kind ``holdback``: no window is held for load) in
+            place of ``baseline``.
     """
     started = time.monotonic()
     reference = as_reference(baseline)
     windows: list[Window] = []
+    control: list[Window] = []
     count = total_windows(policy)
     for index in range(count):
         seconds = min(policy.window_s, policy.duration_s - index * policy.window_s)
-        window = measure_window(replicas, index=index, model=model, version=version,
-                                payload=payload, policy=policy, seconds=seconds,
-                                timeout_s=timeout_s)
+        window, held_back = measure_windows(replicas, index=index, model=model,
+                                            version=version, payload=payload, policy=policy,
+                                            seconds=seconds, timeout_s=timeout_s,
+                                            holdback=holdback)
         windows.append(window)
+        if held_back is not None:
+            control.append(held_back)
+            reference = Reference(tuple(control), kind="holdback")
+            progress(f"holdback window {index + 1}/{count}: {_describe(held_back)}")
         held = load_departure(window, reference, policy) if reference is not None else None
         progress(f"bake window {index + 1}/{count}: {_describe(window)}"
                  + (f"; latency held ({held.split(': ', 1)[1]})" if held else ""))

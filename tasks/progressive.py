@@ -9,8 +9,10 @@ where the next command finds and restores it (:mod:`tasks.traffic_state`). Every
 (a breach, inconclusive, the hand-over to the swap, a stuck or dead router, a signal or an
 error of the judge) returns the router to 100 % production.
 
-Not wired into ``promote`` yet: the judge on live traffic (per-version server metrics
-through the gateway) is the canary's part.
+:func:`live_canary` is promote's canary and gates stages under ``canary.traffic:
+progressive``: the candidate alone on the canary Triton, the steps through the configured
+router, the judge on the per-version server-side metrics of the live requests each version
+served (:mod:`tasks.live_judge`), then the verdict (a pass goes on to the atomic swap).
 """
 
 from __future__ import annotations
@@ -20,10 +22,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from modelship.errors import InfrastructureError, ModelshipError
+from modelship.candidate import ReleaseCandidate
+from modelship.clients import Clients
+from modelship.errors import GateFailed, GatesInconclusive, InfrastructureError, ModelshipError
 from modelship.ledger import now_iso
+from modelship.locks import CANARY_SLOT_WAIT_S, canary_slot
+from modelship.policy import Policy
 from modelship.progress import Progress, quiet
+from modelship.settings import Settings
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter
+from modelship.triton.client import TritonServer
+from modelship.triton.metrics import Scrape
+from tasks.live_judge import LiveJudge, LiveRules, arm_look
+from tasks.live_traffic import canary_and_router, scrape_servers, serving_on_canary
+from tasks.record import ReleaseJournal
 from tasks.traffic_plan import (
     NOT_STARTED,
     ProgressivePlan,
@@ -36,17 +48,23 @@ from tasks.traffic_plan import (
 )
 from tasks.traffic_state import read_live, return_to_production, traffic_intent, with_event
 
-__all__ = ["Progressive", "ProgressiveResult", "run_progressive"]
+__all__ = ["LOOK_S", "Progressive", "ProgressiveResult", "live_canary", "replay_policy",
+           "run_progressive"]
+
+#: Seconds between two looks of the live canary (one block of evidence each).
+LOOK_S = 0.5
 
 
 @dataclass(frozen=True)
 class ProgressiveResult:
     """How the progressive canary ended: the last action (``swap``: go on to the atomic
-    swap; ``step_back``: the canary failed or was inconclusive, see its exit code) and the
-    record's ``traffic`` document."""
+    swap; ``step_back``: the canary failed or was inconclusive, see its exit code), the
+    record's ``traffic`` document, and the seconds from the look that decided it to the
+    router read back at 100 % production (the record written and the weight set)."""
 
     action: TrafficAction
     traffic: dict[str, Any]
+    to_production_s: float | None = None
 
 
 @dataclass
@@ -92,6 +110,7 @@ def run_progressive(run: Progressive) -> ProgressiveResult:
             decision = None if step == NOT_STARTED else run.judge(step)
             look = StepLook(step, run.clock() - since, decision, live, problem)
             action = next_action(run.plan, look)
+            decided = run.clock()
             if action.kind != "hold":
                 traffic = _record(run, traffic, action,
                                   step_event(run.plan, look, action, at=run.now()))
@@ -105,7 +124,7 @@ def run_progressive(run: Progressive) -> ProgressiveResult:
         _production_on_the_way_out(run, traffic, exc)
         raise
     _leave(run, action)
-    return ProgressiveResult(action, traffic)
+    return ProgressiveResult(action, traffic, run.clock() - decided)
 
 
 def _record(run: Progressive, traffic: dict[str, Any], action: TrafficAction,
@@ -163,3 +182,118 @@ def _production_on_the_way_out(run: Progressive, traffic: dict[str, Any],
     except Exception as failed:  # noqa: BLE001 - the original exception is the error
         run.progress(f"progressive: {why} FAILED ({failed}); the next modelship command "
                      "restores it")
+
+
+# --------------------------------------------------------------------------------------
+# promote's canary under canary.traffic: progressive
+
+
+class _LiveEvidence:
+    """The judge's I/O: at each look, what the candidate served on the canary Triton and
+    production on the replicas since the previous look (one scrape of each server)."""
+
+    def __init__(self, canary: TritonServer, replicas: list[TritonServer], *, model: str,
+                 candidate: int, production: int, judge: LiveJudge, timeout_s: float) -> None:
+        self.canary, self.replicas, self.model = canary, replicas, model
+        self.candidate, self.production = candidate, production
+        self.live, self.timeout_s = judge, timeout_s
+        self.before = self._scrape()
+
+    def _scrape(self) -> tuple[dict[str, Scrape], dict[str, Scrape]]:
+        found, failed = scrape_servers([self.canary, *self.replicas], self.timeout_s)
+        if failed:
+            who = "; ".join(f"{k}: {v}" for k, v in failed.items())
+            raise InfrastructureError(f"the live canary could not read Triton's metrics "
+                                      f"({who})", hint="check the servers (`modelship "
+                                      "doctor`), then promote again")
+        canary = {self.canary.name: found[self.canary.name]}
+        return canary, {k: v for k, v in found.items() if k != self.canary.name}
+
+    def __call__(self, step: int) -> Status:
+        after = self._scrape()
+        c = arm_look(self.before[0], after[0], model=self.model, version=self.candidate)
+        p = arm_look(self.before[1], after[1], model=self.model, version=self.production)
+        self.before = after
+        return self.live.update(c, p).status
+
+
+def live_canary(settings: Settings, clients: Clients, policy: Policy,
+                journal: ReleaseJournal, *, serving: int, release: ReleaseCandidate,
+                progress: Progress = quiet) -> ProgressiveResult:
+    """The ``canary`` and ``gates`` stages of a progressive release (see the module
+    docstring); every step is an event of the record's ``traffic`` (the ledger) and a line
+    of the Slack thread. Returns after a pass (the atomic swap follows).
+
+    Raises:
+        UsageError: no router or no canary Triton (exit 2).
+        GateFailed: a breach: the weight went back to 0 % at once (exit 4).
+        GatesInconclusive: both versions failed alike, or the last step reached its
+            ceiling without the candidate shown within tolerance (exit 6).
+        InfrastructureError: a dead or stuck router (weights back to 100 % production),
+            or the servers' metrics unreadable (exit 1).
+    """
+    record = journal.record
+    model, version = record.model, int(record.to_version or 0)
+    server, router = canary_and_router(settings, clients, what="canary.traffic: progressive",
+                                       progress=progress)
+    plan = ProgressivePlan.from_policy(policy.canary)
+    judge = LiveJudge(LiveRules.from_policy(policy))
+
+    def write(doc: dict[str, Any]) -> None:
+        record.traffic = doc
+        journal.save()
+
+    with journal.stage("canary") as entry:
+        entry.details.update(mode="progressive", router=router.name,
+                             steps=list(plan.steps), step_min_s=plan.min_s,
+                             step_max_s=plan.max_s)
+        with canary_slot(clients.storage, model=model, progress=progress,
+                         owner=f"progressive canary of {model} v{version}",
+                         wait_s=CANARY_SLOT_WAIT_S), \
+                serving_on_canary(settings, clients, server, model=model, version=version,
+                                  config_pbtxt=release.config_pbtxt, progress=progress):
+            evidence = _LiveEvidence(server, list(clients.replicas), model=model,
+                                     candidate=version, production=serving, judge=judge,
+                                     timeout_s=settings.http_timeout_s)
+            try:
+                result = run_progressive(Progressive(
+                    plan, router, evidence, write, look_s=LOOK_S, progress=progress,
+                    announce=lambda event: journal.thread.reply(event.line(), _section(
+                        event.line()))))
+            finally:
+                entry.details["judge"] = judge.decision.to_dict()
+        entry.details["outcome"] = result.action.outcome
+        entry.details["verdict"] = result.action.reason
+        entry.details["to_production_s"] = result.to_production_s
+    record.gates = {"verdict": "passed" if result.action.outcome == "passed"
+                    else result.action.outcome, "mode": "progressive",
+                    "judge": judge.decision.to_dict()}
+    with journal.stage("gates"):
+        _verdict(model, version, result.action)
+    return result
+
+
+def replay_policy(policy: Policy) -> Policy:
+    """``policy`` with a replay canary (pure): a first release under ``progressive`` has no
+    production version to share live traffic with, so the replay canary judges it."""
+    canary = policy.canary.model_copy(update={"traffic": "replay", "steps": None,
+                                              "step_min_s": None, "step_max_s": None})
+    return policy.model_copy(update={"canary": canary})
+
+
+def _section(text: str) -> list[dict[str, Any]]:
+    return [{"type": "section", "text": {"type": "mrkdwn", "text": text}}]
+
+
+def _verdict(model: str, version: int, action: TrafficAction) -> None:
+    """Raise the release's error for a step back; nothing after a pass."""
+    if action.outcome == "failed":
+        raise GateFailed(f"the progressive canary of {model} v{version} failed on live "
+                         f"traffic: {action.reason}",
+                         hint="production serves as before (the weight went back to 0 %); "
+                         f"read the steps in `modelship history {model}`", model=model)
+    if action.outcome == "inconclusive":
+        raise GatesInconclusive(f"the progressive canary of {model} v{version} could not "
+                                f"decide on live traffic: {action.reason}",
+                                hint="more live traffic, or a larger canary.step_max_s",
+                                model=model)

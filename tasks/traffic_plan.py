@@ -286,24 +286,29 @@ def step_event(plan: ProgressivePlan, look: StepLook, action: TrafficAction, *,
 
 
 def not_carried_out(policy: Policy, *, bake: bool = True) -> UsageError | None:
-    """The refusal of a policy whose live-traffic keys this modelship does not carry out
-    yet, naming each key (pure; None when every key is carried out). The policy accepts
-    ``canary.traffic: shadow | progressive`` and ``bake.holdback_pct``, but the canary and
-    the bake do not drive the router yet: running such a release as a replay canary, or a
-    bake without its control, would silently mean something else than the policy says.
+    """The refusal of a policy whose live-traffic keys the caller does not carry out,
+    naming each key (pure; None when every key is carried out). Running such a release as
+    a replay canary would silently mean something else than the policy says.
+
+    A promotion (``bake=True``) carries out ``canary.traffic: progressive``
+    (:func:`tasks.progressive.live_canary`) and ``bake.holdback_pct``
+    (:mod:`tasks.holdback`); ``shadow`` is refused until its canary is wired. A standalone
+    canary (``bake=False``) replays golden rows only: every mode but ``replay`` is refused
+    there (it has no bake, so a holdback does not concern it).
 
     Args:
-        bake: Whether the caller bakes (a promote); a standalone canary does not.
+        bake: Whether the caller is a promotion (canary and bake); False: a standalone
+            canary.
     """
     keys = []
-    if policy.canary.traffic != "replay":
+    if policy.canary.traffic == "shadow" or (not bake and policy.canary.traffic != "replay"):
         keys.append(f"canary.traffic: {policy.canary.traffic}")
-    if bake and policy.bake.holdback_pct > 0:
-        keys.append(f"bake.holdback_pct: {policy.bake.holdback_pct:g}")
     if not keys:
         return None
+    where = "a promotion" if bake else "a standalone canary (it replays golden rows)"
     return UsageError(
-        f"the policy asks for live traffic ({', '.join(keys)}), which this modelship does "
-        "not carry out yet: the canary and the bake do not drive the traffic router",
-        hint="use canary.traffic: replay and bake.holdback_pct: 0 (the defaults) for now",
+        f"the policy asks for live traffic ({', '.join(keys)}), which {where} does not "
+        "carry out",
+        hint="use canary.traffic: replay (the default) here; `modelship promote` carries "
+        "out progressive and bake.holdback_pct",
         keys=[k.split(":")[0] for k in keys])

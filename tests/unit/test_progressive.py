@@ -184,3 +184,19 @@ def test_a_ledger_down_stops_the_steps_and_the_router_still_returns() -> None:
                                     clock=lambda: rig.t, sleep=rig.sleep))
     assert rig.router.split == PRODUCTION_ONLY
     assert ("set_weights", 25.0) not in rig.router.calls
+
+
+def test_the_time_from_the_deciding_look_to_production_is_measured() -> None:
+    """The seconds from the look that decided the step back to the router read back at
+    production: here the record's write takes 0.25 s of the fake clock."""
+    rig = Rig()
+    write = rig.write
+
+    def slow_write(doc: dict[str, Any]) -> None:
+        write(doc)
+        rig.t += 0.25
+
+    rig.write = slow_write  # type: ignore[method-assign]
+    result = rig.run(lambda step: "failed")
+    assert result.action.kind == "step_back"
+    assert result.to_production_s == pytest.approx(0.25)

@@ -189,11 +189,12 @@ def test_the_judges_words_are_the_sequential_judges() -> None:
     [
         (Policy(), True, None),
         (Policy(canary=CanaryPolicy(traffic="shadow")), True, ["canary.traffic"]),
+        (Policy(canary=CanaryPolicy(traffic="progressive")), True, None),
         (Policy(canary=CanaryPolicy(traffic="progressive")), False, ["canary.traffic"]),
-        (Policy(bake=BakePolicy(holdback_pct=5)), True, ["bake.holdback_pct"]),
+        (Policy(bake=BakePolicy(holdback_pct=5)), True, None),
         (Policy(bake=BakePolicy(holdback_pct=5)), False, None),
         (Policy(canary=CanaryPolicy(traffic="shadow"), bake=BakePolicy(holdback_pct=5)), True,
-         ["canary.traffic", "bake.holdback_pct"]),
+         ["canary.traffic"]),
     ],
 )
 def test_live_traffic_keys_not_carried_out_yet_are_refused(

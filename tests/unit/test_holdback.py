@@ -1,0 +1,137 @@
+"""The holdback bake (issue 20 item 4) without servers: the bake's watch with a concurrent
+control judges the fleet against the holdback's windows of the same time (a surge on both
+is not blamed on the new version, a slower fleet is); the probe's records split per
+target; and when a holdback applies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from modelship.loadgen import RequestRecord
+from modelship.policy import BakePolicy, Policy
+from tasks import bake as baking
+from tasks.holdback import holdback_applies
+
+POLICY = BakePolicy(duration_s=30.0, window_s=2.0, probe_rps=40.0, holdback_pct=33.0,
+                    max_latency_increase_pct=25.0)
+
+
+def _window(index: int, rng: np.random.Generator, *, level_ms: float, rate: float
+            ) -> baking.Window:
+    lat = tuple(float(x) for x in level_ms * np.exp(rng.normal(0, 0.3, 40)))
+    return baking.Window(index=index, seconds=2.0, requests=int(rate * 2), errors=0,
+                         server_us=None, latencies_ms=lat, rate_rps=rate)
+
+
+def _watch(monkeypatch: pytest.MonkeyPatch, seed: int, *, fleet_x: float,
+           surge_x: float) -> baking.BakeReport:
+    """A watch whose windows come from a seeded source: from window 3 on a surge
+    multiplies both arms' latency by ``surge_x``; the fleet is ``fleet_x`` × the
+    holdback throughout."""
+    rng = np.random.default_rng(seed)
+    calls: list[dict[str, Any]] = []
+
+    def windows(replicas: Any, **kw: Any) -> tuple[baking.Window, baking.Window | None]:
+        calls.append(kw)
+        i = kw["index"]
+        surge = surge_x if i >= 3 else 1.0
+        rate = 20.0 * (10 if i >= 3 else 1)
+        return (_window(i, rng, level_ms=2.0 * fleet_x * surge, rate=rate),
+                _window(i, rng, level_ms=2.0 * surge, rate=rate / 2))
+
+    monkeypatch.setattr(baking, "measure_windows", windows)
+    report = baking.watch([], model="m", version=2, payload={}, policy=POLICY,
+                          baseline=None, timeout_s=1.0,
+                          holdback=baking.Holdback(server=None, version=1))  # type: ignore[arg-type]
+    assert all(c["holdback"].version == 1 for c in calls)
+    return report
+
+
+def test_a_surge_that_reaches_the_holdback_too_is_not_a_breach(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    breaches = 0
+    for seed in range(20):
+        report = _watch(monkeypatch, seed, fleet_x=1.0, surge_x=2.5)
+        assert report.baseline is not None and report.baseline.kind == "holdback"
+        assert len(report.baseline.windows) == len(report.windows)
+        assert not report.verdict.latency["held"]  # a concurrent control holds nothing
+        breaches += report.verdict.outcome == "breach"
+    assert breaches <= 1
+
+
+def test_the_same_surge_against_the_pre_swap_reference_would_have_been_held() -> None:
+    """What the control changes: against a pre-swap reference at 20 req/s, the surged
+    windows are outside the load band and held (never judged)."""
+    rng = np.random.default_rng(0)
+    reference = baking.Reference(tuple(_window(-i, rng, level_ms=2.0, rate=20.0)
+                                       for i in range(1, 9)))
+    surged = [_window(i, rng, level_ms=5.0, rate=200.0) for i in range(15)]
+    assert all(baking.load_departure(w, reference, POLICY) for w in surged)
+
+
+def test_a_slower_fleet_is_a_breach_against_its_holdback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for seed in range(5):
+        report = _watch(monkeypatch, seed, fleet_x=1.8, surge_x=2.5)
+        assert report.verdict.outcome == "breach", report.verdict.reason
+        assert "latency_p" in report.verdict.reason
+
+
+@dataclass
+class _Endpoint:
+    grpc: str
+    metrics: str = ""
+
+
+@dataclass
+class _Server:
+    name: str
+    endpoint: _Endpoint
+
+
+@dataclass
+class _Report:
+    records: list[RequestRecord]
+    by_server: dict[str, dict[str, Any]] = field(default_factory=dict)
+    requests: int = 0
+    errors: int = 0
+    error_texts: dict[str, int] = field(default_factory=dict)
+
+    def measured_records(self) -> list[RequestRecord]:
+        return self.records
+
+
+def test_the_probe_splits_per_target_fleet_and_holdback() -> None:
+    """One probe run over the replicas and the holdback: each window keeps its own
+    targets' records (latencies, failures), never the other's."""
+    replicas = [_Server("r0", _Endpoint("g0")), _Server("r1", _Endpoint("g1"))]
+    canary = _Server("c", _Endpoint("gc"))
+    recs = [RequestRecord(0.0, 1.0, True, None, 0, "2", 0),
+            RequestRecord(0.0, 2.0, True, None, 1, "2", 0),
+            RequestRecord(0.0, 9.0, True, None, 2, "1", 0),
+            RequestRecord(0.0, 5.0, False, "UNAVAILABLE", 2, "", 0)]
+    report = _Report(recs, by_server={"g0": {"requests": 1}, "g1": {"requests": 1},
+                                      "gc": {"requests": 2, "errors": 1}},
+                     requests=4, errors=1, error_texts={"UNAVAILABLE": 1})
+    fleet = baking._window_of(replicas, [0, 1], report, {}, {}, {}, {}, index=0,  # type: ignore[arg-type]
+                              key=("m", "2"), seconds=2.0, whole=False)
+    held = baking._window_of([canary], [2], report, {}, {}, {}, {}, index=0,  # type: ignore[list-item]
+                             key=("m", "1"), seconds=2.0, whole=False)
+    assert (fleet.latencies_ms, fleet.errors, fleet.probe_requests) == ((1.0, 2.0), 0, 2)
+    assert (held.latencies_ms, held.errors, held.probe_requests) == ((9.0,), 1, 2)
+    assert held.error_texts == {"UNAVAILABLE": 1} and fleet.error_texts == {}
+
+
+@pytest.mark.parametrize(("holdback", "duration", "previous", "applies"), [
+    (33.0, 20.0, 1, True),
+    (0.0, 20.0, 1, False),     # not asked for
+    (33.0, 20.0, None, False),  # a first release: nothing to hold back
+])
+def test_when_a_holdback_applies(holdback: float, duration: float, previous: int | None,
+                                 applies: bool) -> None:
+    policy = Policy(bake=BakePolicy(holdback_pct=holdback, duration_s=duration))
+    assert holdback_applies(policy, previous) is applies
