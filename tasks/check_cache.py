@@ -49,6 +49,11 @@ CACHE_FORMAT = 1
 RUN_SPECIFIC_MLMODEL_KEYS = frozenset({
     "artifact_path", "model_id", "model_uuid", "run_id", "utc_time_created"})
 
+#: Files MLflow adds to a download of ``models:/NAME/N``: the registered name and version
+#: (``registered_model_meta``), not the model's content. Hashing them made every version a
+#: miss, even a byte-identical registration of the same artifact.
+REGISTRATION_FILES = frozenset({"registered_model_meta"})
+
 #: The libraries whose versions change what a check computes (export, parity, GX, Triton).
 LIBRARIES = ("great-expectations", "mlflow", "numpy", "onnx", "onnxruntime", "pandas",
              "scikit-learn", "skl2onnx", "skops", "torch", "tritonclient")
@@ -110,10 +115,12 @@ def mlmodel_content(text: str) -> str:
 
 def artifact_digest(local_dir: Path) -> str:
     """The digest of a downloaded model version: each file's path and bytes (the MLmodel
-    file by :func:`mlmodel_content`)."""
+    file by :func:`mlmodel_content`; not :data:`REGISTRATION_FILES`)."""
     digest = hashlib.sha256()
     for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(local_dir).as_posix()
+        if rel in REGISTRATION_FILES:
+            continue
         body = mlmodel_content(path.read_text()) if rel == "MLmodel" else file_sha256(path)
         digest.update(f"{rel}\0{body}\n".encode())
     return digest.hexdigest()

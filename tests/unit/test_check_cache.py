@@ -82,6 +82,20 @@ def test_artifact_digest_ignores_what_mlflow_writes_per_registration(tmp_path: P
     assert "run_id" not in mlmodel_content(MLMODEL) and "flavors" in mlmodel_content(MLMODEL)
 
 
+def test_artifact_digest_ignores_the_registered_name_and_version(tmp_path: Path) -> None:
+    """A download of models:/NAME/N holds MLflow's registered_model_meta (NAME, N): two
+    versions of the same bytes must share a key; a file of the model itself still counts."""
+    digests = []
+    for name, version in (("a", 1), ("b", 7)):
+        folder = _version_dir(tmp_path / name, MLMODEL, b"weights")
+        (folder / "registered_model_meta").write_text(
+            f"model_name: {name}\nmodel_version: '{version}'\n")
+        digests.append(artifact_digest(folder))
+    assert digests[0] == digests[1]
+    (tmp_path / "b" / "extra.txt").write_text("a file of the model")
+    assert artifact_digest(tmp_path / "b") != digests[0]
+
+
 PASSED = {"inputs": {"success": True, "evaluated": 3, "docs_path": None},
           "outputs": {"success": True, "evaluated": 2, "docs_path": None},
           "trial_load": {"success": True, "server": "canary", "load_s": 0.4}}
