@@ -123,7 +123,13 @@ from tasks.canary_sizing import (
 from tasks.canary_slot import in_canary_slot
 from tasks.gate_report import GateReport, shared_errors, tail_reference_refusal
 from tasks.payload import load_payload
-from tasks.report import prepare_plotting, publish_markdown_artifact, write_canary_report
+from tasks.report import (
+    PLOT_NAME,
+    plot_latency_ecdf,
+    prepare_plotting,
+    publish_markdown_artifact,
+    write_canary_report,
+)
 from tasks.sequential import SequentialCanary
 from tasks.traffic_plan import not_carried_out
 
@@ -455,7 +461,14 @@ class _CanaryRun:
                                                   if plan.paired else "")
                       + f"v{plan.candidate} (candidate) on the {self.where}")
         try:
-            self._load(config)
+            # Triton loads the versions (server-side, seconds) while this thread imports
+            # what the report's plot needs: that import no longer waits on its own
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="canary-load") as pool:
+                loading = pool.submit(self._load, config)
+                try:
+                    prepare_plotting()
+                finally:
+                    loading.result()
             measured = self._rounds()
             _check_alive(self.server, self.where)
             broken = broken_canary(measured.records, plan.paired)
@@ -569,20 +582,41 @@ class _CanaryRun:
         """After a measurement that completed: keep the versions loaded for the approval
         wait, or unload them (a failed unload is a note: unload by hand).
         ``while_unloading`` runs in this thread while the canary unloads (waiting on the
-        server, about a second)."""
+        server, about a second); when the versions stay loaded it simply runs."""
         model = self.plan.model
         if keep_loaded:
             self.cleanup = KEPT_LOADED
             self.progress(f"keeping {model} loaded on the {self.where} for the approval wait")
+            while_unloading()
             return
         self.progress(f"unloading {model} from the {self.where}")
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="canary-unload") as pool:
             unloading = pool.submit(_unload, self.server, model, self.progress)
-            while_unloading()
-            self.cleanup = unloading.result()  # _unload never raises
+            try:
+                while_unloading()
+            finally:
+                self.cleanup = unloading.result()  # _unload never raises
         if self.cleanup != "unloaded":
             self.notes.append(f"cleanup: {self.cleanup}; unload {model} from the {self.where} "
                               "by hand")
+
+    def release_and_judge(self, measured: Measured, source: str, keep_loaded: bool, *,
+                          plot: Path) -> tuple[GpuEvidence | None, CanarySnapshot, GateReport]:
+        """:meth:`release` the versions and meanwhile (Triton unloads for a second or two)
+        judge what was measured and draw the report's plot into ``plot``, unless the gates
+        could not judge (the canary then raises and writes no report)."""
+        judged: list[tuple[GpuEvidence | None, CanarySnapshot, GateReport]] = []
+
+        def judge() -> None:
+            gpu = self.gpu_evidence()
+            snapshot = self.snapshot(measured, source, gpu)
+            report = judge_measured(self.plan, measured, snapshot)
+            judged.append((gpu, snapshot, report))
+            if not (tail_reference_refusal(report) or shared_errors(report)):
+                plot_latency_ecdf(snapshot, plot)
+
+        self.release(keep_loaded, while_unloading=judge)
+        return judged[0]
 
     def gpu_evidence(self) -> GpuEvidence | None:
         """The GPU footprints and utilization, when every scrape they need was read."""
@@ -692,9 +726,11 @@ def _refuse_unjudged(report: GateReport, plan: CanaryPlan, cleanup: str) -> None
             cleanup=cleanup)
 
 
-def _publish(result: CanaryResult, out_dir: Path, progress: Progress) -> None:
-    """Write the report (markdown, PNG, JSON) and attach it to the Prefect run, if any."""
-    paths = write_canary_report(result, out_dir)
+def _publish(result: CanaryResult, out_dir: Path, progress: Progress, *,
+             plotted: bool = False) -> None:
+    """Write the report (markdown, PNG, JSON) and attach it to the Prefect run, if any
+    (``plotted``: the PNG is drawn already, :func:`tasks.report.write_canary_report`)."""
+    paths = write_canary_report(result, out_dir, plotted=plotted)
     result.report_paths = paths.to_dict()
     publish_markdown_artifact(Path(paths.markdown).read_text(encoding="utf-8"),
                               key=f"canary-{result.model}-v{result.candidate}")
@@ -771,10 +807,9 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     run = _CanaryRun(settings, server, plan, payload=payload, notes=[*notes, *plan.notes],
                      empty_text=empty_text, progress=progress)
     measured = run.measure(config)
-    run.release(keep_loaded, while_unloading=prepare_plotting)
-    gpu = run.gpu_evidence()
-    snapshot = run.snapshot(measured, source, gpu)
-    gate_report = judge_measured(plan, measured, snapshot)
+    out_dir = report_dir or _report_dir(settings, model, candidate)
+    gpu, snapshot, gate_report = run.release_and_judge(measured, source, keep_loaded,
+                                                       plot=out_dir / PLOT_NAME)
     _refuse_unjudged(gate_report, plan, run.cleanup)
     load = load_summary(plan, measured, url=run.url, payload_source=source,
                         payload_rows=int(next(iter(payload.values())).shape[0]))
@@ -783,5 +818,5 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
                           gate_report=gate_report, load=load, cleanup=run.cleanup,
                           skipped_rules=list(plan.skipped), gpu=gpu)
     result.seconds = time.monotonic() - started
-    _publish(result, report_dir or _report_dir(settings, model, candidate), progress)
+    _publish(result, out_dir, progress, plotted=True)
     return result

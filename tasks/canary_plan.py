@@ -233,14 +233,23 @@ class Measured:
         """Record one round's load report; returns the round's measured records."""
         measured = report.measured_records()
         offset = self.measured_s
-        self.records.extend(replace(r, start_s=r.start_s + offset) for r in measured)
+        # the first round is on the timeline as it is; later ones are shifted copies (the
+        # round's own records keep their clock), built directly, not by dataclasses.replace
+        self.records.extend(measured if offset == 0 else _shifted(measured, offset))
         self.measured_s += report.duration_s
         if mode == "stability":
             self.stable = report.stable
         self.rounds.append({"mode": mode, "duration_s": round(report.duration_s, 3),
+                            "sent_s": round(report.measured_to_s, 3),
                             "requests": report.requests, "errors": report.errors,
                             "stable": report.stable})
         return measured
+
+
+def _shifted(records: Sequence[RequestRecord], offset: float) -> list[RequestRecord]:
+    """Copies of ``records`` sent ``offset`` s later (pure)."""
+    return [RequestRecord(r.start_s + offset, r.latency_ms, r.ok, r.error, r.server,
+                          r.model_version, r.row, r.tag, r.outputs) for r in records]
 
 
 def round_mode(plan: CanaryPlan, measured: Measured) -> str:

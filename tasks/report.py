@@ -292,13 +292,18 @@ def plot_latency_ecdf(snapshot: CanarySnapshot, path: Path) -> Path:
 # --------------------------------------------------------------------------- writing
 
 
-def write_canary_report(result: CanaryReportSource, out_dir: Path) -> ReportPaths:
-    """Write ``canary.md``, ``canary.png`` and ``canary.json`` into ``out_dir``."""
+def write_canary_report(result: CanaryReportSource, out_dir: Path, *,
+                        plotted: bool = False) -> ReportPaths:
+    """Write ``canary.md``, ``canary.png`` and ``canary.json`` into ``out_dir``.
+
+    ``plotted``: ``canary.png`` is already there, drawn by :func:`plot_latency_ecdf` from
+    this result's snapshot (the canary draws it while Triton unloads)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = ReportPaths(markdown=str(out_dir / MARKDOWN_NAME), png=str(out_dir / PLOT_NAME),
                         json=str(out_dir / JSON_NAME))
-    plot_latency_ecdf(result.snapshot, Path(paths.png))
+    if not plotted or not Path(paths.png).is_file():
+        plot_latency_ecdf(result.snapshot, Path(paths.png))
     Path(paths.markdown).write_text(render_markdown(result, plot_name=PLOT_NAME),
                                     encoding="utf-8")
     document = {**result.to_dict(), "report": paths.to_dict()}

@@ -236,6 +236,20 @@ def test_rounds_form_one_timeline_and_the_first_says_if_stable() -> None:
     assert looks.stable is None  # the watch's looks never say whether windows settled
 
 
+def test_a_later_round_is_shifted_in_copies_and_each_round_says_how_long_it_sent() -> None:
+    measured = Measured()
+    first = _report(_records(2, 0), duration_s=15.0, stable=True)
+    first.measured_to_s = 20.0  # stable on windows 2-4: 5 s of its load were not kept
+    measured.add(first, "stability")
+    later = measured.add(_report(_records(2, 0), duration_s=2.0, stable=None), "sized")
+    assert [r.start_s for r in later] == [0.0, 0.01]  # the round's own clock, untouched
+    assert [r.start_s for r in measured.records] == pytest.approx([0.0, 0.01, 15.0, 15.01])
+    assert [(r.latency_ms, r.tag, r.row) for r in measured.records[2:]] == \
+        [(r.latency_ms, r.tag, r.row) for r in later]
+    assert [(r["duration_s"], r["sent_s"]) for r in measured.rounds] == [(15.0, 20.0),
+                                                                        (2.0, 1e9)]
+
+
 # --------------------------------------------------------------------------- the judgement
 
 

@@ -17,9 +17,11 @@ from modelship.policy import gate_rule
 from modelship.triton.gpu import GpuEvidence
 from tasks.gates import GateReport, evaluate
 from tasks.report import (
+    PLOT_NAME,
     agreement_line,
     artifact_key,
     latency_table,
+    plot_latency_ecdf,
     publish_markdown_artifact,
     render_markdown,
     server_table,
@@ -160,6 +162,18 @@ def test_write_canary_report_writes_markdown_png_and_strict_json(tmp_path: Path)
     assert document["verdict"] == "failed"
     assert document["report"] == paths.to_dict()
     assert [r["rule"] for r in document["gates"]["results"]] == [r.name for r in RULES]
+
+
+def test_a_plot_drawn_before_is_kept_and_a_missing_one_is_drawn(tmp_path: Path) -> None:
+    result = _result(_snapshot(slow=1.6))
+    drawn = plot_latency_ecdf(result.snapshot, tmp_path / "out" / PLOT_NAME)
+    before = drawn.read_bytes()
+    drawn.write_bytes(before + b"kept")  # a marker: a second drawing would replace it
+    paths = write_canary_report(result, tmp_path / "out", plotted=True)
+    assert Path(paths.png).read_bytes() == before + b"kept"
+    assert "**FAILED**" in Path(paths.markdown).read_text(encoding="utf-8")
+    paths = write_canary_report(result, tmp_path / "other", plotted=True)  # none there
+    assert Path(paths.png).read_bytes().startswith(PNG_MAGIC)
 
 
 def test_plot_without_answers_still_writes_an_image(tmp_path: Path) -> None:
