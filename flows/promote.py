@@ -144,7 +144,7 @@ def run_promote(settings: Settings, clients: Clients, policy: Policy, params: Pr
         raise UsageError("promote needs the S3 repository and a Triton fleet",
                          hint="run `modelship stack up`, or set MODELSHIP_S3_ENDPOINT and "
                          "MODELSHIP_TRITON_REPLICAS")
-    if (refusal := not_carried_out(policy)) is not None:  # live traffic: not wired yet
+    if (refusal := not_carried_out(policy)) is not None:  # a mode promote cannot run
         raise refusal
     ledger = Ledger(clients.storage)
     requester = params.requested_by or settings.requester
@@ -274,8 +274,14 @@ def _canary_to_approval(settings: Settings, clients: Clients, policy: Policy,
                      "traffic with on a first release; the replay canary judges it")
         policy = replay_policy(policy)
     with journal.stage("canary") as entry:
-        result = canary_task(settings, clients, policy, model, version, serving,
-                             approval.required, release)
+        if policy.canary.traffic == "shadow":  # live requests mirrored (tasks.shadow)
+            from tasks.shadow import shadow_task  # lazy: it imports the load generator
+
+            result = shadow_task(settings, clients, policy, journal, model, version, serving,
+                                 approval.required, release)
+        else:
+            result = canary_task(settings, clients, policy, model, version, serving,
+                                 approval.required, release)
         journal.attach_gates(result)
         record.candidate["canary_report_id"] = record.id
         entry.details["verdict"] = result.verdict

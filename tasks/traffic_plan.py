@@ -290,18 +290,18 @@ def not_carried_out(policy: Policy, *, bake: bool = True) -> UsageError | None:
     naming each key (pure; None when every key is carried out). Running such a release as
     a replay canary would silently mean something else than the policy says.
 
-    A promotion (``bake=True``) carries out ``canary.traffic: progressive``
-    (:func:`tasks.progressive.live_canary`) and ``bake.holdback_pct``
-    (:mod:`tasks.holdback`); ``shadow`` is refused until its canary is wired. A standalone
-    canary (``bake=False``) replays golden rows only: every mode but ``replay`` is refused
-    there (it has no bake, so a holdback does not concern it).
+    A promotion (``bake=True``) carries out every key: ``canary.traffic: shadow``
+    (:func:`tasks.shadow.run_shadow`), ``progressive`` (:func:`tasks.progressive.live_canary`)
+    and ``bake.holdback_pct`` (:mod:`tasks.holdback`). A standalone canary (``bake=False``)
+    replays golden rows only: every mode but ``replay`` is refused there (it has no bake,
+    so a holdback does not concern it).
 
     Args:
         bake: Whether the caller is a promotion (canary and bake); False: a standalone
             canary.
     """
     keys = []
-    if policy.canary.traffic == "shadow" or (not bake and policy.canary.traffic != "replay"):
+    if not bake and policy.canary.traffic != "replay":
         keys.append(f"canary.traffic: {policy.canary.traffic}")
     if not keys:
         return None
@@ -310,5 +310,5 @@ def not_carried_out(policy: Policy, *, bake: bool = True) -> UsageError | None:
         f"the policy asks for live traffic ({', '.join(keys)}), which {where} does not "
         "carry out",
         hint="use canary.traffic: replay (the default) here; `modelship promote` carries "
-        "out progressive and bake.holdback_pct",
+        "out shadow, progressive and bake.holdback_pct",
         keys=[k.split(":")[0] for k in keys])

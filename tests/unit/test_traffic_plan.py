@@ -188,13 +188,14 @@ def test_the_judges_words_are_the_sequential_judges() -> None:
     ("policy", "bake", "keys"),
     [
         (Policy(), True, None),
-        (Policy(canary=CanaryPolicy(traffic="shadow")), True, ["canary.traffic"]),
+        (Policy(canary=CanaryPolicy(traffic="shadow")), True, None),
+        (Policy(canary=CanaryPolicy(traffic="shadow")), False, ["canary.traffic"]),
         (Policy(canary=CanaryPolicy(traffic="progressive")), True, None),
         (Policy(canary=CanaryPolicy(traffic="progressive")), False, ["canary.traffic"]),
         (Policy(bake=BakePolicy(holdback_pct=5)), True, None),
         (Policy(bake=BakePolicy(holdback_pct=5)), False, None),
         (Policy(canary=CanaryPolicy(traffic="shadow"), bake=BakePolicy(holdback_pct=5)), True,
-         ["canary.traffic"]),
+         None),
     ],
 )
 def test_live_traffic_keys_not_carried_out_yet_are_refused(
