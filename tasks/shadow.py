@@ -218,10 +218,14 @@ class _Shadow:
                                      candidate=self.candidate, baseline=self.baseline)
                 mirrored = cand.requests if cand is not None else 0
                 sampled = len(parse_samples(self.sampled_lines(), self.model).requests)
+                intervals = len(shadow_intervals(self.ticks, model=self.model,
+                                                 candidate=self.candidate,
+                                                 baseline=self.baseline))
                 live, problem = read_live(self.router)
                 elapsed = time.monotonic() - started
                 action = window_action(plan, elapsed_s=elapsed, mirrored=mirrored,
-                                       sampled=sampled, live=live, problem=problem)
+                                       sampled=sampled, live=live, problem=problem,
+                                       intervals=intervals)
                 if action.kind == "hold":
                     continue
                 self.window_s = elapsed
@@ -288,8 +292,9 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
         write: Puts the ``traffic`` document on the release's record and writes it (before
             every change of the router).
         announce: Receives the window's start and end (the Slack thread).
-        keep_loaded: Leave C loaded on the canary after a window that completed (an
-            approval wait); the caller unloads it.
+        keep_loaded: After a window that completed, load P beside C on the canary and
+            leave both loaded (the approval wait's watcher probes them side by side, as
+            after a replay canary); the caller unloads them.
         Others: as :func:`tasks.canary.run_canary`.
 
     Returns:
@@ -320,14 +325,13 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
     config, payload, _ = _candidate_inputs(settings, clients, storage, policy=policy,
                                            model=model, candidate=candidate,
                                            baseline=baseline, release=release)
-    config, _ = render_for_servers(with_versions(config, [candidate]), [server],
-                                   timeout_s=settings.http_timeout_s)
+    both, _ = render_for_servers(config, [server], timeout_s=settings.http_timeout_s)
     run = _Shadow(settings, clients, policy, model=model, candidate=candidate,
                   baseline=baseline, router=router, canary=server, progress=progress)
     completed = False
     try:
         progress(f"shadow: loading {model} v{candidate} alone on the canary {server.name}")
-        server.load_model(model, config_json=to_json(config))
+        server.load_model(model, config_json=to_json(with_versions(both, [candidate])))
         _wait_ready(server, model, [candidate], settings.control_timeout_s)
         golden = run.replay_golden(payload)
         traffic = run.window(write, announce)
@@ -336,6 +340,9 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
         progress(f"shadow: comparing {len(chosen)} of {len(found.requests)} sampled live "
                  "inputs on both versions")
         pairs = [p for p in map(run.pair, chosen) if p is not None]
+        if keep_loaded:  # the approval wait's watcher probes P and C side by side here
+            server.load_model(model, config_json=to_json(both))
+            _wait_ready(server, model, [baseline, candidate], settings.control_timeout_s)
         completed = True
     finally:
         run.forget_samples()

@@ -7,7 +7,8 @@ The executor (:mod:`tasks.shadow`) does the I/O; this module decides:
 
 - **the window** (:func:`window_action`): ``hold`` until the window is at least
   ``canary.window_s`` old, the candidate has answered ``canary.min_samples`` mirrored
-  requests and as many bodies were sampled; ``end`` then, or at ``canary.max_duration_s``
+  requests, as many bodies were sampled and :data:`MIN_INTERVALS` metrics intervals
+  compare both arms; ``end`` then, or at ``canary.max_duration_s``
   with what it has (the gates say inconclusive on too little); ``abort`` (exit 1, the
   mirror back to 0) when the router does not answer or holds another split than the one
   set (:func:`tasks.traffic_plan.router_problem`);
@@ -55,11 +56,17 @@ from modelship.triton.metrics import (
 )
 from tasks.traffic_plan import router_problem
 
-__all__ = ["ArmTotals", "SampledRequest", "ShadowPlan", "WindowAction", "arm_totals",
-           "infer_target", "parse_samples", "pick", "shadow_intervals", "shadow_rules",
+__all__ = ["MIN_INTERVALS", "ArmTotals", "SampledRequest", "ShadowPlan", "WindowAction",
+           "arm_totals", "infer_target", "parse_samples", "pick", "shadow_intervals",
+           "shadow_rules",
            "versioned_uri", "window_action"]
 
 WindowKind = Literal["hold", "end", "abort"]
+
+#: Metrics intervals with both arms answered that a window needs before it may end early
+#: (``tasks.gates.MIN_SERVER_INTERVALS`` is the server-side test's floor; not imported:
+#: that module loads scipy; a unit test keeps this one at or above it).
+MIN_INTERVALS = 5
 
 #: Client-side metrics a shadow cannot measure: nobody receives the candidate's answers.
 CLIENT_ONLY: tuple[str, ...] = (*LATENCY_METRICS, "throughput_ratio")
@@ -111,15 +118,17 @@ class WindowAction:
 
 
 def window_action(plan: ShadowPlan, *, elapsed_s: float, mirrored: int, sampled: int,
-                  live: TrafficSplit | None, problem: str | None = None) -> WindowAction:
+                  live: TrafficSplit | None, problem: str | None = None,
+                  intervals: int = MIN_INTERVALS) -> WindowAction:
     """What to do after one look at the window (pure; the rules are in the module doc)."""
     trouble = router_problem(plan.split, live, problem)
     if trouble is not None:
         return WindowAction("abort", f"{trouble} {elapsed_s:.0f} s into the shadow window; "
                             "mirror back to 0 (an infrastructure failure, not the candidate's)")
     counts = (f"{mirrored} mirrored requests answered by the candidate, {sampled} bodies "
-              f"sampled after {elapsed_s:.0f} s")
-    if elapsed_s >= plan.min_s and mirrored >= plan.min_samples and sampled >= plan.min_samples:
+              f"sampled, {intervals} metrics intervals after {elapsed_s:.0f} s")
+    if elapsed_s >= plan.min_s and mirrored >= plan.min_samples \
+            and sampled >= plan.min_samples and intervals >= MIN_INTERVALS:
         return WindowAction("end", f"{counts}: enough ({plan.min_samples} each)")
     if elapsed_s >= plan.max_s:
         return WindowAction("end", f"{counts}: the ceiling ({plan.max_s:g} s) is reached "

@@ -12,6 +12,7 @@ from modelship.policy import CanaryPolicy, ServerRatioRule, gate_rule
 from modelship.traffic.port import TrafficSplit
 from modelship.triton.metrics import parse_metrics
 from tasks.shadow_plan import (
+    MIN_INTERVALS,
     ArmTotals,
     ShadowPlan,
     arm_totals,
@@ -59,6 +60,17 @@ def test_the_window_holds_ends_or_aborts(elapsed: float, mirrored: int, sampled:
         assert "infrastructure" in action.reason
     if live is None:
         assert "connection refused" in action.reason
+
+
+def test_the_window_waits_for_enough_metrics_intervals_for_the_server_side_test() -> None:
+    from tasks.gates import MIN_SERVER_INTERVALS
+
+    assert MIN_INTERVALS >= MIN_SERVER_INTERVALS
+    short = window_action(PLAN, elapsed_s=6.0, mirrored=500, sampled=500, live=MIRRORING,
+                          intervals=MIN_INTERVALS - 1)
+    assert short.kind == "hold" and f"{MIN_INTERVALS - 1} metrics intervals" in short.reason
+    assert window_action(PLAN, elapsed_s=6.0, mirrored=500, sampled=500, live=MIRRORING,
+                         intervals=MIN_INTERVALS).kind == "end"
 
 
 def test_client_latency_rules_become_server_side_and_the_rest_are_skipped() -> None:
