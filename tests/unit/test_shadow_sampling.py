@@ -193,3 +193,16 @@ def test_a_router_that_dies_mid_window_is_an_infrastructure_failure(
     # the next command restores it from the record
     assert written[-1]["split"]["mirror_pct"] == 0.0
     assert router.writes[-1] == ("set_weights", 0.0)  # the way back was tried
+
+
+def test_a_first_release_under_shadow_is_replayed_and_nothing_else_changes() -> None:
+    from tasks.traffic_plan import not_carried_out
+
+    policy = Policy.model_validate({"canary": {"traffic": "shadow", "mirror_pct": 20.0,
+                                               "min_samples": 321}})
+    replay = shadow.replay_of(policy)
+    assert replay.canary.traffic == "replay" and replay.canary.mirror_pct is None
+    assert not_carried_out(policy, bake=False) is not None  # the standalone canary refuses
+    assert not_carried_out(replay, bake=False) is None      # ... and runs this one
+    assert replay.canary.min_samples == 321 and replay.gates == policy.gates
+    assert policy.canary.traffic == "shadow"  # the release's own policy is untouched
