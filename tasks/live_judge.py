@@ -62,7 +62,8 @@ class ArmLook:
     Attributes:
         requests: Successful requests.
         failures: Failed requests.
-        server_us: Mean queue + compute µs per successful request; None without one.
+        server_us: Mean queue + compute µs per successful request (compute alone where
+            the server exports no queue counter); None without one.
     """
 
     requests: int = 0
@@ -93,8 +94,8 @@ def arm_look(before: Mapping[str, Scrape], after: Mapping[str, Scrape], *, model
         requests += change.requests
         failures += change.failures
         queue, compute = mean_queue_us(change), mean_compute_us(change)
-        if queue is not None and compute is not None and change.requests > 0:
-            weighted += (queue + compute) * change.requests
+        if compute is not None and change.requests > 0:
+            weighted += (compute + (queue or 0.0)) * change.requests
             timed += change.requests
     return ArmLook(int(requests), int(failures), weighted / timed if timed else None)
 

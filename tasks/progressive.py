@@ -269,7 +269,7 @@ def live_canary(settings: Settings, clients: Clients, policy: Policy,
                     else result.action.outcome, "mode": "progressive",
                     "judge": judge.decision.to_dict()}
     with journal.stage("gates"):
-        _verdict(model, version, result.action)
+        _verdict(model, version, result.action, judge.decision.reason)
     return result
 
 
@@ -285,15 +285,16 @@ def _section(text: str) -> list[dict[str, Any]]:
     return [{"type": "section", "text": {"type": "mrkdwn", "text": text}}]
 
 
-def _verdict(model: str, version: int, action: TrafficAction) -> None:
-    """Raise the release's error for a step back; nothing after a pass."""
+def _verdict(model: str, version: int, action: TrafficAction, evidence: str) -> None:
+    """Raise the release's error for a step back (with the judge's ``evidence``); nothing
+    after a pass."""
     if action.outcome == "failed":
         raise GateFailed(f"the progressive canary of {model} v{version} failed on live "
-                         f"traffic: {action.reason}",
+                         f"traffic: {action.reason} ({evidence})",
                          hint="production serves as before (the weight went back to 0 %); "
                          f"read the steps in `modelship history {model}`", model=model)
     if action.outcome == "inconclusive":
         raise GatesInconclusive(f"the progressive canary of {model} v{version} could not "
-                                f"decide on live traffic: {action.reason}",
+                                f"decide on live traffic: {action.reason} ({evidence})",
                                 hint="more live traffic, or a larger canary.step_max_s",
                                 model=model)
