@@ -231,14 +231,16 @@ def cli_defaults() -> None:
 
 
 @contextmanager
-def cli_zygote(env: Mapping[str, str], cwd: Path) -> Iterator[Any]:
+def cli_zygote(env: Mapping[str, str], cwd: Path, *, late: Sequence[str] = ()
+               ) -> Iterator[Any]:
     """A :class:`tests.zygote.Zygote` whose runs are ``modelship`` (with a fault when the
     run sets ``FAULT``), started in the background: its imports overlap whatever the
-    caller does next (``run`` waits for them)."""
+    caller does next (``run`` waits for them). ``late``: variables a run may add besides
+    :data:`FAULT_ENV` (read when a command runs, never at import)."""
     from tests.zygote import Zygote
 
     with Zygote(target="tests.faults:cli_main", preload=CLI_PRELOAD, env=env, cwd=cwd,
-                late_env=FAULT_ENV, prepare="tests.faults:cli_defaults") as zygote:
+                late_env=(*FAULT_ENV, *late), prepare="tests.faults:cli_defaults") as zygote:
         yield zygote
 
 
@@ -317,24 +319,6 @@ def json_document(text: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None
-
-
-@contextmanager
-def own_stack(home: Path, runtime: Path, *, replicas: int = 2) -> Iterator[Any]:
-    """A stack of its own (not the session's: faults kill parts of it), always stopped."""
-    from modelship.settings import Settings, load_settings
-    from modelship.stack import manager
-    from tests.conftest import mlflow_pointers_hidden
-
-    with mlflow_pointers_hidden():  # else they would point at the stack an earlier test used
-        base = Settings(home=home, triton_runtime=runtime)
-    try:
-        manager.up(base, replicas=replicas)
-        with mlflow_pointers_hidden():
-            settings = load_settings(home=home, triton_runtime=runtime)
-        yield settings
-    finally:
-        manager.down(base)
 
 
 # --------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ What the fork must not carry over, and how it is kept out:
   down in a child.
 
 :func:`serve` is the server; :class:`Zygote` starts it and runs commands through it, one
-at a time.
+at a time (:meth:`Zygote.bound`: with some late variables set for every run).
 """
 
 from __future__ import annotations
@@ -314,9 +314,26 @@ class Zygote:
             self._server.stdout.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    def bound(self, env: Mapping[str, str]) -> Bound:
+        """This zygote's runs with ``env`` added to each (late variables only, as any run's:
+        e.g. the home of a stack that came up while the zygote imported)."""
+        return Bound(self, env)
+
     def __enter__(self) -> Zygote:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+class Bound:
+    """A :class:`Zygote`'s runs with some late variables set for every run (a run's own
+    ``env`` goes on top); :meth:`run` as :meth:`Zygote.run`."""
+
+    def __init__(self, zygote: Zygote, env: Mapping[str, str]) -> None:
+        self.zygote, self.env = zygote, dict(env)
+
+    def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+            timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+        return self.zygote.run(argv, env={**self.env, **(env or {})}, timeout=timeout)

@@ -74,29 +74,35 @@ after the killed staging, and finishes the releases stopped at or past their rec
 no-op on the fleet that must repair the aliases and tags).
 
 **Cost** (each cell prints where its time goes, and each CLI run its own timeline from
-its record: start-up, every stage, the time between stages, the exit). The cells share a
-stack of their own per half (faults kill parts of it, so not the session's; ``GROUPS``:
-two halves of about the same time, one per ``make test`` worker) and one model whose
-versions take turns: each cell promotes the version that does not serve, from the state
-the cell before it settled in. Nothing is released for setup in half A: the first cell
+its record: start-up, every stage, the time between stages, the exit). The cells run on
+the worker's session stack (``tests/stack_fixtures.py``; ``GROUPS``: two halves of about
+the same time, one per ``make test`` worker, so each half on its worker's stack): a
+component a cell kills comes back through ``modelship stack up`` before the cell goes on
+(same ports, same data), and the matrix leaves the stack with every component running
+(:func:`_heal`) and its model converged, for the tests after it. One model whose versions
+take turns: each cell promotes the version that does not serve, from the state the cell
+before it settled in. Nothing is released for setup in half A: the first cell
 half-publishes the model's first release and its rerun releases it, the second cell's
-release (killed at its record) is the second; half B, on a stack of its own, spends one.
+release (killed at its record) is the second; half B, alone on its worker, spends one.
 The policy is the smallest that still runs every stage: one threshold gate (the canary
-stops after its first window of 100 requests), a 2-s bake on errors alone (a 1-s
-reference is below two windows, so no latency rule), and a 15-s swap deadline (a replica
-that cannot load, S3 down, is given up on then, not after the default 60 s). Every
-``modelship`` run but ``stack up`` is a fork of a CLI zygote (:func:`tests.faults.cli_zygote`,
-``tests/zygote.py``): a process that imported the CLI, the flows and what their stages
-import late (Prefect, MLflow, GX, ONNX: 10-30 s a run) once, while the stack started; the
-child is a real process running ``modelship.cli.main`` (its own pid, signals, exit code
-and output). The console script itself runs the first ``status``, ``rollback`` and
-``promote`` rerun (their exit code and JSON are the contract) and every ``stack up``.
-``status`` is read by the CLI once per fault kind and otherwise in this process through
-the function the CLI calls (:func:`tasks.status.status_report`; exit 1 unless
-``consistent``); ``stack up`` runs only after a component was killed. What remains is the
-product's: every faulted run starts the Prefect flow run, resolves, checks (GX, export,
-trial load; a check-stage fault never takes a cached check) and, from the canary on,
-runs a canary.
+stops after its first window, 0.5 s, of at least 100 requests), a 1-s bake of one window
+on errors alone (a 1-s reference is below two windows, so no latency rule), and a 15-s
+swap deadline (a replica that cannot load, S3 down, is given up on then, not after the
+default 60 s; 8 s in the cell that kills S3 mid-swap, where a healthy switch has done its
+part before the fault). Every ``modelship`` run but ``stack up`` is a fork of a CLI
+zygote (:func:`tests.faults.cli_zygote`, ``tests/zygote.py``): a process that
+imported the CLI, the flows and what their stages import late (Prefect, MLflow, GX, ONNX:
+10-30 s a run) once, while the session stack came up (the stack's home is the one
+variable its runs add: read when a command runs, never at import); the child is a real
+process running ``modelship.cli.main`` (its own pid, signals, exit code and output). The
+console script itself runs one ``status``, one ``rollback`` and one ``promote`` rerun of
+the file (their exit code and JSON are the contract; :data:`GROUPS` names the cells, the
+cheapest of each command) and every ``stack up``. ``status`` is read by the CLI in the
+first cell of each fault kind and otherwise in this process through the function the CLI
+calls (:func:`tasks.status.status_report`; exit 1 unless ``consistent``); ``stack up``
+runs only after a component was killed. What remains is the product's: every faulted run
+starts the Prefect flow run, resolves, checks (GX, export, trial load; a check-stage fault
+never takes a cached check, the others may) and, from the canary on, runs a canary.
 """
 
 from __future__ import annotations
@@ -104,6 +110,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -115,9 +122,11 @@ import pytest
 from modelship.clients import build_clients
 from modelship.locks import list_locks
 from modelship.settings import Settings
+from modelship.stack.process import is_alive
+from modelship.stack.state import process_records, read_state
 from tasks.status import status_report
 from tests import models
-from tests.conftest import ROOT, RUNTIME_VENV, cli_env, run_cli
+from tests.conftest import ROOT, cli_env, run_cli
 from tests.faults import (
     Fault,
     FaultedRun,
@@ -128,28 +137,37 @@ from tests.faults import (
     json_document,
     loose_ends,
     observe,
-    own_stack,
     run_faulted,
     story_breaks,
 )
+from tests.zygote import Bound
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
+#: The model's name: the first of MODEL, MODEL-2, ... that the stack's registry does not
+#: know yet (:func:`_fresh_name`: a half that runs after the other on one worker's stack,
+#: with other files between them, starts from a fresh model as it does on its own).
 MODEL = "fault-matrix"
 POLICY: dict[str, Any] = {
     # The matrix is about the ways out, not the gates: one threshold rule needs only
     # min_samples, so the canary ends after its first window.
-    "canary": {"warmup_s": 0.3, "window_s": 1.0, "stability_pct": 100.0,
+    "canary": {"warmup_s": 0.3, "window_s": 0.5, "stability_pct": 100.0,
                "max_duration_s": 8.0, "min_samples": 100},
     "gates": [
         {"name": "error_rate", "metric": "error_rate", "test": "threshold", "max": 0.01},
     ],
-    "bake": {"duration_s": 2.0, "window_s": 1.0, "baseline_s": 1.0,
+    "bake": {"duration_s": 1.0, "window_s": 1.0, "baseline_s": 1.0,
              "max_latency_increase_pct": 400.0},
     # a replica that cannot load (S3 down) is given up on after this, not the default 60 s
     # (a healthy switch of this model takes a few seconds even on a loaded machine)
     "swap": {"deadline_s": 15.0},
 }
+#: The swap deadline of the cell that kills S3 mid-swap: both the failing switch and the
+#: abort wait it out (S3 down, a load hangs), and the first replica's switch, healthy,
+#: is done before the fault (a tiny model's switch takes 1-3 s on a loaded machine).
+S3_SWAP_DEADLINE_S = 8.0
+#: The variable a zygote's run adds: the stack's home (read when a command runs).
+HOME = "MODELSHIP_HOME"
 MANIFEST = "/release.json"
 APPROVAL = ("--require-approval", "--approvers", "U0FAULTAPPROVER")
 #: A faulted run ends within this (issue 18 item 4: bounded exits with a dependency down).
@@ -167,33 +185,44 @@ class Cell:
 
     fault: Fault
     next_command: str  # "promote" (the rerun) or "rollback"
+    #: Commands of this cell run by the console script itself ("status", the next command)
+    console: frozenset[str] = frozenset()
+    swap_deadline_s: float = POLICY["swap"]["deadline_s"]
 
     @property
     def id(self) -> str:
         return f"{self.fault.id}-then-{self.next_command}"
 
+    @property
+    def policy(self) -> dict[str, Any]:
+        return {**POLICY, "swap": {**POLICY["swap"], "deadline_s": self.swap_deadline_s}}
 
-def _cell(kind: str, stage: str, next_command: str) -> Cell:
-    return Cell(Fault(kind, stage), next_command)
+
+def _cell(kind: str, stage: str, next_command: str, *, console: tuple[str, ...] = (),
+          swap_deadline_s: float = POLICY["swap"]["deadline_s"]) -> Cell:
+    return Cell(Fault(kind, stage), next_command, frozenset(console), swap_deadline_s)
 
 
 #: The cells in two halves of about the same time. ``make test`` cuts this file into its
 #: two halves of consecutive cells, one per xdist worker (``tests/conftest.py``: SPLIT),
-#: each with a stack of its own; alone, the file runs A then B on one stack. Each half
-#: starts with promote cells, so that on a fresh stack it spends as few setup releases as
-#: it can (:func:`_start`: A none, B one), and the rollbacks after them have a version
-#: that served before.
+#: each on its worker's session stack; alone, the file runs A then B on one stack. Each
+#: half starts with promote cells, so that on a fresh model it spends as few setup
+#: releases as it can (:func:`_start`: A none, B one), and the rollbacks after them have a
+#: version that served before. The console script runs once per command in the file, in
+#: half A, where it costs least: a ``status`` and a ``promote`` that finishes a release
+#: killed past its point of no return (a no-op on the fleet: no check, no canary), and a
+#: ``rollback``.
 GROUPS = {
     # A: the model's first release, half-published; its rerun is the first release and
     # the next cell's the second (no release spent on setup)
     "crash-a": [
         _cell("sigkill", "stage", "promote"),
-        _cell("sigkill", "record", "promote"),
-        _cell("sigkill", "check", "rollback"),
+        _cell("sigkill", "record", "promote", console=("status", "promote")),
+        _cell("sigkill", "check", "rollback", console=("rollback",)),
         _cell("sigkill", "swap", "rollback"),
         _cell("sigkill", "bake", "rollback"),
         _cell("sigterm", "bake", "rollback"),
-        _cell("s3", "swap", "rollback"),
+        _cell("s3", "swap", "rollback", swap_deadline_s=S3_SWAP_DEADLINE_S),
         _cell("prefect", "bake", "rollback"),
     ],
     # B: one setup release on a stack of its own, then the reruns release
@@ -209,6 +238,11 @@ GROUPS = {
     ],
 }
 CELLS = [cell for cells in GROUPS.values() for cell in cells]
+#: The cells whose ``status`` the CLI reads: the first of each fault kind in the file, and
+#: the one whose status is the console script's.
+STATUS_BY_CLI = frozenset(
+    {next(c.id for c in CELLS if c.fault.kind == kind) for kind in {c.fault.kind for c in CELLS}}
+    | {c.id for c in CELLS if "status" in c.console})
 
 
 class Clock:
@@ -252,14 +286,13 @@ def timeline(record: RecordState, launched: float, ended: float) -> str:
 @dataclass
 class Matrix:
     settings: Settings
-    policy: Path
+    model: str
     versions: tuple[int, int]
     workdir: Path
     released: list[int]  # the versions released so far, in order
     settled: Observation | None = None  # what the last cell that passed ended in
-    zygote: Any = None  # tests.zygote.Zygote of `modelship` (None: every run a process)
-    by_console: set[str] = field(default_factory=set)  # commands run once by the script
-    status_by_cli: set[str] = field(default_factory=set)  # fault kinds whose status the CLI read
+    zygote: Bound | None = None  # runs of `modelship` (None: every run a process)
+    policies: dict[float, Path] = field(default_factory=dict)  # by swap deadline
 
     @property
     def home(self) -> Path:
@@ -273,12 +306,14 @@ class Matrix:
             return run_cli(*args, home=self.home, timeout=timeout)
         return self.zygote.run(["modelship", *args], timeout=timeout)
 
-    def first_time(self, command: str) -> bool:
-        """True the first time: that run of ``command`` is the console script's (its
-        exit code and JSON, the contract; the zygote runs the same ``main``)."""
-        first = command not in self.by_console
-        self.by_console.add(command)
-        return first
+    def policy(self, cell: Cell | None = None) -> Path:
+        """The policy file of ``cell`` (None: of a setup release, :data:`POLICY`)."""
+        policy = POLICY if cell is None else cell.policy
+        deadline = float(policy["swap"]["deadline_s"])
+        if deadline not in self.policies:
+            self.policies[deadline] = models.write_policy(
+                self.workdir / f"policy-swap-{deadline:g}s.yaml", policy)
+        return self.policies[deadline]
 
     def locks(self) -> list[dict[str, Any]]:
         """The model's held locks (its release lock, a canary slot held for it), as
@@ -288,7 +323,7 @@ class Matrix:
             rows = list_locks(storage=clients.storage, home=self.home)
         finally:
             clients.close()
-        return [row for row in rows if row.get("model") == MODEL]
+        return [row for row in rows if row.get("model") == self.model]
 
     def version_keys(self, version: int) -> list[str]:
         """The objects under the version's folder of the model repository."""
@@ -296,12 +331,12 @@ class Matrix:
         try:
             assert clients.storage is not None
             return list(clients.storage.list_keys(
-                f"{self.settings.repository_prefix}/{MODEL}/{version}/"))
+                f"{self.settings.repository_prefix}/{self.model}/{version}/"))
         finally:
             clients.close()
 
     def observe(self) -> Observation:
-        return observe(self.settings, MODEL, locks=self.locks)
+        return observe(self.settings, self.model, locks=self.locks)
 
     def status(self, *, cli: bool, console: bool = False) -> tuple[int, Any]:
         """``modelship status MODEL``'s exit code and document: the CLI (the console
@@ -309,19 +344,19 @@ class Matrix:
         (:func:`tasks.status.status_report`, exit 1 unless consistent) read in this
         process."""
         if cli:
-            done = self.cli("status", MODEL, "--json", timeout=120, console=console)
+            done = self.cli("status", self.model, "--json", timeout=120, console=console)
             assert "Traceback (most recent call last)" not in done.stderr, done.stderr
             return done.returncode, json_document(done.stdout) or done.stdout[-3000:]
         clients = build_clients(self.settings)
         try:
-            doc = status_report(self.settings, clients, model=MODEL)
+            doc = status_report(self.settings, clients, model=self.model)
         finally:
             clients.close()
         return (0 if doc["consistent"] else 1), doc
 
-    def promote(self, version: int, *extra: str) -> list[str]:
-        return ["promote", MODEL, "--version", str(version), "--policy", str(self.policy),
-                "--json", *extra]
+    def promote(self, version: int, *extra: str, cell: Cell | None = None) -> list[str]:
+        return ["promote", self.model, "--version", str(version), "--policy",
+                str(self.policy(cell)), "--json", *extra]
 
     def release(self, version: int) -> None:
         """An ordinary release of ``version`` (setup, or a cell's start)."""
@@ -332,25 +367,72 @@ class Matrix:
         print(f"promote v{version}: {time.monotonic() - began:.1f} s")
 
 
+def _own_bytes(*, seed: int, model: str) -> Any:
+    """``models.sklearn_onnx(seed)`` in bytes no other registration has (its doc string
+    is unique): the blob store is content-addressed and shared by every model on the
+    stack, so staging bytes another test staged before would copy its blob, not upload
+    one, and the stage cell's fault point (the first upload) would never come."""
+    graph = models.sklearn_onnx(seed=seed)
+    graph.doc_string = f"{model} seed {seed} {uuid.uuid4().hex}"
+    return graph
+
+
+def _fresh_name(tracking_uri: str) -> str:
+    """:data:`MODEL`, or MODEL-2, MODEL-3...: the first name the registry does not know."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    known = {m.name for m in client.search_registered_models(f"name LIKE '{MODEL}%'")}
+    return next(name for n in range(1, len(known) + 2)
+                if (name := MODEL if n == 1 else f"{MODEL}-{n}") not in known)
+
+
+def dead_components(home: Path) -> list[str]:
+    """The stack's components that are not running (by the PID and start time
+    ``stack up`` recorded)."""
+    state = read_state(home / "stack.json")
+    assert state is not None, f"no stack.json in {home}"
+    return [record.name for record in process_records(state) if not is_alive(record)]
+
+
+def _heal(home: Path) -> None:
+    """Leave the session stack as the tests after the matrix expect it: every component
+    running (``stack up`` restarts what a cell that failed left dead)."""
+    dead = dead_components(home)
+    if dead:
+        up = run_cli("stack", "up", "--json", home=home, timeout=300)
+        print(f"healed the session stack ({', '.join(dead)} dead): exit {up.returncode}")
+        assert up.returncode == 0, (up.stdout[-2000:], up.stderr[-3000:])
+        assert not dead_components(home), dead_components(home)
+
+
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
-    """A 2-replica stack of its own and MODEL's two versions registered, nothing
-    released: the first cells' reruns are the releases (see :func:`_start`). The CLI's
-    zygote imports while the stack starts."""
-    home = tmp_path_factory.mktemp("faults") / ".modelship"
+def matrix(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
+    """The worker's session stack (2 replicas + canary) and MODEL's two versions
+    registered, nothing released: the first cells' reruns are the releases (see
+    :func:`_start`). The CLI's zygote imports while the session stack comes up (when this
+    is the worker's first test to need it); at the end every component is running."""
     workdir = tmp_path_factory.mktemp("fault-marks")
     started = time.monotonic()
-    with cli_zygote(cli_env(home), ROOT) as zygote, \
-            own_stack(home, RUNTIME_VENV, replicas=2) as settings:
-        print(f"stack up: {time.monotonic() - started:.1f} s")
+    # the zygote's environment: a command's but the home, which each of its runs adds
+    env = {k: v for k, v in cli_env(workdir).items() if k != HOME}
+    with cli_zygote(env, ROOT, late=(HOME,)) as zygote:
+        settings: Settings = request.getfixturevalue("stack_settings")
+        print(f"session stack: {time.monotonic() - started:.1f} s")
+        assert not dead_components(settings.home), dead_components(settings.home)
         uri = str(settings.mlflow_tracking_uri)
-        policy = models.write_policy(workdir / "policy.yaml", POLICY)
-        v_a = models.register_onnx(uri, MODEL, models.sklearn_onnx(seed=0))
-        v_b = models.register_onnx(uri, MODEL, models.sklearn_onnx(seed=7))
+        model = _fresh_name(uri)
+        v_a = models.register_onnx(uri, model, _own_bytes(seed=0, model=model))
+        v_b = models.register_onnx(uri, model, _own_bytes(seed=7, model=model))
         ready = zygote.wait_ready()
         print(f"zygote ready at {time.monotonic() - started:.1f} s: {ready}")
-        yield Matrix(settings, policy, (v_a, v_b), workdir, released=[], zygote=zygote)
-        print(f"matrix total (incl. stack up): {time.monotonic() - started:.1f} s")
+        try:
+            yield Matrix(settings, model, (v_a, v_b), workdir, released=[],
+                         zygote=zygote.bound({HOME: str(settings.home)}))
+        finally:
+            _heal(settings.home)
+            print(f"matrix total (incl. setup): {time.monotonic() - started:.1f} s")
 
 
 # --------------------------------------------------------------------------------------
@@ -395,10 +477,10 @@ def _check_left_behind(matrix: Matrix, cell: Cell, obs: Observation,
         return
     stage = cell.fault.stage
     if stage == "check":
-        assert any(n.startswith(f"_trial_{MODEL}") for n in obs.canary_leftovers), \
+        assert any(n.startswith(f"_trial_{matrix.model}") for n in obs.canary_leftovers), \
             obs.summary()
     if stage in ("canary", "approval"):
-        assert MODEL in obs.canary_leftovers, obs.summary()
+        assert matrix.model in obs.canary_leftovers, obs.summary()
     if stage == "approval":
         assert obs.record(release_id).requests == ("pending",), obs.record(release_id)
 
@@ -486,8 +568,8 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
     if cell.fault.stage == "stage" and any(k.endswith(MANIFEST)
                                            for k in matrix.version_keys(candidate)):
         # a version is staged once: a new one, to half-publish
-        candidate = models.register_onnx(str(matrix.settings.mlflow_tracking_uri), MODEL,
-                                         models.sklearn_onnx(seed=11))
+        candidate = models.register_onnx(str(matrix.settings.mlflow_tracking_uri), matrix.model,
+                                         _own_bytes(seed=11, model=matrix.model))
         assert current is not None, start.summary()  # a staged candidate: released before
         matrix.versions = (current, candidate)
     before_ids = {r.id for r in start.records}
@@ -497,7 +579,7 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
     up = None
     launched = time.time()
     try:
-        run = run_faulted(cell.fault, *matrix.promote(candidate, *extra),
+        run = run_faulted(cell.fault, *matrix.promote(candidate, *extra, cell=cell),
                           env=cli_env(matrix.home), cwd=ROOT, workdir=matrix.workdir,
                           timeout_s=FAULTED_TIMEOUT_S, zygote=matrix.zygote)
     finally:  # the killed dependency comes back, whatever the run did
@@ -524,10 +606,9 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
         assert not [k for k in keys if k.endswith(MANIFEST)], keys
     clock.lap("observe")
     # status is true: non-zero exactly while something disagrees (the CLI once per fault
-    # kind, the first time by its console script; the function it calls otherwise)
-    by_cli = cell.fault.kind not in matrix.status_by_cli
-    matrix.status_by_cli.add(cell.fault.kind)
-    console = by_cli and matrix.first_time("status")
+    # kind, once in the file by its console script; the function it calls otherwise)
+    by_cli = cell.id in STATUS_BY_CLI
+    console = "status" in cell.console
     code, doc = matrix.status(cli=by_cli, console=console)
     wrong = disagreements(mid)
     assert (code == 0) == (not wrong), (
@@ -537,10 +618,10 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
 
     # the next command converges
     if cell.next_command == "promote":  # the rerun, no approval asked again
-        after_args = matrix.promote(candidate)
+        after_args = matrix.promote(candidate, cell=cell)
     else:
-        after_args = ["rollback", MODEL, "--json"]
-    console = matrix.first_time(cell.next_command)
+        after_args = ["rollback", matrix.model, "--json"]
+    console = cell.next_command in cell.console
     launched = time.time()
     nxt = matrix.cli(*after_args, timeout=600, console=console)
     ended = time.time()

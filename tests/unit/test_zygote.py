@@ -103,6 +103,19 @@ def test_exit_handlers_run_and_a_message_is_status_1(zygote: Zygote) -> None:
 def test_a_variable_read_at_import_is_refused(zygote: Zygote) -> None:
     done = zygote.run(["prog", "echo"], env={"ZYGOTE_FIXED": "other"}, timeout=30)
     assert done.returncode == REFUSED and "ZYGOTE_FIXED" in done.stderr, done
+    # bound for every run: refused the same way
+    done = zygote.bound({"ZYGOTE_FIXED": "other"}).run(["prog", "echo"], timeout=30)
+    assert done.returncode == REFUSED and "ZYGOTE_FIXED" in done.stderr, done
+
+
+def test_bound_variables_reach_every_run_and_a_run_s_own_win(zygote: Zygote) -> None:
+    bound = zygote.bound({"ZYGOTE_LATE": "bound"})
+    assert [json.loads(bound.run(["prog", "echo"], timeout=30).stdout)["late"]
+            for _ in range(2)] == ["bound", "bound"]
+    done = bound.run(["prog", "echo"], env={"ZYGOTE_LATE": "own"}, timeout=30)
+    assert json.loads(done.stdout)["late"] == "own"
+    # the zygote itself is unchanged
+    assert json.loads(zygote.run(["prog", "echo"], timeout=30).stdout)["late"] is None
 
 
 def test_a_timeout_kills_the_run(zygote: Zygote) -> None:
