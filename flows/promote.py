@@ -468,13 +468,18 @@ def release_plan(settings: Settings, clients: Clients, policy: Policy,
                          share=SEQUENTIAL_SHARE if policy.canary.sequential else 0.0)
     canary = policy.canary
     return {
-        "stages": ["resolve", "check", "stage", "canary", "gates", "approve", "baseline",
+        "stages": ["resolve", "check", "stage", "canary", "gates", "approve",
+                   *([] if holdback_applies(policy, record.from_version) else ["baseline"]),
                    "swap", "bake", "record"],
         "model": record.model, "from_version": record.from_version,
         "to_version": record.to_version,
         "gates": [{"rule": g.name, "metric": g.metric, "test": g.test, **g.bounds(),
                    "dry_run": g.dry_run} for g in policy.gates],
-        "canary": {"samples_per_version": samples, "warmup_s": canary.warmup_s,
+        "canary": {"traffic": canary.traffic,
+                   **({"steps": list(canary.progressive_steps),
+                       "step_bounds_s": list(canary.step_bounds_s)}
+                      if canary.traffic == "progressive" else {}),
+                   "samples_per_version": samples, "warmup_s": canary.warmup_s,
                    "max_duration_s": canary.max_duration_s,
                    "expected_s": f"{canary.warmup_s:g} s warm-up, then until {samples} "
                    f"answered requests per version, at most {canary.max_duration_s:g} s"},

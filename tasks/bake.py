@@ -538,6 +538,12 @@ def plan(policy: BakePolicy) -> dict[str, Any]:
         "max_error_rate": policy.max_error_rate, "alpha": policy.alpha,
         "max_latency_increase_pct": policy.max_latency_increase_pct,
         "latency_quantiles": quantiles, "load_tolerance_pct": policy.load_tolerance_pct,
+        "holdback_pct": policy.holdback_pct,
+        "control": (f"holdback: the previous version answers {policy.holdback_pct:g} % of "
+                    "live traffic on the canary Triton; each window is compared with the "
+                    "holdback's window of the same time (a first release: none)"
+                    if policy.holdback_pct > 0 else
+                    f"pre-swap reference: {policy.baseline_s:g} s of the probe on production"),
         "latency_looks": {"judged_windows": sorted(points), "at_end": True,
                           "alpha_each": (next(iter(points.values())) if points else None),
                           "alpha_at_end": final},

@@ -135,3 +135,9 @@ def test_when_a_holdback_applies(holdback: float, duration: float, previous: int
                                  applies: bool) -> None:
     policy = Policy(bake=BakePolicy(holdback_pct=holdback, duration_s=duration))
     assert holdback_applies(policy, previous) is applies
+
+
+def test_the_dry_run_plan_names_the_control() -> None:
+    held = baking.plan(BakePolicy(duration_s=30, holdback_pct=33))
+    assert held["holdback_pct"] == 33 and held["control"].startswith("holdback: ")
+    assert baking.plan(BakePolicy(duration_s=30))["control"].startswith("pre-swap reference")
