@@ -356,6 +356,11 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
                "compared_inputs": len(pairs), "compared_rows": agreement[1],
                "agreement": agreement[0], "golden_agreement": golden[0],
                "golden_rows": golden[1]}
+    run.notes.append(
+        f"shadow: {run.plan.mirror_pct:g} % of live requests mirrored to the candidate for "
+        f"{run.window_s:.0f} s; {len(found.requests)} bodies sampled, {len(pairs)} replayed on "
+        "both versions (the report's load and client-latency lines do not apply: the "
+        "candidate's answers never reached a client)")
     snapshot = run.snapshot(agreement, golden, summary)
     summary["mirrored"] = snapshot.candidate.requests
     summary["production_requests"] = snapshot.baseline.requests if snapshot.baseline else 0

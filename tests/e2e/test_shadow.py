@@ -1,0 +1,141 @@
+"""The shadow canary (``canary.traffic: shadow``) on the session's stack, end to end.
+
+Production serves v1; v2 answers exactly as v1 on the golden rows (inputs within
+[-1, 1]) and differently everywhere else (it negates an input outside that range, so its
+top-1 label becomes v1's last). Live clients send inputs outside the golden range
+through the gateway while ``modelship promote`` of v2 runs: the replay canary would have
+passed it on the golden rows; the shadow canary mirrors the live requests to v2, samples
+their bodies, replays them on both versions, and rejects v2 (exit 4) on the agreement
+gate. The clients only ever got v1's answers, and the mirror is back to 0 at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from modelship.loadgen import LoadSpec, run_load_sync
+from modelship.settings import Settings
+from modelship.stack.state import read_state
+from modelship.traffic.local_gateway import LocalGateway
+from tests import models
+from tests.inprocess import beside, run_inprocess
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "shadow-canary"
+POLICY: dict[str, Any] = {
+    "canary": {"traffic": "shadow", "mirror_pct": 100.0, "warmup_s": 0.0, "window_s": 2.0,
+               "max_duration_s": 40.0, "min_samples": 150},
+    "gates": [
+        # client-side: the shadow judges it as Triton's own time per request
+        {"name": "latency_p99", "metric": "latency_p99_ms", "test": "quantile",
+         "max_increase_pct": 200.0, "min_effect_ms": 1.0},
+        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
+        {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98},
+    ],
+}
+GOLDEN = np.random.default_rng(5).uniform(-0.9, 0.9, (16, models.N_FEATURES)).astype(np.float32)
+_rng = np.random.default_rng(6)
+LIVE = (_rng.uniform(2.0, 5.0, (64, models.N_FEATURES))
+        * _rng.choice([-1.0, 1.0], (64, models.N_FEATURES))).astype(np.float32)
+
+
+def outside_negated_graph() -> Any:
+    """v1's graph (``models.onnx_graph("softmax")``) on ``x`` where every |x| <= 1, on
+    ``-x`` elsewhere: the same answers on the golden rows, the opposite label outside."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)  # v1's weights (models.onnx_graph)
+    weights = rng.standard_normal((models.N_FEATURES, 3)).astype(np.float32)
+    inits = [numpy_helper.from_array(weights, "W"),
+             numpy_helper.from_array(np.array([1.0], np.float32), "one")]
+    nodes = [helper.make_node("Abs", ["input"], ["magnitude"]),
+             helper.make_node("Greater", ["magnitude", "one"], ["outside_row"]),
+             helper.make_node("Cast", ["outside_row"], ["outside_f"], to=TensorProto.FLOAT),
+             helper.make_node("ReduceMax", ["outside_f"], ["outside_any"], axes=[1],
+                              keepdims=1),
+             helper.make_node("Cast", ["outside_any"], ["outside"], to=TensorProto.BOOL),
+             helper.make_node("Neg", ["input"], ["negated"]),
+             helper.make_node("Where", ["outside", "negated", "input"], ["seen"]),
+             helper.make_node("MatMul", ["seen", "W"], ["logits"]),
+             helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+             helper.make_node("ArgMax", ["probabilities"], ["label"], axis=1, keepdims=0)]
+    return models.classifier_graph(nodes, inits, name="outside-negated")
+
+
+def _cli(*args: str, settings: Settings, code: int = 0) -> dict[str, Any]:
+    done = run_inprocess(*args, "--json", home=settings.home, timeout=600)
+    assert done.returncode == code, done.stderr[-4000:]
+    doc: dict[str, Any] = json.loads(done.stdout)
+    return doc
+
+
+def test_a_candidate_that_disagrees_on_live_inputs_only_is_rejected(
+        stack_settings: Settings, tmp_path: Path) -> None:
+    uri = str(stack_settings.mlflow_tracking_uri)
+    example = {"input": GOLDEN}
+    v1 = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"), example=example)
+    v2 = models.register_onnx(uri, MODEL, outside_negated_graph(), example=example)
+    _cli("stage", MODEL, "--version", str(v1), settings=stack_settings)
+    _cli("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    gateway = stack_settings.gateway_url
+    assert gateway, "the session stack runs a gateway"
+    policy = models.write_policy(tmp_path / "policy.yaml", POLICY)
+
+    def clients(done: threading.Event) -> Counter[str]:
+        """Live traffic through the gateway until the promotion returns: the versions
+        that answered the clients."""
+        seen: Counter[str] = Counter()
+        while not done.is_set():
+            report = run_load_sync([gateway], MODEL, {"input": LIVE}, LoadSpec(
+                protocol="http", rate_rps=80.0, duration_s=1.0, warmup_s=0.0,
+                timeout_s=10.0))
+            seen.update(r.model_version if r.ok else f"error: {r.error}"
+                        for r in report.records)
+        return seen
+
+    with beside(clients) as traffic:
+        done = run_inprocess("promote", MODEL, "--version", str(v2), "--policy", str(policy),
+                             "--json", home=stack_settings.home, timeout=600)
+    answered = traffic.result()
+    assert done.returncode == 4, done.stderr[-4000:]
+    record = json.loads(done.stdout)["details"]["record"]
+    gates = record["gates"]
+    shadow = gates["load"]
+    assert shadow["mode"] == "shadow" and shadow["mirror_pct"] == 100.0
+    # the candidate answered the mirrored copies (Triton's counters), their bodies were
+    # sampled and replayed on both versions
+    assert shadow["mirrored"] >= 150 and shadow["sampled"] >= 150
+    assert shadow["compared_inputs"] >= 150
+    # the golden rows agree, the live inputs do not: the agreement gate rejects v2
+    assert shadow["golden_agreement"] == 1.0 and shadow["golden_rows"] == len(GOLDEN)
+    assert shadow["agreement"] is not None and shadow["agreement"] < 0.5
+    verdicts = {r["rule"]: r["verdict"] for r in gates["results"]}
+    assert verdicts["agreement"] == "failed"
+    assert "latency_p99 (server)" in verdicts and verdicts["error_rate"] != "failed"
+    assert any("latency_p99" in s for s in gates["skipped_rules"])
+    # the clients only ever got production's answers
+    assert set(answered) == {str(v1)}, answered
+    # the mirror was written to the record, and is back to 0 on the record and the gateway
+    assert record["traffic"]["split"]["mirror_pct"] == 0.0
+    assert record["traffic"]["shadow"]["agreement"] == shadow["agreement"]
+    # the window and the verdict are in the release's Slack thread
+    with urllib.request.urlopen(f"{stack_settings.slack_api_url}/_emulator/messages",
+                                timeout=10) as response:
+        messages = json.loads(response.read())
+    thread = [m["text"] for m in messages.get("messages", messages)
+              if m.get("thread_ts") == record["slack"]["ts"]]
+    assert any(t.startswith("shadow: mirroring 100 %") for t in thread), thread
+    assert any(t.startswith("shadow: failed: agreement on live inputs") for t in thread)
+    live = LocalGateway.from_state(read_state(stack_settings.stack_file) or {}).live()
+    assert live.is_production_only, live
+    assert not LocalGateway.from_state(read_state(stack_settings.stack_file) or {}
+                                       ).layout.sample_log.exists()
