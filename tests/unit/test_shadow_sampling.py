@@ -206,3 +206,29 @@ def test_a_first_release_under_shadow_is_replayed_and_nothing_else_changes() -> 
     assert not_carried_out(replay, bake=False) is None      # ... and runs this one
     assert replay.canary.min_samples == 321 and replay.gates == policy.gates
     assert policy.canary.traffic == "shadow"  # the release's own policy is untouched
+
+
+class _Stopped(BaseException):
+    """A stop request (promote's SIGTERM handler raises out of whatever runs)."""
+
+
+def test_a_stop_request_mid_window_returns_the_mirror_to_zero_and_goes_on_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = nginx.GatewayLayout(1, 2, 3, (("a", "b"),), ("c", "d"), str(tmp_path),
+                                 str(tmp_path / "e.log"))
+    router = _Gateway(layout, lasts=10**6)
+    run, written = _window(tmp_path, router, monkeypatch, max_duration_s=60.0,
+                           min_samples=10**6)
+    original = run.tick
+
+    def tick() -> None:
+        original()
+        if len(run.ticks) == 3:
+            assert router.split.mirror_pct == 20.0  # mirroring when the signal comes
+            raise _Stopped
+
+    monkeypatch.setattr(run, "tick", tick)
+    with pytest.raises(_Stopped):
+        run.window(written.append, lambda _: None)
+    assert router.split == PRODUCTION_ONLY
+    assert [w["split"]["mirror_pct"] for w in written] == [20.0, 0.0]
