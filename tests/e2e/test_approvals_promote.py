@@ -31,8 +31,9 @@ pytestmark = pytest.mark.e2e
 MODEL = "cli-approvals"
 POLICY: dict[str, Any] = {
     "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 8.0, "min_samples": 200},
+    # sized to catch 4% errors (179 requests, so min_samples decides), not 2% (982)
     "gates": [{"name": "error_rate", "metric": "error_rate", "test": "exact_rate",
-               "max_rate": 0.01}],
+               "max_rate": 0.01, "effect": 0.03}],
     "bake": {"duration_s": 2.0, "window_s": 1.0, "baseline_s": 1.0,
              "max_latency_increase_pct": 400.0},
     "approval": {"timeout_s": 300},

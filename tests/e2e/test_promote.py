@@ -36,13 +36,18 @@ pytestmark = pytest.mark.e2e
 MODEL = "cli-promote"
 POLICY: dict[str, Any] = {
     # The canary stops as soon as the gates have their samples; the long ceiling is for the
-    # slow candidate on a busy machine, which must fail its gates, not run out of time (30 s
-    # was not enough beside another test worker: 2,265 of the p99 rule's 3,100 samples).
+    # slow candidate on a busy machine, which must fail its gates, not run out of time.
+    # The gates are sized for what this file asserts (a candidate several times slower is
+    # rejected, an identical one passes), not for the tightest regression: the p95 rule
+    # plans 620 requests per version (the p99 rule 3,100: 53 s of canary beside another
+    # worker), and the error rule, sized to catch 3% errors rather than 2%, 315 (982). The
+    # p99 rule's plan and power are tested in tests/integration/test_canary.py and the units.
     "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 120.0, "min_samples": 300},
     "gates": [
-        {"name": "latency_p99", "metric": "latency_p99_ms", "test": "quantile",
+        {"name": "latency_p95", "metric": "latency_p95_ms", "test": "quantile",
          "max_increase_pct": 15.0, "min_effect_ms": 1.0, "effect": 185.0},
-        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
+        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01,
+         "effect": 0.02},
         {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98},
     ],
     "bake": {"duration_s": 4.0, "window_s": 2.0, "baseline_s": 2.0,
@@ -180,6 +185,13 @@ def test_slack_down_never_changes_the_outcome(stack_settings: Settings, policy: 
 #: A poisoned row: its first feature indexes past the end of a one-element table.
 POISON = 1e6
 
+#: The bake of a poisoned version: 1-s windows, so the error rule's e-process (one bet per
+#: window) reaches its bound in about half the time of 2-s windows (18 of 20 s before);
+#: a reference shorter than two windows leaves latency unjudged, as POLICY's does, so the
+#: breach is the errors' alone.
+BREACH_BAKE: dict[str, Any] = {**POLICY["bake"], "duration_s": 20.0, "window_s": 1.0,
+                               "baseline_s": 1.0}
+
 
 def poison_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
     """``tests.models.onnx_graph("softmax")``'s answers for every ordinary row, and a runtime
@@ -299,7 +311,7 @@ def test_a_bake_breach_rolls_back_by_itself(stack_settings: Settings,
     assert _promote(stack_settings, quick, "--version", str(base), code=0)["status"] == \
         "released"
     policy = models.write_policy(tmp_path / "bake.yaml", {
-        **POLICY, "bake": {**POLICY["bake"], "duration_s": 20.0}})
+        **POLICY, "bake": BREACH_BAKE})
 
     # The swap is done when every replica serves the poisoned version; then the bake
     # watches it, and real traffic that trips it arrives.
@@ -349,7 +361,7 @@ def test_a_first_release_that_breaches_its_bake_is_withdrawn(stack_settings: Set
     uri = str(stack_settings.mlflow_tracking_uri)
     poison = models.register_onnx(uri, model, poison_onnx_graph())
     policy = models.write_policy(tmp_path / "bake.yaml", {
-        **POLICY, "bake": {**POLICY["bake"], "duration_s": 20.0}})
+        **POLICY, "bake": BREACH_BAKE})
     code, record = _poison_during_bake(stack_settings, policy, model, poison)
     assert code == 4, record
     assert record["from_version"] is None and record["bake"]["rolled_back"]["ok"]

@@ -59,7 +59,7 @@ def staged(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory
     uri = str(stack_settings.mlflow_tracking_uri)
     versions = []
     for seed in (0, 1):
-        version = models.register_sklearn(uri, MODEL, seed=seed)
+        version = models.register_sklearn(uri, MODEL, seed=seed, reuse=True)
         report = run_check(stack_settings, clients, Policy(), model=MODEL, version=version,
                            workdir=tmp_path_factory.mktemp(f"v{version}"), stage=True)
         assert report.verdict == "passed"

@@ -61,7 +61,7 @@ def test_standalone_swap_and_rollback_leave_a_record_with_stages_and_a_slack_thr
     try:
         assert clients.slack is not None and clients.storage is not None
         uri = str(settings.mlflow_tracking_uri)
-        v1, v2 = (models.register_sklearn(uri, MODEL, seed=seed) for seed in (0, 1))
+        v1, v2 = (models.register_sklearn(uri, MODEL, seed=seed, reuse=True) for seed in (0, 1))
         for version in (v1, v2):
             report = run_check(settings, clients, Policy(), model=MODEL, version=version,
                                workdir=tmp_path / f"v{version}", stage=True)
@@ -97,7 +97,7 @@ def test_standalone_swap_and_rollback_leave_a_record_with_stages_and_a_slack_thr
 
         # the canary of a version not staged yet: it checks and stages it, then measures
         # it with what its check found (its ReleaseCandidate), journaled the same way
-        v3 = models.register_sklearn(uri, MODEL, seed=2)
+        v3 = models.register_sklearn(uri, MODEL, seed=2, reuse=True)
         canaried = standalone.canary(settings, clients, Policy.model_validate(CANARY),
                                      model=MODEL, version=v3)
         assert (canaried["verdict"], canaried["baseline"]) == ("passed", v1), canaried
