@@ -112,6 +112,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -367,14 +368,21 @@ class Matrix:
         print(f"promote v{version}: {time.monotonic() - began:.1f} s")
 
 
-def _own_bytes(*, seed: int, model: str) -> Any:
+def _own_bytes(*, seed: int) -> Any:
     """``models.sklearn_onnx(seed)`` in bytes no other registration has (its doc string
     is unique): the blob store is content-addressed and shared by every model on the
     stack, so staging bytes another test staged before would copy its blob, not upload
     one, and the stage cell's fault point (the first upload) would never come."""
     graph = models.sklearn_onnx(seed=seed)
-    graph.doc_string = f"{model} seed {seed} {uuid.uuid4().hex}"
+    graph.doc_string = f"fault matrix, seed {seed}, {uuid.uuid4().hex}"
     return graph
+
+
+def _setup_graphs() -> list[Any]:
+    """The two versions' ONNX graphs (:func:`_own_bytes`), MLflow's ONNX flavor imported."""
+    import mlflow.onnx  # noqa: F401 - imported here, beside the stack's start
+
+    return [_own_bytes(seed=seed) for seed in (0, 7)]
 
 
 def _fresh_name(tracking_uri: str) -> str:
@@ -418,13 +426,17 @@ def matrix(request: pytest.FixtureRequest,
     # the zygote's environment: a command's but the home, which each of its runs adds
     env = {k: v for k, v in cli_env(workdir).items() if k != HOME}
     with cli_zygote(env, ROOT, late=(HOME,)) as zygote:
-        settings: Settings = request.getfixturevalue("stack_settings")
+        # trained (and MLflow imported) in a thread while the stack starts, which waits
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-setup") as pool:
+            training = pool.submit(_setup_graphs)
+            settings: Settings = request.getfixturevalue("stack_settings")
+            graphs = training.result()
         print(f"session stack: {time.monotonic() - started:.1f} s")
         assert not dead_components(settings.home), dead_components(settings.home)
         uri = str(settings.mlflow_tracking_uri)
         model = _fresh_name(uri)
-        v_a = models.register_onnx(uri, model, _own_bytes(seed=0, model=model))
-        v_b = models.register_onnx(uri, model, _own_bytes(seed=7, model=model))
+        v_a, v_b = (models.register_onnx(uri, model, graph) for graph in graphs)
+        print(f"registered v{v_a}, v{v_b} of {model} at {time.monotonic() - started:.1f} s")
         ready = zygote.wait_ready()
         print(f"zygote ready at {time.monotonic() - started:.1f} s: {ready}")
         try:
@@ -569,7 +581,7 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
                                            for k in matrix.version_keys(candidate)):
         # a version is staged once: a new one, to half-publish
         candidate = models.register_onnx(str(matrix.settings.mlflow_tracking_uri), matrix.model,
-                                         _own_bytes(seed=11, model=matrix.model))
+                                         _own_bytes(seed=11))
         assert current is not None, start.summary()  # a staged candidate: released before
         matrix.versions = (current, candidate)
     before_ids = {r.id for r in start.records}
