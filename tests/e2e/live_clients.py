@@ -1,0 +1,60 @@
+"""Helpers of the e2e tests that send live traffic beside a release: the release and the
+status in-process, live clients as ``modelship load`` processes (through the gateway, its
+default), and waiting for the swap. Parameterized by model, for any e2e file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from modelship.clients import build_clients
+from modelship.settings import Settings
+from tests.conftest import start_cli
+from tests.inprocess import run_inprocess
+
+
+def promote(settings: Settings, model: str, policy: Path, version: int) -> tuple[int, Any]:
+    """The release of ``version`` (in-process): its exit code and record."""
+    done = run_inprocess("promote", model, "--version", str(version), "--policy", str(policy),
+                         "--json", home=settings.home)
+    doc: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {
+        "stderr": done.stderr[-4000:]}
+    details: dict[str, Any] = doc.get("details") or {}
+    return done.returncode, details.get("record", doc)
+
+
+def status(settings: Settings, model: str) -> dict[str, Any]:
+    return dict(json.loads(run_inprocess("status", model, "--json",
+                                         home=settings.home).stdout))
+
+
+def organic(settings: Settings, model: str, rate: float, seconds: float
+            ) -> subprocess.Popen[str]:
+    """Live clients: ``modelship load`` at ``rate`` req/s (through the gateway)."""
+    return start_cli("load", model, "--rate", f"{rate:g}", "--duration", f"{seconds:g}",
+                     "--json", home=settings.home)
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.communicate(timeout=30)
+
+
+def when_serving(settings: Settings, model: str, done: threading.Event, version: int) -> bool:
+    """Wait until every replica serves ``version`` (the swap is done, the bake begins);
+    False when the release ended first."""
+    clients = build_clients(settings)
+    try:
+        deadline = time.monotonic() + 300
+        while not done.is_set() and time.monotonic() < deadline:
+            if all(r.is_model_ready(model, str(version)) for r in clients.replicas):
+                return True
+            time.sleep(0.05)
+        return False
+    finally:
+        clients.close()
