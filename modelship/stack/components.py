@@ -70,9 +70,10 @@ def seaweed_env(base: Mapping[str, str], *, access_key: str, secret_key: str) ->
 
 
 def mlflow_command(venv_bin: Path, *, db_path: Path, port: int, bucket: str) -> list[str]:
-    """MLflow with a SQLite backend and artifacts proxied to the S3 bucket."""
+    """MLflow with a SQLite backend and artifacts proxied to the S3 bucket: ``mlflow server``
+    with its web server in the same process (:mod:`modelship.stack.mlflow_server`)."""
     return [
-        str(venv_bin / "mlflow"), "server",
+        str(venv_bin / "python"), "-m", "modelship.stack.mlflow_server", "server",
         "--backend-store-uri", f"sqlite:///{db_path}",
         "--artifacts-destination", f"s3://{bucket}/mlflow",
         "--serve-artifacts",

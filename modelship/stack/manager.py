@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -518,8 +518,8 @@ class _Startup:
             return
         self._stopped = True
         self.progress("startup failed; stopping what was started")
-        for proc, record in self.children:
-            stop_process(record)
+        _stop_records([record for _, record in self.children])
+        for proc, _ in self.children:
             reap(proc)
 
     def _await_ready(self, proc: Any, record: ProcessRecord) -> None:
@@ -601,17 +601,18 @@ class _Startup:
     def _await_all(self, services: dict[str, _Child], ports: _StackPorts,
                    binaries: _Binaries) -> None:
         """Wait for every server in parallel; MLflow's wait and Triton's start follow S3's
-        readiness (Triton loads its repository from S3)."""
-        with ThreadPoolExecutor(max_workers=len(ports.triton) + 6) as pool:
-            waits = [pool.submit(self._await_ready, *services[name])
-                     for name in ("prefect", "slack", "approvals", "webhooks", "gateway")]
-            self._await_ready(*services["seaweedfs"])
-            waits.append(pool.submit(self._await_ready, *services["mlflow"]))
-            for triton in self._launch_tritons(ports, binaries):
-                waits.append(pool.submit(self._await_ready, *triton))
+        readiness (Triton loads its repository from S3). The first failure of any of them
+        ends the wait at once, whichever server it is."""
+        with ThreadPoolExecutor(max_workers=len(ports.triton) + 7) as pool:
+            waits = {pool.submit(self._await_ready, *services[name])
+                     for name in ("prefect", "slack", "approvals", "webhooks", "gateway")}
+            s3 = pool.submit(self._await_ready, *services["seaweedfs"])
             try:
-                for future in waits:
-                    future.result()
+                waits = _settle({*waits, s3}, until=s3)
+                waits.add(pool.submit(self._await_ready, *services["mlflow"]))
+                for triton in self._launch_tritons(ports, binaries):
+                    waits.add(pool.submit(self._await_ready, *triton))
+                _settle(waits)
             except BaseException:
                 # Stop everything now, inside the pool: the other readiness waits then see
                 # their process gone and end at once, instead of `with` joining them for up
@@ -633,6 +634,36 @@ class _Startup:
                                   model_repository=repository, http_port=http_p,
                                   grpc_port=grpc_p, metrics_port=metrics_p)
             yield self._launch(endpoint["name"], argv, env, [http_p, grpc_p, metrics_p])
+
+
+def _settle(futures: set[Future[None]], until: Future[None] | None = None) -> set[Future[None]]:
+    """Wait until ``until`` (default: every future) is done, raising the first failure of
+    any future the moment it happens; returns the futures still running."""
+    pending = set(futures)
+    while pending and not (until is not None and until.done()):
+        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for future in done:
+            future.result()
+    if until is not None:
+        until.result()
+    return pending
+
+
+def _stop_records(records: list[ProcessRecord]) -> dict[str, bool]:
+    """Stop every record's process group (SIGTERM, then SIGKILL after its grace), all at
+    once but the S3 server, which goes last: Triton and MLflow read from it until they
+    stop. Maps each name to whether it was running."""
+    def stop(record: ProcessRecord) -> bool:
+        return stop_process(record, clean_shm=_is_triton(record.name))
+
+    stopped: dict[str, bool] = {}
+    for batch in ([r for r in records if r.name != "seaweedfs"],
+                  [r for r in records if r.name == "seaweedfs"]):
+        if batch:
+            with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+                stopped.update(zip((r.name for r in batch), pool.map(stop, batch),
+                                   strict=True))
+    return stopped
 
 
 def _is_triton(name: str) -> bool:
@@ -795,9 +826,10 @@ def down(settings: Settings, *, progress: Progress = quiet) -> dict[str, Any]:
     stopped: list[str] = []
     already: list[str] = []
     records = process_records(state)
-    # Stop in reverse start order: Triton and MLflow before the S3 server they read from.
+    # Triton and MLflow before the S3 server they read from; reported in reverse start order.
+    running = _stop_records(records)
     for record in reversed(records):
-        if stop_process(record, clean_shm=_is_triton(record.name)):
+        if running[record.name]:
             stopped.append(record.name)
             progress(f"stopped {record.name} (pid {record.pid})")
         else:
