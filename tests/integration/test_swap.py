@@ -57,7 +57,7 @@ def fleet(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) ->
     uri = str(stack_settings.mlflow_tracking_uri)
     versions = {}
     for label, seed in (("v1", 0), ("v2", 1)):
-        version = models.register_sklearn(uri, MODEL, seed=seed)
+        version = models.register_sklearn(uri, MODEL, seed=seed, reuse=True)
         report = run_check(stack_settings, clients, Policy(), model=MODEL, version=version,
                            workdir=tmp_path_factory.mktemp(label), stage=True)
         assert report.verdict == "passed"
@@ -263,7 +263,8 @@ def test_a_mixed_fleet_is_refused_before_anything_changes(fleet: Fleet) -> None:
 def test_a_candidate_whose_files_changed_is_refused(fleet: Fleet, tmp_path: Path) -> None:
     v1 = fleet.versions["v1"]
     swap(fleet, v1)
-    v3 = models.register_sklearn(str(fleet.settings.mlflow_tracking_uri), MODEL, seed=2)
+    v3 = models.register_sklearn(str(fleet.settings.mlflow_tracking_uri), MODEL, seed=2,
+                                 reuse=True)
     report = run_check(fleet.settings, fleet.clients, Policy(), model=MODEL, version=v3,
                        workdir=tmp_path, stage=True)
     assert report.verdict == "passed"
