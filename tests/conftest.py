@@ -98,7 +98,7 @@ pytest_plugins = ["tests.stack_fixtures"]
 #: A file missing here is estimated from its number of tests (:data:`SECONDS_PER_TEST`).
 #: Refresh from a run's ``--durations=0`` when a file's weight changes a lot.
 FILE_SECONDS = {
-    "tests/e2e/test_crash.py": 1040, "tests/e2e/test_promote.py": 610,
+    "tests/e2e/test_crash.py": 1040, "tests/e2e/test_promote.py": 450,
     "tests/e2e/test_demo.py": 420, "tests/e2e/test_fleet_cli.py": 280,
     "tests/e2e/test_stack_cli.py": 260, "tests/integration/test_prefect_deployments.py": 240,
     "tests/integration/test_swap.py": 220, "tests/e2e/test_bake_traffic.py": 200,
@@ -110,6 +110,7 @@ FILE_SECONDS = {
     "tests/integration/test_swap_faults.py": 100, "tests/integration/test_exits.py": 100,
     "tests/integration/test_wheel.py": 90, "tests/unit/test_sequential.py": 90,
     "tests/unit/test_bake_traffic.py": 80, "tests/unit/test_gates_calibration.py": 80,
+    "tests/e2e/test_progressive.py": 130, "tests/e2e/test_shadow.py": 100,
 }
 SECONDS_PER_TEST = {"tests/e2e": 60.0, "tests/integration": 8.0}
 #: Files of independent cells (each starts from whatever the one before left, and sets up
