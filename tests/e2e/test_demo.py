@@ -1,6 +1,7 @@
 """`modelship demo --json`: the main job end to end on the session's stack; the Prefect UI
 pages it links to, in a real headless Chromium; then `stack down && stack up`, twice, with
-everything the demo left still there, and the demo run a second time in between.
+everything the demo left still there (ports, keys, data, links), and a new version of the
+demo's model trained and released through the restarted stack in between.
 """
 
 from __future__ import annotations
@@ -20,12 +21,23 @@ from modelship.clients import build_clients
 from modelship.jsonable import jsonable
 from modelship.settings import Settings
 from modelship.stack import manager
-from tests.conftest import run_cli, stack_settings_at
+from tests.conftest import mlflow_pointers_hidden, run_cli, stack_settings_at
 from tests.e2e.test_approvals_browser import browser  # noqa: F401 - the Chromium fixture
+from tests.inprocess import run_inprocess
+from tests.integration.test_prefect_deployments import POLICY as WORKER_RUN_POLICY
+from tests.models import write_policy
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "demo-fraud"
+#: The release through the restarted stack: every stage runs (check, stage, canary, swap,
+#: bake, record), with the short windows of the worker-run releases; what it proves is that
+#: the restarted servers carry a release, not the gates' power.
+RESTART_POLICY = WORKER_RUN_POLICY
+#: What stack.json must keep across a restart besides the endpoints: every credential and
+#: key that data or a link recorded before depends on.
+KEPT_KEYS = ("access_key", "secret_key", "slack_token", "slack_signing_secret",
+             "manifest_signing_key", "mlflow_webhook_secret", "mlflow_webhook_key", "gateway")
 
 
 def _demo(home: Path) -> dict[str, Any]:
@@ -125,9 +137,9 @@ def _wait_for_text(driver: webdriver.Chrome, *texts: str, timeout_s: float = 60)
 
 def _snapshot(settings: Settings) -> dict[str, Any]:
     """What a restart must keep: the endpoints, what serves, the ledger, the registered and
-    the staged versions. Read in this process through the functions ``stack status``,
-    ``status`` and ``history`` call (each CLI start costs seconds), with the settings a
-    command would load from the stack's stack.json now."""
+    the staged versions, the Slack messages. Read in this process through the functions
+    ``stack status``, ``status`` and ``history`` call (each CLI start costs seconds), with the
+    settings a command would load from the stack's stack.json now."""
     import mlflow
 
     from tasks.fleet import history
@@ -145,6 +157,11 @@ def _snapshot(settings: Settings) -> dict[str, Any]:
                          for key in clients.storage.list_keys(prefix)})
     finally:
         clients.close()
+    with urllib.request.urlopen(  # noqa: S310 - loopback
+            f"{str(settings.slack_api_url).rstrip('/')}/_emulator/messages",
+            timeout=10) as response:
+        slack = [(m["channel"], m["ts"], m["thread_ts"])
+                 for m in json.loads(response.read())["messages"]]
     uri = str(settings.mlflow_tracking_uri)
     registered = sorted(int(v.version) for v in mlflow.MlflowClient(
         uri, registry_uri=uri).search_model_versions(f"name='{MODEL}'"))
@@ -154,7 +171,7 @@ def _snapshot(settings: Settings) -> dict[str, Any]:
             "aliases": status.get("aliases"), "consistent": status.get("consistent"),
             "serving": [sorted(r.get("ready_versions", [])) for r in status["replicas"]],
             "ledger": [(r["id"], r["status"]) for r in ledger],
-            "registered": registered, "staged": staged}
+            "registered": registered, "staged": staged, "slack": slack}
 
 
 def _restart(settings: Settings) -> float:
@@ -167,28 +184,73 @@ def _restart(settings: Settings) -> float:
     return time.monotonic() - started
 
 
-def _get(url: str) -> int:
-    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback
+def _get(url: str, accept: str = "*/*") -> int:
+    request = urllib.request.Request(url, headers={"Accept": accept})
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback
         return int(response.status)
 
 
-def test_the_stack_restarts_with_its_data_and_the_demo_runs_again(
-        stack_settings: Settings, first_demo: dict[str, Any]) -> None:
-    before = _snapshot(stack_settings)
+def _kept(home: Path) -> dict[str, Any]:
+    state = json.loads((home / "stack.json").read_text())
+    return {key: state[key] for key in KEPT_KEYS}
+
+
+def _links_open(settings: Settings, demo: dict[str, Any]) -> None:
+    """The servers a link or a delivery recorded before needs answer on their old ports: the
+    webhook receiver, MLflow's webhooks, the approvals endpoint, the Slack emulator's
+    messages, and the Prefect UI and API pages of the demo's flow runs."""
+    state = json.loads((settings.home / "stack.json").read_text())
+    assert _get(str(state["webhooks_url"]).removesuffix("/mlflow/webhook") + "/health") == 200
+    assert _get(f"{state['mlflow_uri']}/api/2.0/mlflow/webhooks?max_results=10") == 200
+    assert _get(str(state["approvals_url"]).removesuffix("/slack/interactivity")
+                + "/health") == 200
+    assert _get(demo["look"]["slack_messages"]) == 200
+    for record in demo["releases"]:
+        # the UI serves its page for the link as it does for a browser (text/html)
+        assert _get(demo["look"]["flow_runs"][record["id"]], accept="text/html") == 200
+        assert _get(f"{settings.prefect_api_url}/flow_runs/"
+                    f"{record['holder']['flow_run_id']}") == 200
+
+
+def _release_a_new_version(settings: Settings, tmp_path: Path) -> dict[str, Any]:
+    """Train and register the demo model's next version (the demo's own code) and release
+    it with ``modelship promote`` (in-process) through the stack."""
+    from modelship.cli.demo import train_and_register
+
+    with mlflow_pointers_hidden():
+        version = train_and_register(str(settings.mlflow_tracking_uri), name=MODEL,
+                                     strength=0.1, seed=1)
+    policy = write_policy(tmp_path / "restart-policy.yaml", RESTART_POLICY)
+    done = run_inprocess("promote", MODEL, "--version", str(version), "--policy", str(policy),
+                         "--json", home=settings.home)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = dict(json.loads(done.stdout))
+    assert record["to_version"] == version
+    return record
+
+
+def test_the_stack_restarts_with_its_data_and_a_release_runs_through_it(
+        stack_settings: Settings, first_demo: dict[str, Any], tmp_path: Path) -> None:
+    home = stack_settings.home
+    before, keys = _snapshot(stack_settings), _kept(home)
     assert before["production"] is not None and before["registered"] and before["staged"]
     ups = [_restart(stack_settings)]
     after = _snapshot(stack_settings)
     assert after == before  # same ports, same data, the same version serving everywhere
-    # The webhook receiver registered its webhook again (MLflow can read its secret) ...
-    state = json.loads((stack_settings.home / "stack.json").read_text())
-    assert _get(str(state["webhooks_url"]).removesuffix("/mlflow/webhook") + "/health") == 200
-    assert _get(f"{state['mlflow_uri']}/api/2.0/mlflow/webhooks?max_results=10") == 200
-    # ... and the demo runs a second time on the restarted stack.
-    again = _demo(stack_settings.home)
-    assert again["releases"][0]["status"] == "released"
-    assert again["releases"][0]["from_version"] == before["production"]
+    assert _kept(home) == keys  # same credentials and signing keys, same gateway
+    # The webhook receiver registered its webhook again (MLflow can read its secret), and
+    # the links the demo printed still open ...
+    _links_open(stack_settings, first_demo)
+    # ... and a new version is released through the restarted stack.
+    again = _release_a_new_version(stack_settings, tmp_path)
+    assert again["status"] == "released"
+    assert again["from_version"] == before["production"]
     grown = _snapshot(stack_settings)
-    assert len(grown["ledger"]) >= len(before["ledger"]) + 2
+    assert len(grown["ledger"]) >= len(before["ledger"]) + 1
+    assert grown["production"] == again["to_version"] and grown["consistent"]
+    assert grown["registered"] == [*before["registered"], again["to_version"]]
+    # What the restarted stack wrote survives the next restart too.
     ups.append(_restart(stack_settings))
     assert _snapshot(stack_settings) == grown
+    assert _kept(home) == keys
     print(f"stack up after down: {', '.join(f'{s:.0f} s' for s in ups)}")

@@ -37,6 +37,11 @@ POLICY: dict[str, Any] = {
              "max_latency_increase_pct": 400.0},
 }
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+#: The worker asks the server for runs every second, not Prefect's default 10 s (each run
+#: waited 5 s on average, up to 13 s with its jitter, before the worker even saw it).
+WORKER_POLL = {"PREFECT_WORKER_QUERY_SECONDS": "1"}
+#: How often the test reads a run's state (each read is a query of the shared Prefect server).
+POLL_S = 1.0
 
 
 def _prefect_env(settings: Settings, tmp_path: Path) -> dict[str, str]:
@@ -74,7 +79,7 @@ def worker(stack_settings: Settings, tmp_path: Path) -> Iterator[subprocess.Pope
     log = (tmp_path / "worker.log").open("wb")
     proc = subprocess.Popen([str(MODELSHIP), "worker"], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**_prefect_env(stack_settings, tmp_path),
+                            env={**_prefect_env(stack_settings, tmp_path), **WORKER_POLL,
                                  "MODELSHIP_POLICIES_DIR": str(policies)})
     try:
         yield proc
@@ -101,7 +106,7 @@ def _run_deployment(settings: Settings, deployment_id: str, params: dict[str, An
         state = _api(settings, f"/flow_runs/{run['id']}", method="GET")
         if state["state_type"] in TERMINAL:
             return dict(state)
-        time.sleep(2)
+        time.sleep(POLL_S)
     raise AssertionError(f"flow run {run['id']} did not finish in {deadline_s} s: {state}")
 
 
@@ -177,7 +182,7 @@ def _wait_for_webhook_run(settings: Settings, model: str, version: int,
         assert len(runs) <= 1, runs
         if runs and runs[0]["state_type"] in TERMINAL:
             return dict(runs[0])
-        time.sleep(2)
+        time.sleep(POLL_S)
     raise AssertionError(f"no finished webhook-started run of {model} v{version}")
 
 
