@@ -99,8 +99,8 @@ pytest_plugins = ["tests.stack_fixtures"]
 #: Refresh from a run's ``--durations=0`` when a file's weight changes a lot.
 FILE_SECONDS = {
     "tests/e2e/test_crash.py": 1040, "tests/e2e/test_promote.py": 450,
-    "tests/e2e/test_demo.py": 420, "tests/e2e/test_fleet_cli.py": 280,
-    "tests/e2e/test_stack_cli.py": 260, "tests/integration/test_prefect_deployments.py": 240,
+    "tests/e2e/test_demo.py": 330, "tests/e2e/test_fleet_cli.py": 280,
+    "tests/e2e/test_stack_cli.py": 40, "tests/integration/test_prefect_deployments.py": 150,
     "tests/integration/test_swap.py": 220, "tests/e2e/test_bake_traffic.py": 200,
     "tests/integration/test_stack_heal.py": 200, "tests/e2e/test_nightly.py": 155,
     "tests/integration/test_artifact_gate.py": 150, "tests/e2e/test_approvals_promote.py": 130,

@@ -62,7 +62,7 @@ def test_mlflow_server_hands_its_uvicorn_command_and_environment_to_this_process
                         lambda *a, **k: None, raising=False)
     monkeypatch.setattr(mlflow.server, "_exec_cmd", mlflow.server._exec_cmd)  # restored after
     for key in list(os.environ):
-        if key.startswith("_MLFLOW_") or key.startswith("MLFLOW_SERVER_"):
+        if key.startswith(("_MLFLOW_", "MLFLOW_SERVER_")):
             monkeypatch.delenv(key)
     db = f"sqlite:///{tmp_path / 'mlflow.db'}"
     argv = components.mlflow_command(Path("/venv/bin"), db_path=tmp_path / "mlflow.db",
