@@ -177,6 +177,25 @@ def _mirror_location(kind: str, mirror: float) -> str:
             "        }\n")
 
 
+def _http_settings(prefix: str) -> str:
+    """The ``http`` block's settings that do not depend on the split: no access log but the
+    shadow's sample format, temp paths under the gateway's prefix, and client limits."""
+    temp = "".join(f"    {kind}_temp_path {prefix}/tmp/{kind};\n"
+                   for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    return ("    access_log off;\n"
+            f"    log_format modelship_sample escape=json '{SAMPLE_FORMAT}';\n"
+            "    server_tokens off;\n"
+            f"{temp}"
+            "    client_max_body_size 256m;\n"
+            "    client_body_buffer_size 1m;\n"
+            "    # A client's keep-alive connection is closed only by the client, a reload or "
+            "idle\n    # time: nginx's default (1000 requests) makes every 1000th request race "
+            "a close.\n"
+            "    keepalive_requests 1000000;\n"
+            "    keepalive_timeout 75s;\n"
+            "    http2_max_concurrent_streams 1024;\n")
+
+
 def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
                   generation: str) -> str:
     """The whole ``nginx.conf`` for ``layout`` with this split (pure).
@@ -200,8 +219,6 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
         sampled = (f"            access_log {layout.sample_log} modelship_sample{only};\n")
     live = json.dumps({"canary_pct": canary, "mirror_pct": mirror, "generation": generation},
                       sort_keys=True)
-    temp = "".join(f"    {kind}_temp_path {prefix}/tmp/{kind};\n"
-                   for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     return (
         f"# Rendered by modelship (generation {generation}); it is rewritten on every change\n"
         "# of the traffic split: edit modelship/nginx.py instead.\n"
@@ -212,17 +229,7 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
         f"error_log {layout.error_log} warn;\n"
         "events {\n    worker_connections 4096;\n}\n"
         "http {\n"
-        "    access_log off;\n"
-        f"    log_format modelship_sample escape=json '{SAMPLE_FORMAT}';\n"
-        "    server_tokens off;\n"
-        f"{temp}"
-        "    client_max_body_size 256m;\n"
-        "    client_body_buffer_size 1m;\n"
-        "    # A client's keep-alive connection is closed only by the client, a reload or idle\n"
-        "    # time: nginx's default (1000 requests) makes every 1000th request race a close.\n"
-        "    keepalive_requests 1000000;\n"
-        "    keepalive_timeout 75s;\n"
-        "    http2_max_concurrent_streams 1024;\n"
+        + _http_settings(prefix)
         + _upstreams("production_http", [h for h, _ in layout.production], 64)
         + _upstreams("production_grpc", [g for _, g in layout.production], 64)
         + _upstreams("canary_http", [layout.canary[0]], 32)

@@ -631,26 +631,26 @@ def latency_state(windows: Sequence[Window], reference: Reference | None,
                 break
         state["rules"].append(rule)
         if breach is not None and state["breach"] is None:
-            window, test, margin, p, alpha_look = breach
-            state["breach"] = (
-                f"window {window.index}: {rule['rule']}: the probe's typical "
-                f"p{q * 100:g} over {len(stat_by_count)} windows since the swap is "
-                f"×{math.exp(test.diff):.2f} the reference's ("
-                + (f"the holdback's windows of the same time, {len(control_by_count)} "
-                   "pairs; concurrent control" if concurrent else
-                   f"{before.size} pre-swap windows at {reference.rate_rps or 0:.1f} req/s; "
-                   "matched load")
-                + f"), above the "
-                f"tolerance ×{math.exp(margin):.2f} (p = {p:.2g} ≤ {alpha_look:.2g}, its "
-                f"share of α_q = {alpha_q:g} at this look; windows are blocks: spread "
-                f"{test.block_sd:.3f}, lag-1 {test.lag1:+.2f})")
-    if not windows:
-        state["status"] = "nothing to judge"
-    elif not judged:
-        state["status"] = "held"
-    else:
-        state["status"] = "partly held" if held else "judged"
+            control = (f"the holdback's windows of the same time, {len(control_by_count)} "
+                       "pairs; concurrent control" if concurrent else
+                       f"{before.size} pre-swap windows at {reference.rate_rps or 0:.1f} "
+                       "req/s; matched load")
+            state["breach"] = _breach_text(rule["rule"], len(stat_by_count), control,
+                                           alpha_q, *breach)
+    state["status"] = ("nothing to judge" if not windows else "held" if not judged
+                       else "partly held" if held else "judged")
     return state
+
+
+def _breach_text(rule: str, blocks: int, control: str, alpha_q: float, window: Window,
+                 test: TwoSample, margin: float, p: float, alpha_look: float) -> str:
+    """What a latency breach says: the rule, the ratio against its control, the tolerance
+    and the look's share of alpha (pure)."""
+    return (f"window {window.index}: {rule}: the probe's typical {rule.split('_', 1)[1]} "
+            f"over {blocks} windows since the swap is ×{math.exp(test.diff):.2f} the "
+            f"reference's ({control}), above the tolerance ×{math.exp(margin):.2f} "
+            f"(p = {p:.2g} ≤ {alpha_look:.2g}, its share of α_q = {alpha_q:g} at this look; "
+            f"windows are blocks: spread {test.block_sd:.3f}, lag-1 {test.lag1:+.2f})")
 
 
 def latency_over(windows: Sequence[Window], baseline: Baseline,

@@ -78,6 +78,7 @@ from tasks.gates import evaluate
 from tasks.record import ReleaseJournal
 from tasks.shadow_plan import (
     ArmTotals,
+    Sampled,
     SampledRequest,
     ShadowPlan,
     arm_totals,
@@ -308,18 +309,7 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
             stuck (the mirror is returned to 0 where it answers), or the canary Triton
             could not load C (exit 1).
     """
-    if baseline is None:
-        raise UsageError(f"a shadow canary of {model} needs a production version to mirror "
-                         "live requests from; there is none yet",
-                         hint="release the first version with canary.traffic: replay",
-                         key="canary.traffic")
-    if not isinstance(router, LocalGateway):
-        raise UsageError(
-            "canary.traffic: shadow needs the stack's local gateway: it samples the mirrored "
-            "requests' bodies for the agreement on live inputs"
-            + ("" if router is None else f" ({router.name} cannot)"),
-            hint="run `modelship stack up` (it starts the gateway), or use canary.traffic: "
-            "replay", key="canary.traffic")
+    router, baseline = _mirroring(model, baseline, router)
     started = time.monotonic()
     server, storage = _canary_clients(clients, model, candidate, baseline)
     config, payload, _ = _candidate_inputs(settings, clients, storage, policy=policy,
@@ -348,6 +338,43 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
         run.forget_samples()
         cleanup = KEPT_LOADED if keep_loaded and completed else _unload(server, model,
                                                                          progress)
+    result = _judge(run, policy, write, traffic=traffic, golden=golden, pairs=pairs,
+                    found=found, cleanup=cleanup)
+    result.seconds = time.monotonic() - started
+    _publish(result, report_dir or _report_dir(settings, model, candidate), progress)
+    agreement = (result.load["agreement"], result.load["compared_rows"])
+    announce(f"shadow: {result.verdict}: agreement on live inputs "
+             + (f"{agreement[0]:.1%}" if agreement[0] is not None else "not measured")
+             + f" over {agreement[1]} rows (golden rows "
+             + (f"{golden[0]:.1%}" if golden[0] is not None else "not measured") + ")")
+    return result
+
+
+def _mirroring(model: str, baseline: int | None,
+               router: TrafficRouter | None) -> tuple[LocalGateway, int]:
+    """The router a shadow mirrors through and the production version it mirrors, or the
+    refusal (exit 2): a shadow needs both, and a gateway that samples the mirrored bodies."""
+    if baseline is None:
+        raise UsageError(f"a shadow canary of {model} needs a production version to mirror "
+                         "live requests from; there is none yet",
+                         hint="release the first version with canary.traffic: replay",
+                         key="canary.traffic")
+    if not isinstance(router, LocalGateway):
+        raise UsageError(
+            "canary.traffic: shadow needs the stack's local gateway: it samples the mirrored "
+            "requests' bodies for the agreement on live inputs"
+            + ("" if router is None else f" ({router.name} cannot)"),
+            hint="run `modelship stack up` (it starts the gateway), or use canary.traffic: "
+            "replay", key="canary.traffic")
+    return router, baseline
+
+
+def _judge(run: _Shadow, policy: Policy, write: Callable[[dict[str, Any]], None], *,
+           traffic: dict[str, Any], golden: tuple[float | None, int],
+           pairs: list[tuple[Outputs, Outputs]], found: Sampled, cleanup: str) -> CanaryResult:
+    """The window's verdict: the policy's gates on the server-side snapshot and the
+    agreement on the replayed live inputs, written to the record's ``traffic.shadow``."""
+    model, candidate, baseline = run.model, run.candidate, run.baseline
     agreement = _compare(pairs, policy)
     judged, skipped = shadow_rules(policy.gates)
     summary = {"mode": "shadow", "mirror_pct": run.plan.mirror_pct,
@@ -369,16 +396,9 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
                                        "value": r["value"]}
                            for r in report.to_dict()["results"]}
     write({**traffic, "shadow": json.loads(json.dumps(summary, default=str))})
-    result = CanaryResult(model=model, candidate=candidate, baseline=baseline,
-                          verdict=str(report.verdict), snapshot=snapshot, gate_report=report,
-                          load=summary, cleanup=cleanup, skipped_rules=skipped)
-    result.seconds = time.monotonic() - started
-    _publish(result, report_dir or _report_dir(settings, model, candidate), progress)
-    announce(f"shadow: {result.verdict}: agreement on live inputs "
-             + (f"{agreement[0]:.1%}" if agreement[0] is not None else "not measured")
-             + f" over {agreement[1]} rows (golden rows "
-             + (f"{golden[0]:.1%}" if golden[0] is not None else "not measured") + ")")
-    return result
+    return CanaryResult(model=model, candidate=candidate, baseline=baseline,
+                        verdict=str(report.verdict), snapshot=snapshot, gate_report=report,
+                        load=summary, cleanup=cleanup, skipped_rules=skipped)
 
 
 def replay_of(policy: Policy) -> Policy:

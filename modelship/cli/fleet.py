@@ -145,6 +145,16 @@ def _v(version: int | None) -> str:
     return f"v{version}" if version is not None else "-"
 
 
+def _load_targets(settings: Any, servers: list[Any], protocol: str, *, gateway: bool,
+                  via: str) -> tuple[list[str], str]:
+    """Where ``modelship load`` sends, and what it calls them: the gateway when the stack
+    has one and ``gateway`` allows it (production traffic's way), else ``servers``."""
+    url = settings.gateway_grpc if protocol == "grpc" else settings.gateway_url
+    if url and gateway:
+        return [url], "gateway"
+    return [s.endpoint.grpc if protocol == "grpc" else s.endpoint.http for s in servers], via
+
+
 @app.command("load")
 def load(model: ModelArg, version: VersionOpt = None,
          concurrency: Annotated[int | None, typer.Option(help="Closed-loop clients.")] = None,
@@ -190,19 +200,13 @@ def load(model: ModelArg, version: VersionOpt = None,
                                            model=model, version=served)
             progress(f"loading {model} (payload: {source} rows of v{served})")
             spec = LoadSpec(protocol=protocol,  # type: ignore[arg-type]
-                            concurrency=concurrency if rate is None else None,
+                            concurrency=None if rate is not None
+                            else 4 if concurrency is None else concurrency,
                             rate_rps=rate,
                             duration_s=duration, timeout_s=settings.http_timeout_s)
-            if spec.concurrency is None and spec.rate_rps is None:
-                spec = LoadSpec(protocol=spec.protocol, concurrency=4, duration_s=duration,
-                                timeout_s=settings.http_timeout_s)
-            gateway = settings.gateway_grpc if protocol == "grpc" else settings.gateway_url
-            if gateway and not (canary or direct):
-                urls, via = [gateway], "gateway"
-            else:
-                urls = [s.endpoint.grpc if protocol == "grpc" else s.endpoint.http
-                        for s in servers]
-                via = "canary" if canary else "replicas"
+            urls, via = _load_targets(settings, servers, protocol,
+                                      gateway=not (canary or direct),
+                                      via="canary" if canary else "replicas")
             progress(f"sending to the {via}: {', '.join(urls)}")
             report = run_load_sync(urls, model, payload, spec,
                                    version=str(version) if version is not None else "")
