@@ -27,10 +27,13 @@ import modelship.cli.approvals  # noqa: F401 - register approvals serve, click
 import modelship.cli.nightly  # noqa: F401 - register nightly, deploy, worker
 from modelship.cli import artifact, demo, fleet, locks, release, stack  # noqa: F401 - register
 from modelship.cli._common import app
+from modelship.output import report_failure
+from modelship.signals import stop_on_signals
 
 
 def _version(value: bool) -> None:
     if value:
+        # lazy: importlib.metadata pulls zipfile and csv (~12 ms); only --version needs it
         from importlib.metadata import version
 
         typer.echo(f"modelship {version('modelship')}")
@@ -93,9 +96,8 @@ def main() -> None:
     down costs seconds, not minutes. The console script skips the interpreter's teardown
     at exit (:func:`_exit_without_teardown`).
     """
-    from modelship.output import report_failure
+    # lazy: keeps ssl and http.client (~35 ms) out of `import modelship.cli`; main pays it once
     from modelship.prefect_api import BOUNDED_CLIENT
-    from modelship.signals import stop_on_signals
 
     # No network but loopback here, and progress bars would garble stderr progress lines.
     for key, value in {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",

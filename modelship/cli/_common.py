@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -40,7 +41,7 @@ ForceOpt = Annotated[bool, typer.Option(
 
 
 def settings() -> Any:
-    from modelship.settings import load_settings
+    from modelship.settings import load_settings  # lazy: pydantic (~0.3 s) when a command runs
 
     return load_settings()
 
@@ -51,6 +52,7 @@ def finish(code: int) -> None:
 
 def with_clients(body: Any) -> Any:
     """Run ``body(settings, clients)`` with clients built once and closed after."""
+    # lazy: the clients pull pydantic, numpy and the Triton client (~0.8 s); when a command runs
     from modelship.clients import build_clients
 
     current = settings()
@@ -63,8 +65,6 @@ def with_clients(body: Any) -> Any:
 
 def workdir(current: Any, model: str) -> Path:
     """A fresh folder for this run's artifacts (exported graph, GX results, Data Docs)."""
-    import time
-
     path = current.home / "runs" / f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     path.mkdir(parents=True, exist_ok=True)
     return path

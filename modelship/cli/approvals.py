@@ -4,6 +4,7 @@ click for the embedded stack."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from modelship.cli._common import JsonOpt, app, finish, run_reporting, settings
+from modelship.errors import ModelshipError
 
 approvals_app = typer.Typer(help="Slack approvals: the interactivity endpoint.",
                             no_args_is_help=True)
@@ -32,11 +34,9 @@ def serve(host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0
     Prints one JSON line on stdout once it listens ({"event": "listening", "url": ...}),
     and stops on SIGTERM or SIGINT.
     """
-    import logging
-
+    # lazy: the approvals service pulls prefect (~3 s); only when a command runs
     from modelship.approvals.server import build_service
     from modelship.approvals.server import serve as run
-    from modelship.errors import ModelshipError
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
@@ -84,6 +84,7 @@ def click(release: Annotated[str, typer.Argument(help="The release id (see `hist
 
     Exit 0 when the click was accepted, 2 when the endpoint refused it.
     """
+    # lazy: the approvals service pulls prefect (~3 s); only when a command runs
     from modelship.approvals.click import click as send_click
 
     def render(answer: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ NoCacheOpt = Annotated[bool, typer.Option(
 def _run_artifact_gate(model: str, version: int | None, alias: str | None, policy_file:
                        Path | None, *, stage: bool, allow_breaking: bool, as_json: bool,
                        dry_run: bool = False, no_cache: bool = False) -> None:
+    # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
     from flows.check import parse_ref, run_check
     from modelship.clients import build_clients
     from modelship.policy import policy_for

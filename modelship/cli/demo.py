@@ -13,14 +13,17 @@ Both releases are real Prefect flow runs with task runs on the stack's Prefect s
 
 from __future__ import annotations
 
+import getpass
 import logging
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 from modelship.cli._common import JsonOpt, app, finish, progress, run_reporting, settings, table
+from modelship.errors import ModelshipError, UsageError
 from modelship.stack.components import prefect_ui_url
 
 DEMO_MODEL = "demo-fraud"
@@ -33,6 +36,7 @@ N_FEATURES = 8
 def train_and_register(tracking_uri: str, *, name: str, strength: float, seed: int) -> int:
     """Train a regularised LogisticRegression on synthetic transactions (it converges) and
     register it with golden rows; a lower ``strength`` makes a weaker model."""
+    # lazy: mlflow, pandas and scikit-learn cost seconds at import; only the demo trains
     import mlflow
     import pandas as pd
     from sklearn.datasets import make_classification
@@ -84,8 +88,8 @@ def _quiet_libraries() -> None:
 
 def _approve_in_background(current: Any, since: str, stop: Any, out: dict[str, Any]) -> None:
     """Act as the approver: click Approve as soon as the release asks (a signed click)."""
+    # lazy: the approvals client pulls prefect (~3 s); only the demo's approver needs it
     from modelship.approvals.click import approve_when_asked, withdraw_pending
-    from modelship.errors import ModelshipError
 
     try:
         out.update(approve_when_asked(current, DEMO_MODEL, user=DEMO_APPROVER, since=since,
@@ -104,18 +108,13 @@ def _approve_in_background(current: Any, since: str, stop: Any, out: dict[str, A
 
 def run_demo(current: Any) -> dict[str, Any]:
     """Release v1, then a better v2, each through the promote flow."""
-    import getpass
-    import threading
-
+    # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
     from flows.promote import PromoteParams, promote_flow
-    from modelship.errors import ModelshipError
     from modelship.ledger import new_release_id
     from modelship.prefect_api import pointed_at
 
     _quiet_libraries()
     if not current.mlflow_tracking_uri:
-        from modelship.errors import UsageError
-
         raise UsageError("the demo needs the embedded stack", hint="run `modelship stack up`")
     started = time.monotonic()
     requester = current.requester or getpass.getuser()

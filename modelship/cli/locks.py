@@ -42,7 +42,7 @@ def locks(model: Annotated[str | None, typer.Argument(help="Only this model.")] 
           as_json: JsonOpt = False) -> None:
     """Show every held lock (release locks and the canary slot): the release, host, pid,
     since, and whether its holder lives."""
-    from modelship.locks import list_locks
+    from modelship.locks import list_locks  # lazy: botocore (~30 ms) only when a command runs
 
     def action() -> list[dict[str, Any]]:
         return with_clients(lambda current, clients: list_locks(
@@ -63,9 +63,11 @@ def unlock(model: ModelArg,
            as_json: JsonOpt = False) -> None:
     """Break a lock whose holder is gone (refused while it lives); says how it knew, and
     records it in the ledger."""
+    # lazy: modelship.locks pulls botocore (~30 ms); only when a command runs
     from modelship.locks import CANARY_SLOT, break_lock
 
     def action() -> dict[str, Any]:
+        # lazy: the ledger pulls numpy (~0.15 s); only when a command runs
         from modelship.ledger import Ledger, ReleaseRecord
 
         def body(current: Any, clients: Any) -> dict[str, Any]:

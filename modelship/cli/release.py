@@ -3,6 +3,7 @@ ledger it leaves."""
 
 from __future__ import annotations
 
+import getpass
 from typing import Annotated, Any
 
 import typer
@@ -80,8 +81,7 @@ def promote(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
     """The whole pipeline as one Prefect flow run; prints the release record."""
 
     def action() -> Any:
-        import getpass
-
+        # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
         from flows.promote import PromoteParams, promote_flow
         from modelship.prefect_api import run_flow
         from tasks.check import parse_ref
@@ -105,7 +105,7 @@ def promote(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
 @app.command("history")
 def history(model: ModelArg, as_json: JsonOpt = False) -> None:
     """The release records of a model (the ledger), newest first, rollbacks included."""
-    from tasks import fleet
+    from tasks import fleet  # lazy: a command imports its tasks when it runs
 
     def render(records: list[dict[str, Any]]) -> str:
         if not records:

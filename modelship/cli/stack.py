@@ -17,6 +17,7 @@ from modelship.cli._common import (
     table,
     with_clients,
 )
+from modelship.stack.state import status_document
 
 
 @stack_app.command("up")
@@ -29,6 +30,7 @@ def stack_up(
     as_json: JsonOpt = False,
 ) -> None:
     """Start SeaweedFS, MLflow, Prefect, the Slack emulator and N+1 Tritons (idempotent)."""
+    # lazy: a command imports its tasks when it runs, so the CLI starts fast
     from modelship.stack import manager
     from tasks.reconcile import reconcile_stack
 
@@ -51,8 +53,8 @@ def stack_up(
                 + healed + "\nnext: `modelship stack status` or `modelship doctor`")
 
     def to_json(result: Any) -> Any:
+        # lazy: the stack manager pulls pydantic's settings (~0.5 s); only when a command runs
         from modelship.stack.manager import _live_records
-        from modelship.stack.state import status_document
 
         _, state, report = result
         doc = status_document(state, _live_records(state))
@@ -81,6 +83,7 @@ def _healed(report: Any) -> str:
 @stack_app.command("down")
 def stack_down(as_json: JsonOpt = False) -> None:
     """Stop every process the stack started, and nothing else."""
+    # lazy: the stack manager pulls pydantic's settings (~0.5 s); only when a command runs
     from modelship.stack import manager
 
     def render(result: dict[str, Any]) -> str:
@@ -95,6 +98,7 @@ def stack_down(as_json: JsonOpt = False) -> None:
 @stack_app.command("status")
 def stack_status(as_json: JsonOpt = False) -> None:
     """Print the stack's endpoints (DESIGN §6 schema) and whether each process runs."""
+    # lazy: the stack manager pulls pydantic's settings (~0.5 s); only when a command runs
     from modelship.stack import manager
 
     def render(doc: dict[str, Any]) -> str:
@@ -120,6 +124,7 @@ def stack_status(as_json: JsonOpt = False) -> None:
 @app.command("doctor")
 def doctor(as_json: JsonOpt = False) -> None:
     """Ping every endpoint and print one table: each endpoint, OK or the reason."""
+    # lazy: the clients pull pydantic, numpy and the Triton client (~0.8 s); only doctor
     from modelship.clients import check_endpoints
 
     def action() -> Any:
