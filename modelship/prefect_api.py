@@ -62,6 +62,7 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
     if not api_url:
         yield
         return
+    # lazy: prefect costs ~3 s at import; only a run pointed at a Prefect API needs it
     from prefect.events.clients import PrefectEventsClient
     from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -90,6 +91,7 @@ def _flush_to_api(timeout_s: float = FLUSH_TIMEOUT_S) -> None:
     with no API URL they start an ephemeral server to send to (seconds of exit time, and
     the logs land in the wrong place), and they warn about pending items on stderr.
     """
+    # lazy: prefect costs ~3 s at import; only pointed_at's runs have senders to flush
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 

@@ -76,6 +76,7 @@ class S3Storage:
         """The boto3 client; raises at once while the endpoint is known to be hung."""
         self.breaker.check()
         if self._client is None:
+            # lazy: boto3 costs ~0.4 s at import; only an S3 call needs it
             import boto3
             from botocore.config import Config
 
@@ -101,6 +102,7 @@ class S3Storage:
         self.breaker.succeeded()
 
     def _translate(self, exc: Exception, action: str) -> Exception:
+        # lazy: botocore only once S3 is called; the ledger imports this module without it
         from botocore.exceptions import (
             ClientError,
             ConnectionClosedError,
@@ -166,6 +168,7 @@ class S3Storage:
             raise self._translate(exc, f"open bucket {self.bucket}") from exc
 
     def exists(self, key: str) -> bool:
+        # lazy: botocore only once S3 is called; the ledger imports this module without it
         from botocore.exceptions import ClientError
 
         try:
@@ -180,6 +183,7 @@ class S3Storage:
 
     def head(self, key: str) -> dict[str, Any] | None:
         """Object metadata (size, user metadata), or None when it does not exist."""
+        # lazy: botocore only once S3 is called; the ledger imports this module without it
         from botocore.exceptions import ClientError
 
         try:
@@ -210,6 +214,7 @@ class S3Storage:
         self, threshold_bytes: int | None = None, chunk_bytes: int | None = None
     ) -> TransferConfig:
         """Managed-transfer settings: parallel parts above the threshold (sizes in bytes)."""
+        # lazy: boto3 costs ~0.4 s at import; only an S3 call needs it
         from boto3.s3.transfer import TransferConfig
 
         return TransferConfig(

@@ -435,6 +435,7 @@ class KubernetesDiscovery:
 
 def transport_errors() -> tuple[type[Exception], ...]:
     """What a Kubernetes API call raises on the wire (imported lazily: the client is big)."""
+    # lazy: the kubernetes client (~1 s) only for a Kubernetes discovery
     import urllib3.exceptions
     from kubernetes.client.exceptions import ApiException
 
