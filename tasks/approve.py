@@ -54,6 +54,8 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import numpy as np
+from prefect.exceptions import FlowPauseTimeout
+from prefect.flow_runs import pause_flow_run
 
 from modelship.approvals.rules import (
     ApprovalInput,
@@ -287,9 +289,6 @@ def _post_request(journal: Any, channels: ApprovalChannels, pending: dict[str, A
 
 def _wait(request: ApprovalRequest, journal: Any, channels: ApprovalChannels,
           pending: dict[str, Any], watcher: _Watcher) -> dict[str, Any]:
-    from prefect.exceptions import FlowPauseTimeout
-    from prefect.flow_runs import pause_flow_run
-
     record = journal.record
     model, version = pending["digest"]["model"], pending["digest"]["version"]
     attempt = 0

@@ -28,6 +28,7 @@ the cache off.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from modelship.jsonable import jsonable
 
@@ -104,8 +106,6 @@ def file_sha256(path: Path) -> str:
 
 def mlmodel_content(text: str) -> str:
     """The MLmodel file without what MLflow writes per registration, canonical (pure)."""
-    import yaml
-
     parsed = yaml.safe_load(text) or {}
     if not isinstance(parsed, dict):
         return json.dumps(parsed, sort_keys=True, default=str)
@@ -134,8 +134,6 @@ def policy_digest(policy: Any) -> str:
 
 def modelship_digest() -> str:
     """modelship's version plus the source of the modules that decide a check."""
-    import importlib
-
     digest = hashlib.sha256(_version("modelship").encode())
     for name in CHECK_MODULES:
         source = getattr(importlib.import_module(name), "__file__", None)
@@ -159,6 +157,7 @@ def triton_runtime(canary: Any) -> str | None:
     the server names no version or its target cannot be read (then nothing is cached: the
     runtime is unknown). The target is read as the trial load reads it (and kept on
     ``canary``, so the trial load does not read it again)."""
+    # lazy: the target probe pulls prometheus_client (~80 ms); only a trial load needs it
     from modelship.triton.target import detect_targets
 
     meta = canary.server_metadata()

@@ -555,6 +555,7 @@ def _run(
     out_dir.mkdir(parents=True, exist_ok=True)
     docs_dir = out_dir / "data_docs"
     with _lock:
+        # lazy: great_expectations costs ~10 s at import; only a validation needs it
         import great_expectations as gx
         import great_expectations.expectations as gxe
         from great_expectations.checkpoint import UpdateDataDocsAction

@@ -55,6 +55,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
+import yaml
+from onnx.external_data_helper import load_external_data_for_model, uses_external_data
 
 from modelship.candidate import ExportedModel, ResolvedVersion
 from modelship.errors import ExportError, ValidationFailed
@@ -62,7 +65,6 @@ from modelship.policy import ExportPolicy
 from modelship.triton.model_config import ModelSpec, TensorSpec, numpy_dtype_from_onnx
 
 if TYPE_CHECKING:
-    import onnx
     import pandas as pd
 
 __all__ = [
@@ -218,7 +220,7 @@ def _is_tensor_signature(signature: Mapping[str, Any] | None) -> bool:
 
 def _feature_columns(golden: pd.DataFrame, signature: Mapping[str, Any] | None) -> list[str]:
     """The columns of the ``input`` matrix, in signature order; all must be numeric."""
-    import pandas as pd
+    import pandas as pd  # lazy: pandas costs ~0.4 s; tasks.check loads this module without it
 
     inputs = [] if _is_tensor_signature(signature) else _signature_part(signature, "inputs")
     if inputs:
@@ -389,8 +391,6 @@ def reuse_export(
     (:func:`_make_deterministic`, the only per-version part of an export), and checked
     again (:func:`_check`: onnx.checker, shape inference, the opset window). ``parity`` is
     the earlier export's report (same artifact, golden rows and tolerances)."""
-    import onnx
-
     workdir.mkdir(parents=True, exist_ok=True)
     files = {}
     for name, path in cached.items():
@@ -418,8 +418,6 @@ def _make_deterministic(model: onnx.ModelProto, resolved: ResolvedVersion) -> No
 
 
 def _mlmodel(resolved: ResolvedVersion) -> dict[str, Any]:
-    import yaml
-
     path = resolved.local_dir / "MLmodel"
     try:
         loaded = yaml.safe_load(path.read_text())
@@ -434,9 +432,6 @@ def _mlmodel(resolved: ResolvedVersion) -> dict[str, Any]:
 
 def _load_onnx_flavor(resolved: ResolvedVersion) -> tuple[onnx.ModelProto, str, bool]:
     """The registered graph with its weights, and whether they were stored externally."""
-    import onnx
-    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
-
     flavor = _mlmodel(resolved).get("flavors", {}).get("onnx") or {}
     data = flavor.get("data")
     if not data:
@@ -503,6 +498,7 @@ def _convert_sklearn(
     resolved: ResolvedVersion, rows: pd.DataFrame, policy: ExportPolicy
 ) -> onnx.ModelProto:
     import_skops_without_torch()
+    # lazy: mlflow, scikit-learn and skl2onnx cost seconds; only an sklearn export needs them
     import mlflow.sklearn
     from skl2onnx import convert_sklearn
     from skl2onnx.common import data_types
@@ -585,14 +581,13 @@ def _convert_pytorch(
 ) -> onnx.ModelProto:
     subject = f"{resolved.name}/{resolved.version}"
     try:
-        import torch
+        import torch  # lazy: torch is optional (the pytorch extra) and costs 5-20 s
     except ImportError as exc:
         raise ExportError(
             f"model {subject} has the pytorch flavor, and torch is not installed",
             hint="pip install torch (modelship's optional pytorch extra)",
         ) from exc
-    import mlflow.pytorch
-    import onnx
+    import mlflow.pytorch  # lazy: mlflow costs seconds; only a pytorch export needs it
 
     inputs = _signature_input_specs(resolved.signature, rows)
     if len(inputs) != 1:
@@ -671,8 +666,6 @@ def _inference_module(torch: Any, module: Any) -> Any:
 
 def _save(model: onnx.ModelProto, workdir: Path, *, external: bool) -> dict[str, Path]:
     """Write the version folder's files: ``model.onnx`` and maybe ``model.onnx.data``."""
-    import onnx
-
     model_path = workdir / MODEL_FILE
     data_path = workdir / DATA_FILE
     for stale in (model_path, data_path):  # onnx appends to an existing data file
@@ -696,8 +689,6 @@ def _check(
     path: Path, policy: ExportPolicy, *, name: str, subject: str, origin: str
 ) -> tuple[int, ModelSpec]:
     """onnx.checker, strict shape inference, the opset window and the graph's I/O."""
-    import onnx
-
     try:
         onnx.checker.check_model(str(path))
         size = sum(p.stat().st_size for p in path.parent.glob(f"{MODEL_FILE}*"))
@@ -804,7 +795,7 @@ def _parity(
 
 
 def _run_onnx(path: Path, feed: Mapping[str, np.ndarray], subject: str) -> dict[str, np.ndarray]:
-    import onnxruntime as ort
+    import onnxruntime as ort  # lazy: onnxruntime (~0.1 s) only for the parity run
 
     try:
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -830,6 +821,7 @@ def _native_outputs(
     Returns the outputs and, for classifiers, a mask of rows whose top two native
     probabilities are tied within tolerance (a label flip there is float rounding).
     """
+    # lazy: mlflow and pandas cost seconds; only the parity run loads the native model
     import mlflow.pyfunc
     import pandas as pd
 
@@ -897,7 +889,7 @@ def _sklearn_proba(
     feed: Mapping[str, np.ndarray],
     subject: str,
 ) -> np.ndarray | None:
-    import mlflow.sklearn
+    import mlflow.sklearn  # lazy: mlflow and scikit-learn cost seconds; only the parity run
 
     try:
         estimator = mlflow.sklearn.load_model(str(resolved.local_dir))

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from prefect import Flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State
+from prefect.context import FlowRunContext
 from pydantic import BaseModel
 
 from modelship.candidate import ReleaseCandidate
@@ -27,13 +29,12 @@ from modelship.settings import Settings
 from tasks import bake as baking
 from tasks import fleet
 from tasks.approve import ApprovalChannels, ApprovalRequest, approve
+from tasks.canary import CanaryResult, run_canary
 from tasks.check import CheckReport, run_check, stage_checked
 from tasks.record import ReleaseJournal
 from tasks.recovery import dead_runs, unfinished
+from tasks.report import artifact_key
 from tasks.retry import TRANSIENT_RETRIES, retry_transient
-
-if TYPE_CHECKING:  # annotation only: the canary imports the load generator
-    from tasks.canary import CanaryResult
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -113,8 +114,6 @@ def canary_task(settings: Settings, clients: Clients, policy: Policy, model: str
     """The candidate next to production on the canary Triton, under load; with
     ``keep_loaded`` (approval required) it stays loaded for the approval wait's watcher.
     ``release`` carries C's config and golden rows (nothing about C is read again)."""
-    from tasks.canary import run_canary
-
     return run_canary(settings, clients, policy, model=model, candidate=candidate,
                       baseline=baseline, progress=get_run_logger().info,
                       keep_loaded=keep_loaded, release=release)
@@ -123,10 +122,6 @@ def canary_task(settings: Settings, clients: Clients, policy: Policy, model: str
 @task(name="gates", task_run_name="gates {model} v{candidate}", cache_policy=NO_CACHE)
 def gates_task(result: CanaryResult, model: str, candidate: int) -> str:
     """Pass, or stop the release: failed (exit 4) or inconclusive (exit 6)."""
-    from prefect.artifacts import create_table_artifact
-
-    from tasks.report import artifact_key
-
     rows = [{k: r.get(k) for k in ("rule", "metric", "verdict", "value", "baseline",
                                     "threshold", "p_value", "message")}
             for r in result.gate_report.to_dict()["results"]]
@@ -208,11 +203,6 @@ def recover_task(settings: Settings, clients: Clients, policy: Policy, model: st
 
 def publish_record(record: ReleaseRecord) -> None:
     """The release record as a Prefect artifact of the flow run."""
-    from prefect.artifacts import create_markdown_artifact
-    from prefect.context import FlowRunContext
-
-    from tasks.report import artifact_key
-
     if FlowRunContext.get() is None:
         return
     rows = "\n".join(f"| {s.name} | {s.outcome} | {s.started_at} | {s.ended_at or ''} | "

@@ -52,6 +52,8 @@ from modelship.candidate import ReleaseCandidate
 from modelship.clients import Clients
 from modelship.errors import InfrastructureError, UsageError
 from modelship.ledger import now_iso
+from modelship.loadgen.spec import Target
+from modelship.loadgen.transports.kserve_http import answer_outputs, build_body, http_base
 from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.policy import Policy
 from modelship.progress import Progress, quiet
@@ -72,6 +74,7 @@ from tasks.canary import (
     _report_dir,
     _unload,
     _wait_ready,
+    run_canary,
 )
 from tasks.canary_slot import in_canary_slot
 from tasks.gates import evaluate
@@ -102,8 +105,6 @@ Outputs = dict[str, np.ndarray]
 def _infer(base_url: str, uri: str, body: bytes, headers: Mapping[str, str],
            timeout_s: float) -> Outputs:
     """One inference with these exact bytes; raises on anything but an answer."""
-    from modelship.loadgen.transports.kserve_http import answer_outputs, http_base
-
     request = urllib.request.Request(http_base(base_url) + uri, data=body, method="POST",
                                      headers=dict(headers))
     with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310
@@ -158,9 +159,6 @@ class _Shadow:
 
     def replay_golden(self, payload: Mapping[str, np.ndarray]) -> tuple[float | None, int]:
         """Each golden row to production and to C, once: their agreement and rows."""
-        from modelship.loadgen.spec import Target
-        from modelship.loadgen.transports.kserve_http import build_body
-
         rows = int(next(iter(payload.values())).shape[0])
         pairs = []
         for row in range(rows):
@@ -420,8 +418,6 @@ def shadow_task(settings: Settings, clients: Clients, policy: Policy, journal: R
     if baseline is None:
         journal.note("canary.traffic: shadow: no production version to mirror live requests "
                      "from on a first release; the replay canary judges it")
-        from tasks.canary import run_canary
-
         return run_canary(settings, clients, replay_of(policy), model=model,
                           candidate=candidate, baseline=None, progress=progress,
                           keep_loaded=keep_loaded, release=release)
