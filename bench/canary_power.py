@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from onnx import helper, numpy_helper
 
 from bench.judge import wilson
 from bench.results import print_table, write_results
+from flows.check import run_check
 from modelship.clients import Clients, build_clients
 from modelship.errors import ModelshipError
 from modelship.policy import Policy
@@ -50,8 +52,7 @@ TARGET_RATIO = 1.15
 
 def chain_graph(layers: int) -> Any:
     """The shared classifier I/O with ``layers`` orthogonal 256-wide MatMuls in the path."""
-    from onnx import helper, numpy_helper
-
+    # lazy: tests.models pulls pandas (~0.4 s); importing this module for its helpers does not
     from tests import models
 
     rng = np.random.default_rng(5)
@@ -78,7 +79,7 @@ def chain_graph(layers: int) -> Any:
 
 
 def stage(settings: Settings, clients: Clients, layers: int, workdir: Path) -> int:
-    from flows.check import run_check
+    # lazy: tests.models pulls pandas (~0.4 s); importing this module for its helpers does not
     from tests import models
 
     example = {"input": np.random.default_rng(0).standard_normal((16, models.N_FEATURES))

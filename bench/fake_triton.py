@@ -61,8 +61,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import grpc
 import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2_grpc
+from tritonclient.utils import deserialize_bytes_tensor, np_to_triton_dtype, triton_to_np_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -81,8 +85,6 @@ def fake_model_config(model: str, *, features: int = 4, max_batch_size: int = 8,
     ``probabilities`` (FP32, 2 classes); dynamic batching on; ``specific [versions]`` when
     given.
     """
-    from tritonclient.grpc import model_config_pb2 as mc
-
     cfg = mc.ModelConfig(name=model, backend="onnxruntime", max_batch_size=max_batch_size)
     cfg.input.add(name="input", data_type=mc.TYPE_FP32, dims=[features])
     cfg.output.add(name="label", data_type=mc.TYPE_INT64, dims=[1])
@@ -217,7 +219,7 @@ class Replica:
     # -- lifecycle
 
     async def start(self) -> None:
-        import grpc
+        # lazy: aiohttp (~0.3 s) only in the serving process; importers use the pure helpers
         from aiohttp import web
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -293,9 +295,6 @@ class Replica:
         return served, fake_outputs(name, served, inputs)
 
     async def load(self, name: str, config_json: str | None) -> None:
-        from google.protobuf import json_format
-        from tritonclient.grpc import model_config_pb2 as mc
-
         available = self.fleet.repository.get(name)
         if available is None:
             raise _Abort("INVALID_ARGUMENT", f"failed to load '{name}', failed to poll from "
@@ -364,14 +363,10 @@ class Replica:
 
 
 def _triton_dtype(dtype: np.dtype[Any]) -> str:
-    from tritonclient.utils import np_to_triton_dtype
-
     return str(np_to_triton_dtype(dtype))
 
 
 def _tensor_metadata(pb: Any, tensors: Sequence[Any]) -> list[Any]:
-    from tritonclient.grpc import model_config_pb2 as mc
-
     return [pb.ModelMetadataResponse.TensorMetadata(
         name=t.name, datatype=mc.DataType.Name(t.data_type).removeprefix("TYPE_")
         .replace("STRING", "BYTES"), shape=[-1, *t.dims]) for t in tensors]
@@ -385,8 +380,6 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.r = replica
 
     async def _call(self, context: Any, work: Any) -> Any:
-        import grpc
-
         try:
             await self.r.enter()
             return await work()
@@ -523,8 +516,6 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 def _decode_http_inputs(body: bytes, header_length: int | None
                         ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The JSON header and the input arrays of a v2 infer request (pure)."""
-    from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
-
     head = json.loads(body[:header_length] if header_length else body)
     offset = header_length or 0
     arrays: dict[str, np.ndarray] = {}
@@ -568,6 +559,7 @@ def _encode_http_outputs(model: str, version: int, outputs: Mapping[str, np.ndar
 
 
 def _http_app(fleet: _Fleet) -> Any:
+    # lazy: aiohttp (~0.3 s) only in the serving process; importers use the pure helpers
     from aiohttp import web
 
     def replica_of(request: web.Request) -> Replica:
@@ -672,6 +664,7 @@ class _Fleet:
         self.calls = []
 
     async def start(self) -> None:
+        # lazy: aiohttp (~0.3 s) only in the serving process; importers use the pure helpers
         from aiohttp import web
 
         self.http_runner = web.AppRunner(_http_app(self), handler_cancellation=True,
@@ -689,6 +682,7 @@ class _Fleet:
 
 
 def _admin_app(fleet: _Fleet, done: asyncio.Event) -> Any:
+    # lazy: aiohttp (~0.3 s) only in the serving process; importers use the pure helpers
     from aiohttp import web
 
     async def endpoints(_: web.Request) -> web.Response:
@@ -741,6 +735,7 @@ def _admin_app(fleet: _Fleet, done: asyncio.Event) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    # lazy: aiohttp (~0.3 s) only in the serving process; importers use the pure helpers
     from aiohttp import web
 
     repository = {m: [int(v) for v in args.versions.split(",")] for m in args.model}

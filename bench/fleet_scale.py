@@ -87,7 +87,9 @@ from modelship.policy import Policy, StagingPolicy, SwapPolicy
 from modelship.settings import Settings, TritonEndpoint
 from modelship.signing import generate_key, key_bytes
 from modelship.storage import S3Storage
+from modelship.triton.infer import TritonInference
 from modelship.triton.model_config import to_pbtxt
+from tasks.fleet import swap_unlocked
 from tasks.stage import golden_probe, stage_version
 from tasks.swap import JOIN_GRACE_S, POLL_INTERVAL_S
 
@@ -152,8 +154,6 @@ def faulty_replicas(names: Sequence[str], count: int = FAULTY) -> list[str]:
 
 def swap_once(bench: Bench, *, target: int = C) -> tuple[dict[str, Any], bool, float]:
     """One real swap: (its report, whether it aborted, its wall time in s)."""
-    from tasks.fleet import swap_unlocked
-
     clients = build_clients(bench.settings)  # fresh channels: a revived replica is new
     began = time.monotonic()
     try:
@@ -376,8 +376,6 @@ def run(sizes: Sequence[int], *, repeats: int, load_s: float, slow_s: float,
 
 def _probe_rtt_ms(fleet: FakeFleet) -> float:
     """Median of 20 golden-probe-sized requests to one idle replica, in ms."""
-    from modelship.triton.infer import TritonInference
-
     fleet.reset(MODEL, P)
     inference = TritonInference(fleet.endpoints[0]["http"], timeout_s=5.0)
     feed = {"input": np.zeros((4, FEATURES), dtype=np.float32)}

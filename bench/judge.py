@@ -493,7 +493,7 @@ def main() -> None:
     bake: list[dict[str, Any]] = []
     if not args.no_bake and args.cases is None \
             and importlib.util.find_spec("bench.judge_bake") is not None:
-        from bench import judge_bake
+        from bench import judge_bake  # lazy: it may be absent (the find_spec above)
 
         bake = judge_bake.run(args.bake_reps, args.workers, args.bake_long_reps)
     elapsed = time.perf_counter() - started

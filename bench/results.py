@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from modelship.output import table
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -29,8 +31,6 @@ def write_results(name: str, figures: dict[str, Any]) -> Path:
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    from modelship.output import table
-
     print(f"\n{title}\n{table(headers, rows)}")
 
 

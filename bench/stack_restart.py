@@ -21,6 +21,7 @@ from typing import Any
 from bench.results import print_table, write_results
 from modelship.settings import Settings
 from modelship.stack import components, manager
+from modelship.stack.process import group_members
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,8 +44,6 @@ def _ui(enabled: bool) -> Iterator[None]:
 
 
 def _rss_mb(state: dict[str, Any]) -> float:
-    from modelship.stack.process import group_members
-
     pid = next(p["pid"] for p in state["processes"] if p["name"] == "prefect")
     total = 0
     for member in group_members(pid) or [pid]:

@@ -57,16 +57,21 @@ from typing import Any
 import numpy as np
 
 from bench.results import print_table, write_results
+from flows.check import run_check
 from modelship.clients import Clients, build_clients
 from modelship.errors import SwapAborted
 from modelship.loadgen import LoadReport, LoadSpec, RequestRecord, percentiles_ms, run_load
 from modelship.policy import Policy, SwapPolicy
+from modelship.repository import read_verified, staged_config, version_prefix
 from modelship.settings import Settings, load_settings
 from modelship.signing import key_bytes
 from modelship.stack import manager
 from modelship.stack.process import group_members
 from modelship.storage import S3Storage
 from modelship.triton.client import TritonServer
+from modelship.triton.model_config import example_request
+from tasks.stage import stage_version
+from tasks.swap import SwapOptions, SwapTarget, fleet_status, swap_fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / ".venv-triton"
@@ -443,8 +448,6 @@ class Rig:
         ``fault(replica, phase)`` runs before a replica's switch (its first load of
         ``target``) and before each of its loads back to another version after it (the
         abort); raising fails that replica's phase."""
-        from tasks.swap import SwapOptions, SwapTarget, swap_fleet
-
         policy = SwapPolicy(pause_batching=pause_batching, deadline_s=DEADLINE_S,
                             probe_timeout_s=5.0, pause_mode=pause_mode)  # type: ignore[arg-type]
         for replica in self.replicas:
@@ -467,8 +470,6 @@ class Rig:
         return report.to_dict()
 
     def serving(self) -> set[int]:
-        from tasks.swap import fleet_status
-
         status = fleet_status(self.replicas, MODEL)
         return {v for r in status["replicas"] for v in r["ready_versions"]}
 
@@ -491,9 +492,7 @@ def _phase_fault(target: int, fault: Callable[[str, str], None]
 
 def build_rig(settings: Settings, workdir: Path) -> Rig:
     """Register, check and stage two versions, and first-deploy the first on every replica."""
-    from flows.check import run_check
-    from modelship.repository import staged_config
-    from modelship.triton.model_config import example_request
+    # lazy: tests.models pulls pandas (~0.4 s); importing this module for its helpers does not
     from tests import models
 
     clients = build_clients(settings)
@@ -562,8 +561,6 @@ def swap_under_load(rig: Rig, *, old: int, new: int, pause_batching: bool,
 def _abort_figures(result: dict[str, Any], victim: str, *, old: int,
                    survivors: Sequence[TritonServer]) -> dict[str, Any]:
     """Where each survivor ended and how long the abort took."""
-    from tasks.swap import fleet_status
-
     status = fleet_status(list(survivors), MODEL)
     on_p = all(r.get("ready_versions") == [old] for r in status["replicas"]) \
         and status["consistent"]
@@ -639,8 +636,6 @@ class _Corruption:
 
 def fault_real_load_failure(rig: Rig) -> dict[str, Any]:
     """One replica's reload of C really fails in Triton, after the others loaded C."""
-    from modelship.repository import version_prefix
-
     old, new = rig.versions
     victim_index = 1
     victim = rig.replicas[victim_index].name
@@ -768,9 +763,6 @@ VERIFY_MB = 64  # size of the synthetic version whose preflight verification is 
 def preflight_verify_cost(rig: Rig, workdir: Path) -> dict[str, Any]:
     """Time the swap preflight's verification (signature + streamed sha256 of every byte)
     on a synthetic version of VERIFY_MB MB staged next to the real ones (never loaded)."""
-    from modelship.repository import read_verified
-    from tasks.stage import stage_version
-
     key = key_bytes(rig.settings.manifest_signing_key)
     folder = workdir / "verify-cost"
     folder.mkdir(parents=True, exist_ok=True)
