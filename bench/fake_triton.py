@@ -65,6 +65,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor, np_to_triton_dtype, triton_to_np_dtype
 
@@ -387,30 +388,22 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
 
     async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             return pb.ServerLiveResponse(live=True)
         return await self._call(context, work)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             return pb.ServerReadyResponse(ready=True)
         return await self._call(context, work)
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             return pb.ServerMetadataResponse(name="triton (fake)", version="2.51.0-fake",
                                              extensions=["model_repository"])
         return await self._call(context, work)
 
     async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             state = self.r.models.get(request.name)
             versions = state.versions if state else ()
@@ -419,8 +412,6 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._call(context, work)
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             self.r.serving(request.name, request.version)
             state = self.r.models[request.name]
@@ -432,16 +423,12 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._call(context, work)
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             self.r.serving(request.name, request.version)
             return pb.ModelConfigResponse(config=self.r.models[request.name].config)
         return await self._call(context, work)
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             stats = [pb.ModelStatistics(name=name, version=str(v), inference_count=n,
                                         execution_count=n)
@@ -452,8 +439,6 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._call(context, work)
 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             rows = []
             for name, available in sorted(self.r.fleet.repository.items()):
@@ -469,8 +454,6 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._call(context, work)
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             override = request.parameters.get("config")
             await self.r.load(request.model_name,
@@ -479,17 +462,12 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._call(context, work)
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-
         async def work() -> Any:
             await self.r.unload(request.model_name)
             return pb.RepositoryModelUnloadResponse()
         return await self._call(context, work)
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
-        from tritonclient.grpc import service_pb2 as pb
-        from tritonclient.utils import triton_to_np_dtype
-
         async def work() -> Any:
             inputs = {}
             for i, tensor in enumerate(request.inputs):

@@ -63,6 +63,9 @@ import numpy as np
 
 from bench.results import print_table, write_results
 from modelship.loadgen import LoadSpec, percentiles_ms, run_load
+from modelship.loadgen import engine as loadgen
+from modelship.loadgen.transports.grpc_aio import GrpcTransport
+from modelship.loadgen.transports.http_aiohttp import AiohttpTransport
 from modelship.stack.local_triton import LocalTriton, local_tritonserver, mlp_classifier_onnx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -411,11 +414,6 @@ AB_ARMS = {
 def cpu_ab(protocol: str, url: str, x: np.ndarray, reps: int) -> dict[str, Any]:
     """Client CPU per request of one protocol's transports, before and after (see
     :data:`AB_ARMS`), interleaved ABAB on the same server; medians over ``reps``."""
-    # lazy: the "before" transports (grpc.aio, aiohttp) only for --cpu-ab
-    from modelship.loadgen import engine as loadgen
-    from modelship.loadgen.transports.grpc_aio import GrpcTransport
-    from modelship.loadgen.transports.http_aiohttp import AiohttpTransport
-
     current = loadgen.choose_transport
 
     def before(targets: Any, payload: Any, spec: LoadSpec) -> Any:

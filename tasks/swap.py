@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
 import numpy as np
+import onnx
 
 from modelship.errors import (
     ModelshipError,
@@ -661,8 +662,6 @@ def _weights_reader(storage: S3Storage, *, model: str, target: int, repository_p
                     config: ModelConfig) -> Callable[[], int]:
     """Reads C's ONNX initializer bytes from its staged model file (the estimate's input;
     called only on a GPU fleet without a canary measurement)."""
-    import onnx  # third-party and heavy; only this rare path needs it
-
     def read() -> int:
         name = config.default_model_filename or "model.onnx"
         key = f"{version_prefix(repository_prefix, model, target)}/{name}"
