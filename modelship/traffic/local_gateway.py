@@ -96,7 +96,16 @@ class LocalGateway:
                         current)
 
     def live(self) -> TrafficSplit:
-        """What the running workers route by, asked on a new connection."""
+        """What the running workers route by, asked on a new connection.
+
+        During a reload the retiring workers may still take a new connection and answer
+        with the split being replaced: a reader (status, recovery, another process) would
+        see the new split, then the old one. So while more workers than configured take
+        connections, it waits (at most ``timeout_s``) for the retiring ones to stop."""
+        deadline = time.monotonic() + self.timeout_s
+        while nginx.accepting_workers(self.pid) > nginx.WORKER_PROCESSES \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
         canary, mirror, _ = nginx.read_live(self.layout, timeout_s=self.timeout_s)
         return TrafficSplit(canary_pct=canary, mirror_pct=mirror)
 

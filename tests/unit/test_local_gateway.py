@@ -251,3 +251,35 @@ def test_the_router_is_the_route_when_configured_else_the_stack_gateway(tmp_path
     assert router_for(Settings(home=tmp_path / "none")) is None  # no stack.json
     k8s = Settings(home=tmp_path, k8s_route="modelship/triton-inference")
     assert isinstance(router_for(k8s, state), GatewayApiRouter)
+
+
+def test_a_read_during_a_reload_waits_for_the_retiring_workers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the old workers still take connections (a reload in progress), live() does not
+    answer: an old worker would give the split being replaced after a new one gave the new
+    one (a killed release's 5 % read back as 0 % in the suite). It reads once only the
+    configured number of workers accept."""
+    accepting = [nginx.WORKER_PROCESSES + 1] * 3 + [nginx.WORKER_PROCESSES]
+    reads: list[int] = []
+    monkeypatch.setattr(nginx, "accepting_workers", lambda pid: accepting.pop(0))
+
+    def read_live(layout: nginx.GatewayLayout, timeout_s: float) -> tuple[float, float, str]:
+        reads.append(len(accepting))
+        return 5.0, 0.0, "g2"
+
+    monkeypatch.setattr(nginx, "read_live", read_live)
+    gateway = LocalGateway(layout(tmp_path), pid=os.getpid(), start_ticks=None, timeout_s=5)
+    assert gateway.live() == TrafficSplit(canary_pct=5.0, mirror_pct=0.0)
+    assert reads == [0]  # read once, after the fourth look found no retiring worker
+
+
+def test_a_reload_that_never_settles_still_answers_within_the_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Old workers that never stop (stuck) bound the wait by the call's timeout."""
+    monkeypatch.setattr(nginx, "accepting_workers", lambda pid: nginx.WORKER_PROCESSES + 1)
+    monkeypatch.setattr(nginx, "read_live", lambda layout, timeout_s: (0.0, 0.0, "g1"))
+    gateway = LocalGateway(layout(tmp_path), pid=os.getpid(), start_ticks=None,
+                           timeout_s=0.3)
+    started = time.monotonic()
+    assert gateway.live() == TrafficSplit(canary_pct=0.0, mirror_pct=0.0)
+    assert 0.3 <= time.monotonic() - started < 3.0
