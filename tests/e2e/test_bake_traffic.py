@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 
-from modelship.clients import build_clients
 from modelship.settings import Settings
 from tests import models
-from tests.conftest import start_cli
-from tests.inprocess import beside, run_inprocess
+from tests.e2e import live_clients
+from tests.inprocess import beside
 from tests.integration.test_canary import slow_onnx_graph
 
 pytestmark = pytest.mark.e2e
@@ -46,45 +45,22 @@ ORGANIC_RPS = 20.0
 
 
 def _promote(settings: Settings, policy: Path, version: int) -> tuple[int, Any]:
-    """The release of ``version`` (in-process): its exit code and record."""
-    done = run_inprocess("promote", MODEL, "--version", str(version), "--policy", str(policy),
-                         "--json", home=settings.home)
-    doc: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {
-        "stderr": done.stderr[-4000:]}
-    details: dict[str, Any] = doc.get("details") or {}
-    return done.returncode, details.get("record", doc)
+    return live_clients.promote(settings, MODEL, policy, version)
 
 
 def _status(settings: Settings) -> dict[str, Any]:
-    return dict(json.loads(run_inprocess("status", MODEL, "--json",
-                                         home=settings.home).stdout))
+    return live_clients.status(settings, MODEL)
 
 
 def _organic(settings: Settings, rate: float, seconds: float) -> subprocess.Popen[str]:
-    """Organic clients: ``modelship load`` at ``rate`` req/s across the fleet."""
-    return start_cli("load", MODEL, "--rate", f"{rate:g}", "--duration", f"{seconds:g}",
-                     "--json", home=settings.home)
+    return live_clients.organic(settings, MODEL, rate, seconds)
 
 
 def _when_serving(settings: Settings, done: threading.Event, version: int) -> bool:
-    """Wait until every replica serves ``version`` (the swap is done, the bake begins);
-    False when the release ended first."""
-    clients = build_clients(settings)
-    try:
-        deadline = time.monotonic() + 300
-        while not done.is_set() and time.monotonic() < deadline:
-            if all(r.is_model_ready(MODEL, str(version)) for r in clients.replicas):
-                return True
-            time.sleep(0.05)
-        return False
-    finally:
-        clients.close()
+    return live_clients.when_serving(settings, MODEL, done, version)
 
 
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.kill()
-    process.communicate(timeout=30)
+_stop = live_clients.stop
 
 
 @pytest.fixture(scope="module")
