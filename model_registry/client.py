@@ -54,9 +54,18 @@ def point_mlflow_at(tracking_uri: str) -> None:
     ``mlflow.set_tracking_uri`` alone leaves a registry URI set earlier in the process (for
     another server) in place, and ``log_model(registered_model_name=...)`` then registers the
     version on that other server.
+
+    An experiment made active by ``mlflow.set_experiment`` (tasks/train.py, the demo) is
+    an id on the server it was set against; it is forgotten when the URI changes, or the
+    next run on the new server asks for that id there (``No Experiment with id=1``).
     """
     import mlflow  # lazy: mlflow costs ~4 s at import; only a call to MLflow needs it
+    from mlflow.tracking import fluent
 
+    if fluent._active_experiment_id is not None and mlflow.get_tracking_uri() != tracking_uri:
+        # set_experiment exported it too, for subprocesses; one set outside stays
+        fluent._active_experiment_id = None
+        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_registry_uri(tracking_uri)
 
