@@ -1,7 +1,7 @@
 """The local gateway (nginx) under load: failed requests while the weights and the mirror
 move, and the latency it adds against direct Triton, in the same run.
 
-Run: ``.venv/bin/python -m bench.traffic [--move-s S] [--latency-s S]``. It starts a
+Run: ``.venv/bin/python -m bench.traffic [--move-s S] [--latency-s S] [--trials N]``. It starts a
 2-replica stack in a temporary home (stopped at the end, also on failure), puts a tiny ONNX
 MLP ``gw`` in its S3 repository, and loads it as version 1 on the replicas and version 2 on
 the canary Triton, so each answer names its backend. Then:
@@ -14,7 +14,12 @@ the canary Triton, so each answer names its backend. Then:
    requests, requests the client sent again because nginx had not read them (a graceful
    reload closes kept-alive connections: docs/gateway.md), answers per backend, and how
    long each change took (call to the new workers answering).
-3. **Stack start**: when the gateway was ready against the whole ``stack up``.
+3. **Breach to weight 0** (:mod:`bench.traffic_breach`): ``--trials`` progressive canaries
+   of a slow v3 on the canary Triton under HTTP load through the gateway, each run by the
+   real executor and judge until it steps back; the seconds from the deciding look to the
+   weight set to 0, to the gateway read back at production only, and to the candidate's
+   last answer to a client.
+4. **Stack start**: when the gateway was ready against the whole ``stack up``.
 
 Figures go to ``bench/results/traffic.json``.
 """
@@ -36,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from bench.results import print_table, write_results
+from bench.traffic_breach import SLOW_VERSION, breach_to_zero
 from modelship.clients import build_clients
 from modelship.loadgen import LoadReport, LoadSpec, Target, percentiles_ms, run_load, run_paired
 from modelship.loadgen import engine as load_engine
@@ -72,8 +78,6 @@ def model_config(version: int) -> dict[str, Any]:
 def serve_two_versions(settings: Settings, state: dict[str, Any]) -> Callable[[], None]:
     """Put ``gw`` in the stack's repository, load v1 on the replicas and v2 on the canary;
     returns the undo (unload everywhere, delete the objects)."""
-    import tritonclient.http as triton_http  # lazy: only when a stack is there
-
     storage = build_clients(settings).storage
     assert storage is not None
     prefix = f"{settings.repository_prefix}/{MODEL}"
@@ -83,20 +87,39 @@ def serve_two_versions(settings: Settings, state: dict[str, Any]) -> Callable[[]
         storage.put_bytes(f"{prefix}/{version}/model.onnx", onnx)
     tritons = [(e["http"], 1) for e in state["triton"]["replicas"]]
     tritons.append((state["triton"]["canary"]["http"], 2))
-
-    def client(url: str) -> Any:
-        return triton_http.InferenceServerClient(url.removeprefix("http://"),
-                                                 network_timeout=60.0)
-
     for url, version in tritons:
-        client(url).load_model(MODEL, config=json.dumps(model_config(version)))
+        _triton(url).load_model(MODEL, config=json.dumps(model_config(version)))
 
     def undo() -> None:
         for url, _ in tritons:
-            client(url).unload_model(MODEL)
+            _triton(url).unload_model(MODEL)
         storage.delete_prefix(prefix + "/")
 
     return undo
+
+
+def _triton(url: str) -> Any:
+    import tritonclient.http as triton_http  # lazy: only when a stack is there
+
+    return triton_http.InferenceServerClient(url.removeprefix("http://"), network_timeout=60.0)
+
+
+def slow_candidate(settings: Settings, state: dict[str, Any]) -> Callable[[], None]:
+    """What loads a slow v3 of ``gw`` (a heavy MatMul chain in the path) alone on the
+    canary Triton (``serve_two_versions``' undo removes it)."""
+    # lazy: tests.integration.test_canary pulls pytest and pandas; only this phase needs it
+    from tests.integration.test_canary import slow_onnx_graph
+
+    def load() -> None:
+        storage = build_clients(settings).storage
+        assert storage is not None
+        graph = slow_onnx_graph(N_FEATURES, width=512, layers=64)
+        storage.put_bytes(f"{settings.repository_prefix}/{MODEL}/{SLOW_VERSION}/model.onnx",
+                          graph.SerializeToString())
+        _triton(state["triton"]["canary"]["http"]).load_model(
+            MODEL, config=json.dumps(model_config(SLOW_VERSION)))
+
+    return load
 
 
 class CountingTransports:
@@ -200,17 +223,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--move-s", type=float, default=30.0)
     parser.add_argument("--latency-s", type=float, default=10.0)
+    parser.add_argument("--trials", type=int, default=3,
+                        help="progressive canaries of the slow candidate (breach to 0)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ms-bench-traffic-") as tmp:
         settings = Settings(home=Path(tmp) / ".modelship", triton_runtime=ROOT / ".venv-triton")
         try:
             state, startup = manager.up(settings, replicas=2)
-            undo = serve_two_versions(load_settings(home=settings.home,
-                                                    triton_runtime=settings.triton_runtime),
-                                      state)
+            loaded = load_settings(home=settings.home, triton_runtime=settings.triton_runtime)
+            undo = serve_two_versions(loaded, state)
             router = LocalGateway.from_state(state)
             latency = {p: added_latency(state, p, args.latency_s) for p in ("grpc", "http")}
             moves = moves_under_load(state, router, args.move_s)
+            breach = breach_to_zero(loaded, state, router, slow_candidate(loaded, state),
+                                    PAYLOAD, args.trials)
             undo()
         finally:
             manager.down(settings)
@@ -218,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "stack_up": {"gateway_ready_s": startup.ready_s.get("gateway"),
                      "total_s": startup.total_s,
                      "last_ready": max(startup.ready_s, key=lambda k: startup.ready_s[k])},
-        "added_latency": latency, "moves": moves,
+        "added_latency": latency, "moves": moves, "breach_to_zero": breach,
         "goal": "0 failed requests while the split moves",
     }
     path = write_results("traffic", figures)
@@ -236,8 +262,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                 [[p, moves[p]["requests"], moves[p]["failed"],
                   f"{moves[p]['answered_by'].get('1', 0)}/{moves[p]['answered_by'].get('2', 0)}"]
                  for p in ("http", "grpc")])
+    print_breach(breach)
     print(f"\ngateway ready {figures['stack_up']['gateway_ready_s']} s into a "
           f"{startup.total_s} s `stack up`; written to {path}")
+
+
+def print_breach(breach: dict[str, Any]) -> None:
+    """The breach-to-0 table: one row per trial, times from the deciding look."""
+    print_table(f"breach to weight 0 (a slow v{SLOW_VERSION} under progressive "
+                f"{'/'.join(f'{s:g}' for s in breach['plan']['steps'])} %, HTTP load through "
+                f"the gateway, {breach['load_failed']} of {breach['load_requests']} requests "
+                "failed; seconds from the deciding look)",
+                ["trial", "step", "breach after", "set 0 returned", "read back production",
+                 "last v3 answer", "v3 answers after"],
+                [[i + 1, r["step"], f"{r['breach_after_s']:.1f} s", f"{r['weight0_s']} s",
+                  f"{r['production_s']} s", f"{r['last_answer_s']} s",
+                  r["answers_after_decision"]] for i, r in enumerate(breach["trials"])])
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ from tasks.traffic_plan import (
 )
 from tasks.traffic_state import read_live, return_to_production, traffic_intent, with_event
 
-__all__ = ["LOOK_S", "Progressive", "ProgressiveResult", "live_canary", "replay_policy",
-           "run_progressive"]
+__all__ = ["LOOK_S", "LiveEvidence", "Progressive", "ProgressiveResult", "live_canary",
+           "replay_policy", "run_progressive"]
 
 #: Seconds between two looks of the live canary (one block of evidence each).
 LOOK_S = 0.5
@@ -188,7 +188,7 @@ def _production_on_the_way_out(run: Progressive, traffic: dict[str, Any],
 # promote's canary under canary.traffic: progressive
 
 
-class _LiveEvidence:
+class LiveEvidence:
     """The judge's I/O: at each look, what the candidate served on the canary Triton and
     production on the replicas since the previous look (one scrape of each server)."""
 
@@ -252,7 +252,7 @@ def live_canary(settings: Settings, clients: Clients, policy: Policy,
                          wait_s=CANARY_SLOT_WAIT_S), \
                 serving_on_canary(settings, clients, server, model=model, version=version,
                                   config_pbtxt=release.config_pbtxt, progress=progress):
-            evidence = _LiveEvidence(server, list(clients.replicas), model=model,
+            evidence = LiveEvidence(server, list(clients.replicas), model=model,
                                      candidate=version, production=serving, judge=judge,
                                      timeout_s=settings.http_timeout_s)
             try:
