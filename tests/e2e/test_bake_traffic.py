@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from modelship.clients import build_clients
 from modelship.settings import Settings
 from tests import models
 from tests.e2e import live_clients
@@ -28,10 +29,15 @@ MODEL = "bake-traffic"
 PROBE_RPS = 40.0
 POLICY: dict[str, Any] = {
     # No latency gate at the canary, and agreement reported only (the slower graph has its
-    # own weights): the slower version must reach the bake.
-    "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 30.0, "min_samples": 300},
+    # own weights): the slower version must reach the bake. The bake is the subject, so the
+    # canary stops as soon as its error rule has its samples: the rule sized to catch 4%
+    # errors (179 requests, so min_samples decides) rather than 2% (982), and 1-s windows
+    # that count as stable at once (the default 10% held the first round to its cap).
+    "canary": {"warmup_s": 0.5, "window_s": 1.0, "stability_pct": 100.0,
+               "max_duration_s": 30.0, "min_samples": 200},
     "gates": [
-        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
+        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01,
+         "effect": 0.03},
         {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98,
          "dry_run": True},
     ],
@@ -61,6 +67,31 @@ def _when_serving(settings: Settings, done: threading.Event, version: int) -> bo
 
 
 _stop = live_clients.stop
+
+
+def _served(replicas: list[Any]) -> int:
+    """Requests the replicas have answered for MODEL (Triton's success counts)."""
+    total = 0
+    for replica in replicas:
+        stats = replica.grpc.get_inference_statistics(model_name=MODEL, as_json=True)
+        for entry in stats.get("model_stats") or []:
+            total += int(entry.get("inference_stats", {}).get("success", {}).get("count", 0))
+    return total
+
+
+def _when_organic_flows(settings: Settings, process: subprocess.Popen[str],
+                        requests: int = 40, timeout_s: float = 120) -> None:
+    """Wait until the organic clients' requests reach the replicas (``modelship load``
+    starts in seconds, more on a busy machine), so the bake's reference sees them."""
+    clients = build_clients(settings)
+    try:
+        before, deadline = _served(clients.replicas), time.monotonic() + timeout_s
+        while _served(clients.replicas) < before + requests:
+            assert process.poll() is None, process.communicate(timeout=30)
+            assert time.monotonic() < deadline, f"no organic traffic after {timeout_s:g} s"
+            time.sleep(0.25)
+    finally:
+        clients.close()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +125,7 @@ def test_a_surge_during_the_bake_of_an_identical_version_does_not_roll_it_back(
             surges.append(_organic(stack_settings, 10 * ORGANIC_RPS, 40))
 
     try:
-        time.sleep(3)  # the organic clients are up before the reference is measured
+        _when_organic_flows(stack_settings, background)  # before the reference is measured
         with beside(surge_once_serving) as surging:
             code, record = _promote(stack_settings, policy, same)
         surging.result()

@@ -259,13 +259,16 @@ WATCH_POLICY: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def watched(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[Clients, int, ReleaseCandidate]]:
-    """Two staged versions of one model (the same sklearn model registered twice): the
-    clients, the baseline and the candidate as its check and stage hand it over."""
+    """Two staged versions of one model (the same sklearn artifact registered twice): the
+    clients, the baseline and the candidate as its check and stage hand it over. The
+    approval is the subject, not the check: the second check (and the first, when this
+    process registered the artifact before) finds a passed check of the same bytes in the
+    stack's check cache (``register_sklearn(reuse=True)``)."""
     clients = build_clients(stack_settings)
     uri = str(stack_settings.mlflow_tracking_uri)
     staged = []
     for _ in range(2):
-        version = models.register_sklearn(uri, WATCHED, seed=0)
+        version = models.register_sklearn(uri, WATCHED, seed=0, reuse=True)
         report = run_check(stack_settings, clients, Policy(), model=WATCHED, version=version,
                            workdir=tmp_path_factory.mktemp(f"watch{version}"), stage=True)
         assert report.verdict == "passed", report
