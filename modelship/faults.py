@@ -127,6 +127,16 @@ def is_transient(exc: BaseException | None) -> bool:
     return any(_transient_here(e) for e in chain(exc))
 
 
+#: HTTP answers that mean "the server is up but busy now": the request never started.
+BUSY_STATUS = frozenset({429, 503})
+
+
+def is_busy(exc: BaseException | None) -> bool:
+    """The server answered busy (429 or 503), here or anywhere in the chain: unlike a
+    refused connection or a timeout, the server is up and did not start the request."""
+    return any(_status(e, _names(e)) in BUSY_STATUS for e in chain(exc))
+
+
 def endpoint_of(exc: BaseException) -> str | None:
     """The URL a transport error was talking to, when its library keeps it."""
     for error in chain(exc):

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, ParamSpec, TypeVar
 
 from modelship.errors import ModelshipError
-from modelship.faults import is_transient, translate
+from modelship.faults import is_busy, is_transient, translate
 from modelship.http import expect_ok
 
+log = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -31,6 +34,11 @@ T = TypeVar("T")
 BOUNDED_CLIENT = {"PREFECT_CLIENT_MAX_RETRIES": "1", "PREFECT_API_REQUEST_TIMEOUT": "10"}
 #: Longest wait for queued run logs and events at the end of a flow run, in seconds.
 FLUSH_TIMEOUT_S = 3.0
+#: Pauses before starting a flow again whose start Prefect answered busy, in seconds.
+#: Prefect's SQLite database answers 503 when a write meets another release's
+#: (SQLITE_BUSY_SNAPSHOT, which its busy timeout does not cover), and the bounded client
+#: retries once: two releases at once on one stack failed so at flow-run creation.
+BUSY_START_PAUSES_S = (0.5, 1.0, 2.0, 4.0)
 #: Reconnections of the run-events websocket per event (Prefect's default is 10).
 EVENT_RECONNECTIONS = 1
 
@@ -116,6 +124,8 @@ def keeps_outcome(fn: Callable[P, T]) -> Callable[P, T]:
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         sink = _OUTCOMES.get()
+        if sink is not None:
+            sink.append(("started", None))
         try:
             value = fn(*args, **kwargs)
         except BaseException as exc:
@@ -132,24 +142,43 @@ def keeps_outcome(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
-def run_flow(call: Callable[[], T], *, api_url: str | None) -> T:
-    """Run a flow (``call``) against ``api_url`` and return what its body returned.
+def run_flow(call: Callable[[], T], *, api_url: str | None,
+             busy_pauses_s: tuple[float, ...] = BUSY_START_PAUSES_S) -> T:
+    """Run a flow (``call``, a flow under :func:`keeps_outcome`) against ``api_url`` and
+    return what its body returned.
 
     When the body finished but Prefect failed afterwards (the API went down: the final
     state, an artifact), the body's own outcome stands, with a note: a release that
     succeeded exits 0 and says that Prefect did not record it; a release that failed
     raises its own error, not the engine's. A failure before the body ran (Prefect down
-    at the start) is :class:`~modelship.errors.Unreachable` naming the API.
+    at the start) is :class:`~modelship.errors.Unreachable` naming the API; one where
+    Prefect answered busy (:func:`modelship.faults.is_busy`) starts the flow again after
+    each of ``busy_pauses_s``, since none of it ran.
     """
-    sink: list[tuple[str, Any]] = []
+    for pause in (*busy_pauses_s, None):
+        sink: list[tuple[str, Any]] = []
+        try:
+            return _run_once(call, api_url, sink)
+        except Exception as exc:
+            if sink or pause is None or not is_busy(exc):
+                raise
+            log.warning("Prefect at %s was busy creating the flow run (%s); starting it "
+                        "again in %.1f s", api_url, translate(exc).message, pause)
+        time.sleep(pause)
+    raise AssertionError("unreachable: the last pass returns or raises")
+
+
+def _run_once(call: Callable[[], T], api_url: str | None, sink: list[tuple[str, Any]]) -> T:
+    """One pass of :func:`run_flow`; ``sink`` collects what the body did."""
     token = _OUTCOMES.set(sink)
     try:
         with pointed_at(api_url):
             return call()
     except Exception as exc:
-        if not sink or sink[-1][1] is exc or exc.__cause__ is sink[-1][1]:
+        outcomes = [entry for entry in sink if entry[0] != "started"]
+        if not outcomes or outcomes[-1][1] is exc or exc.__cause__ is outcomes[-1][1]:
             raise
-        kind, value = sink[-1]
+        kind, value = outcomes[-1]
         note = (f"Prefect at {api_url} did not record the end of this flow run "
                 f"({translate(exc).message}); the outcome here is the run's own, and the "
                 "ledger holds its record")

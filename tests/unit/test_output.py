@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from modelship.errors import GateFailed, ReleaseCancelled, Unreachable
+from modelship.faults import is_busy
 from modelship.output import run_reporting
 from modelship.prefect_api import keeps_outcome, run_flow
 from modelship.signals import StopRequested
@@ -148,6 +149,56 @@ def test_a_failure_before_the_body_ran_is_the_engines_own() -> None:
 
     with pytest.raises(RuntimeError, match="Failed to reach API"):
         run_flow(engine, api_url=None)
+
+
+def _busy() -> Exception:
+    """What Prefect's client raises when its server answers 503 (SQLite locked)."""
+    request = httpx.Request("POST", "http://127.0.0.1:4200/api/flow_runs/")
+    return httpx.HTTPStatusError("Server error '503 Service Unavailable'", request=request,
+                                 response=httpx.Response(503, request=request))
+
+
+@pytest.mark.parametrize(("failures", "first", "ran"), [
+    # (what the engine raises before the body on each try, the first error, body runs)
+    (2, "busy", 1),        # busy twice at flow-run creation: started again, runs once
+    (9, "busy", 0),        # busy on every try: the last answer is raised, after 3 pauses
+    (1, "refused", 0),     # a refused API is not busy: raised at once, no second try
+])
+def test_a_flow_start_that_prefect_answered_busy_starts_again(
+        failures: int, first: str, ran: int) -> None:
+    tries: list[int] = []
+    runs: list[int] = []
+    body = keeps_outcome(lambda: runs.append(1) or {"status": "released", "notes": []})
+
+    def engine() -> Any:
+        tries.append(1)
+        if len(tries) <= failures:
+            raise _busy() if first == "busy" else _connect_error()
+        return body()
+
+    pauses = (0.0, 0.0, 0.0)
+    if ran:
+        assert run_flow(engine, api_url=None, busy_pauses_s=pauses)["status"] == "released"
+    else:
+        with pytest.raises(Exception) as caught:
+            run_flow(engine, api_url=None, busy_pauses_s=pauses)
+        assert is_busy(caught.value) == (first == "busy")
+    assert len(runs) == ran
+    assert len(tries) == (failures + 1 if ran else min(failures, len(pauses) + 1))
+
+
+def test_a_busy_answer_after_the_body_started_is_never_a_second_run() -> None:
+    """Only a flow none of which ran is started again: a body that began (and may have
+    changed the fleet) and then met a busy API raises, once."""
+    runs: list[int] = []
+
+    def body() -> None:
+        runs.append(1)
+        raise _busy()
+
+    with pytest.raises(httpx.HTTPStatusError):
+        run_flow(keeps_outcome(body), api_url=None, busy_pauses_s=(0.0, 0.0))
+    assert runs == [1]
 
 
 def test_a_body_error_that_the_engine_reraises_passes_unchanged() -> None:
