@@ -343,6 +343,22 @@ def write_config(layout: GatewayLayout, text: str) -> None:
         raise
 
 
+def forget_samples(layout: GatewayLayout) -> None:
+    """Delete the shadow's sample log: it holds production's inputs, and exists only while
+    a mirror is on (every way the mirror goes off deletes it)."""
+    layout.sample_log.unlink(missing_ok=True)
+
+
+def at_rest(layout: GatewayLayout, generation: str) -> None:
+    """The configuration file at production only, nothing mirrored, and no sample log:
+    what a gateway (re)starts with. A restart is never a release's way to hold a split:
+    a release whose gateway died aborts (exit 1) and its candidate is unloaded, so the
+    split the dead gateway had would send live requests to a canary that no longer serves
+    them."""
+    write_config(layout, render_config(layout, 0.0, 0.0, generation))
+    forget_samples(layout)
+
+
 def reload(pid: int) -> None:
     """Ask the master to reload gracefully (SIGHUP): new workers on the new file, the old
     ones finish what they started.

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -84,9 +84,11 @@ from tasks.shadow_plan import (
     Sampled,
     SampledRequest,
     ShadowPlan,
+    answer_problem,
     arm_totals,
     parse_samples,
     pick,
+    screen,
     shadow_intervals,
     shadow_rules,
     versioned_uri,
@@ -142,6 +144,8 @@ class _Shadow:
         self.ticks: list[dict[str, Scrape | None]] = []
         self.events: list[dict[str, Any]] = []
         self.window_s = 0.0
+        self.lines: list[bytes] = []  # the sample log, read before the mirror goes off
+        self.left_out: Counter[str] = Counter()  # sampled inputs not compared, and why
 
     # ---------------------------------------------------------------- I/O steps
 
@@ -172,9 +176,12 @@ class _Shadow:
         agreement, compared, _ = _compare(pairs, self.policy)
         return agreement, compared
 
-    def pair(self, sample: SampledRequest) -> tuple[Outputs, Outputs] | None:
+    def pair(self, sample: SampledRequest, *, live: bool = False
+             ) -> tuple[Outputs, Outputs] | None:
         """``(candidate's, production's)`` answers to the same bytes; None when either
-        failed (an error, not a disagreement: Triton's counters judge errors)."""
+        failed (an error, not a disagreement: Triton's counters judge errors) or either
+        answer holds a NaN or an infinity (never agreement). ``live``: a sampled live
+        input, whose leaving out is counted in :attr:`left_out`."""
         timeout = self.settings.http_timeout_s
         try:
             production = _infer(self.replicas[0].endpoint.http,
@@ -183,8 +190,17 @@ class _Shadow:
             candidate = _infer(self.canary.endpoint.http,
                                versioned_uri(self.model, self.candidate), sample.body,
                                sample.headers(), timeout)
-        except (urllib.error.URLError, OSError, ValueError, TimeoutError) as exc:
-            self.notes.append(f"a sampled input was not answered by both versions ({exc})")
+        except Exception as exc:  # noqa: BLE001 - a live input never crashes the judge
+            if live:
+                self.left_out["not answered by both versions"] += 1
+            if len(self.notes) < 20:
+                self.notes.append(f"a sampled input was not answered by both versions "
+                                  f"({type(exc).__name__}: {str(exc)[:200]})")
+            return None
+        why = answer_problem(candidate, production)
+        if why is not None:
+            if live:
+                self.left_out[why] += 1
             return None
         return candidate, production
 
@@ -232,6 +248,8 @@ class _Shadow:
                                     "elapsed_s": round(elapsed, 3), "mirrored": mirrored,
                                     "sampled": sampled, "reason": action.reason})
                 self.progress(f"shadow: {action.kind}: {action.reason}")
+                # read while the mirror is on: turning it off deletes the log
+                self.lines = self.sampled_lines()
                 if action.kind == "abort":
                     raise InfrastructureError(action.reason, hint="check the gateway "
                                               "(`modelship doctor`), then promote again",
@@ -323,11 +341,15 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
         _wait_ready(server, model, [candidate], settings.control_timeout_s)
         golden = run.replay_golden(payload)
         traffic = run.window(write, announce)
-        found = parse_samples(run.sampled_lines(), model)
-        chosen = pick(found.requests, run.plan.min_samples)
+        found = parse_samples(run.lines, model)
+        usable, screened = screen(found.requests)
+        run.left_out.update(screened)
+        chosen = pick(usable, run.plan.min_samples)
         progress(f"shadow: comparing {len(chosen)} of {len(found.requests)} sampled live "
-                 "inputs on both versions")
-        pairs = [p for p in map(run.pair, chosen) if p is not None]
+                 "inputs on both versions"
+                 + (f" ({sum(screened.values())} left out: {dict(screened)})"
+                    if screened else ""))
+        pairs = [p for p in (run.pair(c, live=True) for c in chosen) if p is not None]
         if keep_loaded:  # the approval wait's watcher probes P and C side by side here
             server.load_model(model, config_json=to_json(both))
             _wait_ready(server, model, [baseline, candidate], settings.control_timeout_s)
@@ -377,7 +399,8 @@ def _judge(run: _Shadow, policy: Policy, write: Callable[[dict[str, Any]], None]
     judged, skipped = shadow_rules(policy.gates)
     summary = {"mode": "shadow", "mirror_pct": run.plan.mirror_pct,
                "window_s": round(run.window_s, 3), "events": run.events,
-               "sampled": len(found.requests), "left_out": dict(found.left_out),
+               "sampled": len(found.requests),
+               "left_out": dict(found.left_out + run.left_out),
                "compared_inputs": len(pairs), "compared_rows": agreement[1],
                "agreement": agreement[0], "golden_agreement": golden[0],
                "golden_rows": golden[1]}

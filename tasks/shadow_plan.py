@@ -23,17 +23,27 @@ The executor (:mod:`tasks.shadow`) does the I/O; this module decides:
 - **the sampled inputs** (:func:`parse_samples`, :func:`pick`): the gateway logs the body
   of every mirrored HTTP request (:data:`modelship.nginx.SAMPLE_FORMAT`); the executor
   sends the same bytes to production and to the candidate, versioned, and compares the
-  answers with the agreement of :mod:`tasks.agreement`.
+  answers with the agreement of :mod:`tasks.agreement`;
+- **what is never agreement** (:func:`input_problem`, :func:`screen`,
+  :func:`answer_problem`): live inputs are whatever clients sent. A body that does not
+  decode as a KServe request, an input that is NaN or infinite, or a body over
+  :data:`MAX_SAMPLE_BYTES` is left out before any replay, counted with its reason; an
+  answer pair where either side holds a NaN or an infinity (a huge input overflowing the
+  model) is left out of the agreement, counted too. Two NaN answers give the same argmax:
+  counted as agreement, they would hide a broken candidate behind production's garbage.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 from modelship.errors import UsageError
 from modelship.policy import (
@@ -56,10 +66,10 @@ from modelship.triton.metrics import (
 )
 from tasks.traffic_plan import router_problem
 
-__all__ = ["MIN_INTERVALS", "ArmTotals", "SampledRequest", "ShadowPlan", "WindowAction",
-           "arm_totals", "infer_target", "parse_samples", "pick", "shadow_intervals",
-           "shadow_rules",
-           "versioned_uri", "window_action"]
+__all__ = ["MAX_SAMPLE_BYTES", "MIN_INTERVALS", "ArmTotals", "SampledRequest", "ShadowPlan",
+           "WindowAction", "answer_problem", "arm_totals", "infer_target", "input_problem",
+           "parse_samples", "pick", "request_inputs", "screen", "shadow_intervals",
+           "shadow_rules", "versioned_uri", "window_action"]
 
 WindowKind = Literal["hold", "end", "abort"]
 
@@ -67,6 +77,10 @@ WindowKind = Literal["hold", "end", "abort"]
 #: (``tasks.gates.MIN_SERVER_INTERVALS`` is the server-side test's floor; not imported:
 #: that module loads scipy; a unit test keeps this one at or above it).
 MIN_INTERVALS = 5
+
+#: The largest sampled body replayed on both versions (the gateway keeps at most its
+#: ``client_body_buffer_size``, 1 MiB, in memory; a longer logged line is not one of its).
+MAX_SAMPLE_BYTES = 1 << 20
 
 #: Client-side metrics a shadow cannot measure: nobody receives the candidate's answers.
 CLIENT_ONLY: tuple[str, ...] = (*LATENCY_METRICS, "throughput_ratio")
@@ -338,6 +352,8 @@ def parse_samples(lines: Iterable[bytes], model: str) -> Sampled:
             found.left_out["other model"] += 1
         elif not body:
             found.left_out["body not in memory (larger than the gateway's buffer)"] += 1
+        elif len(body) > MAX_SAMPLE_BYTES:
+            found.left_out[f"body over the sample limit ({MAX_SAMPLE_BYTES} bytes)"] += 1
         else:
             found.requests.append(SampledRequest(
                 uri, body, int(length) if length.isdigit() else None,
@@ -353,3 +369,107 @@ def pick(items: Sequence[Any], n: int) -> list[Any]:
         return list(items)
     step = len(items) / n
     return [items[int(i * step)] for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------
+# what is never agreement
+
+#: KServe v2 datatypes as numpy dtypes (little-endian, as the binary extension sends them).
+_DTYPES = {"BOOL": "?", "INT8": "<i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
+           "UINT8": "<u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
+           "FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
+
+
+def request_inputs(sample: SampledRequest) -> dict[str, np.ndarray]:
+    """The numeric input tensors of a KServe v2 request body (pure): its JSON header, and
+    for each input its ``data`` or its binary extension's bytes (in the inputs' order after
+    the header). ``BYTES`` inputs are not numbers and are left out.
+
+    Raises:
+        ValueError: the body is not such a request (with what is wrong).
+    """
+    body = sample.body
+    cut = sample.header_length if sample.header_length is not None else len(body)
+    if not 0 < cut <= len(body):
+        raise ValueError(f"header length {sample.header_length} outside a {len(body)}-byte "
+                         "body")
+    try:
+        doc = json.loads(body[:cut].decode("utf-8"))
+        inputs = doc["inputs"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"no JSON inference header ({type(exc).__name__})") from exc
+    if not isinstance(inputs, list) or not inputs:
+        raise ValueError("no inputs")
+    out: dict[str, np.ndarray] = {}
+    offset = cut
+    for item in inputs:
+        if not isinstance(item, dict):
+            raise ValueError("an input is not an object")
+        name, kind = str(item.get("name", "")), str(item.get("datatype", ""))
+        shape = item.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0
+                                                   for d in shape):
+            raise ValueError(f"input {name!r}: no shape")
+        size = int((item.get("parameters") or {}).get("binary_data_size", -1))
+        raw = body[offset:offset + size] if size >= 0 else None
+        offset += max(size, 0)
+        if kind not in _DTYPES:
+            if kind != "BYTES":
+                raise ValueError(f"input {name!r}: unknown datatype {kind!r}")
+            continue
+        if raw is not None:
+            if len(raw) != size or size % np.dtype(_DTYPES[kind]).itemsize:
+                raise ValueError(f"input {name!r}: {len(raw)} of {size} binary bytes")
+            array = np.frombuffer(raw, dtype=_DTYPES[kind])
+        elif "data" in item:
+            array = np.asarray(item["data"], dtype=np.float64 if kind.startswith("FP")
+                               else _DTYPES[kind]).ravel()
+        else:
+            raise ValueError(f"input {name!r}: neither data nor binary bytes")
+        if array.size != math.prod(shape):
+            raise ValueError(f"input {name!r}: {array.size} values for shape {shape}")
+        out[name] = array.reshape(shape)
+    if offset != len(body) and sample.header_length is not None:
+        raise ValueError(f"{len(body) - offset} bytes after the last input")
+    return out
+
+
+def input_problem(sample: SampledRequest) -> str | None:
+    """Why a sampled input cannot be judged on agreement, or None (pure, never raises):
+    a body that is not a KServe request, or an input with a NaN or an infinity."""
+    try:
+        inputs = request_inputs(sample)
+    except (ValueError, OverflowError, TypeError) as exc:
+        return f"malformed body ({str(exc)[:80]})"
+    for array in inputs.values():
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            return "non-finite input (NaN or inf)"
+    return None
+
+
+def screen(requests: Iterable[SampledRequest]
+           ) -> tuple[list[SampledRequest], Counter[str]]:
+    """The sampled requests that can be replayed and compared, and the others counted by
+    reason (:func:`input_problem`; pure)."""
+    kept: list[SampledRequest] = []
+    left_out: Counter[str] = Counter()
+    for sample in requests:
+        why = input_problem(sample)
+        if why is None:
+            kept.append(sample)
+        else:
+            left_out[why.split(" (", 1)[0] if why.startswith("malformed") else why] += 1
+    return kept, left_out
+
+
+def answer_problem(candidate: Mapping[str, Any], production: Mapping[str, Any]
+                   ) -> str | None:
+    """Why an answer pair is left out of the agreement, or None (pure): a NaN or an
+    infinity in any floating output of either version (a huge input overflowing the
+    model, or a broken one); two such answers agreeing says nothing."""
+    for who, outputs in (("candidate", candidate), ("production", production)):
+        for value in outputs.values():
+            array = np.asarray(value)
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                return f"non-finite answer ({who})"
+    return None

@@ -110,7 +110,7 @@ FILE_SECONDS = {
     "tests/integration/test_swap_faults.py": 100, "tests/integration/test_exits.py": 100,
     "tests/integration/test_wheel.py": 90, "tests/unit/test_sequential.py": 90,
     "tests/unit/test_bake_traffic.py": 80, "tests/unit/test_gates_calibration.py": 80,
-    "tests/e2e/test_progressive.py": 130, "tests/e2e/test_shadow.py": 100,
+    "tests/e2e/test_progressive.py": 130, "tests/e2e/test_shadow.py": 125,
 }
 SECONDS_PER_TEST = {"tests/e2e": 60.0, "tests/integration": 8.0}
 #: Files of independent cells (each starts from whatever the one before left, and sets up

@@ -591,8 +591,7 @@ class _Startup:
         flight. It needs no upstream to start (nginx connects per request)."""
         layout = nginx.GatewayLayout.from_dict(self.state["gateway"]["layout"])
         _private_dir(Path(layout.prefix))
-        nginx.write_config(layout, nginx.render_config(layout, 0.0, 0.0,
-                                                       generation=f"up-{time.time_ns()}"))
+        nginx.at_rest(layout, generation=f"up-{time.time_ns()}")
         self.progress(f"starting the gateway (nginx) on {layout.http_url} and "
                       f"{layout.grpc_address} (gRPC)")
         return self._launch("gateway", nginx.command(binary, layout), self.base_env,
@@ -760,6 +759,10 @@ def _restart(settings: Settings, state: dict[str, Any], dead: list[str],
                 hint="free them, or run `modelship stack down` then `modelship stack up`",
                 component=name, ports=busy,
             )
+        if name == "gateway":  # at production only (nginx.at_rest says why), never the
+            # split it died with
+            nginx.at_rest(nginx.GatewayLayout.from_dict(state["gateway"]["layout"]),
+                          generation=f"restart-{time.time_ns()}")
         command = state["commands"][name]
         progress(f"restarting {name} (it was not running)")
         proc, record = start_process(name, command["argv"], env=_component_env(name, state,

@@ -101,7 +101,14 @@ class LocalGateway:
         During a reload the retiring workers may still take a new connection and answer
         with the split being replaced: a reader (status, recovery, another process) would
         see the new split, then the old one. So while more workers than configured take
-        connections, it waits (at most ``timeout_s``) for the retiring ones to stop."""
+        connections, it waits (at most ``timeout_s``) for the retiring ones to stop.
+
+        Raises:
+            InfrastructureError: the master is dead (its orphaned workers may still answer
+                with the split they had, but nothing can change it: a dead gateway), or
+                the workers do not answer.
+        """
+        self._check_master()
         deadline = time.monotonic() + self.timeout_s
         while nginx.accepting_workers(self.pid) > nginx.WORKER_PROCESSES \
                 and time.monotonic() < deadline:
@@ -113,8 +120,12 @@ class LocalGateway:
 
     def _apply(self, split: TrafficSplit, current: TrafficSplit) -> None:
         """Render, check, write, reload, and wait until the new workers answer. A split
-        that is live already costs no reload (no connection is closed for nothing)."""
+        that is live already costs no reload (no connection is closed for nothing). A split
+        without a mirror deletes the shadow's sample log (production's inputs): whoever
+        turns the mirror off (the shadow, recovery, reconcile) leaves none behind."""
         if as_live(split) == current:
+            if not split.mirror_pct:
+                nginx.forget_samples(self.layout)
             return
         deadline = time.monotonic() + self.timeout_s
         self._check_master()
@@ -125,6 +136,8 @@ class LocalGateway:
         nginx.write_config(self.layout, text)
         nginx.reload(self.pid)
         self._await_generation(generation, deadline)
+        if not split.mirror_pct:  # no worker logs mirrored bodies any more
+            nginx.forget_samples(self.layout)
 
     def _check_master(self) -> None:
         ticks = process_start_ticks(self.pid)

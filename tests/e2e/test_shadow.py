@@ -7,12 +7,17 @@ through the gateway while ``modelship promote`` of v2 runs: the replay canary wo
 passed it on the golden rows; the shadow canary mirrors the live requests to v2, samples
 their bodies, replays them on both versions, and rejects v2 (exit 4) on the agreement
 gate. The clients only ever got v1's answers, and the mirror is back to 0 at the end.
+
+Crash safety and locks: a shadow release SIGKILLed while its mirror is on leaves the
+mirror (and the sample log) for the next command, which removes both; a second release
+of the model meanwhile is refused by the model's lock and writes nothing.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -25,7 +30,10 @@ from modelship.loadgen import LoadSpec, run_load_sync
 from modelship.settings import Settings
 from modelship.stack.state import read_state
 from modelship.traffic.local_gateway import LocalGateway
+from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
 from tests import models
+from tests.conftest import start_cli
+from tests.e2e import live_clients
 from tests.inprocess import beside, run_inprocess
 
 pytestmark = pytest.mark.e2e
@@ -78,14 +86,23 @@ def _cli(*args: str, settings: Settings, code: int = 0) -> dict[str, Any]:
     return doc
 
 
-def test_a_candidate_that_disagrees_on_live_inputs_only_is_rejected(
-        stack_settings: Settings, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def production(stack_settings: Settings) -> int:
+    """v1 in production (staged and swapped, no canary)."""
     uri = str(stack_settings.mlflow_tracking_uri)
-    example = {"input": GOLDEN}
-    v1 = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"), example=example)
-    v2 = models.register_onnx(uri, MODEL, outside_negated_graph(), example=example)
+    v1 = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"),
+                              example={"input": GOLDEN})
     _cli("stage", MODEL, "--version", str(v1), settings=stack_settings)
     _cli("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    return v1
+
+
+def test_a_candidate_that_disagrees_on_live_inputs_only_is_rejected(
+        stack_settings: Settings, tmp_path: Path, production: int) -> None:
+    uri = str(stack_settings.mlflow_tracking_uri)
+    example = {"input": GOLDEN}
+    v1 = production
+    v2 = models.register_onnx(uri, MODEL, outside_negated_graph(), example=example)
     gateway = stack_settings.gateway_url
     assert gateway, "the session stack runs a gateway"
     policy = models.write_policy(tmp_path / "policy.yaml", POLICY)
@@ -139,3 +156,61 @@ def test_a_candidate_that_disagrees_on_live_inputs_only_is_rejected(
     assert live.is_production_only, live
     assert not LocalGateway.from_state(read_state(stack_settings.stack_file) or {}
                                        ).layout.sample_log.exists()
+
+
+def _gateway(settings: Settings) -> LocalGateway:
+    return LocalGateway.from_state(read_state(settings.stack_file) or {})
+
+
+def test_a_killed_shadow_leaves_its_mirror_to_the_next_command_and_a_second_is_refused(
+        stack_settings: Settings, tmp_path: Path, production: int) -> None:
+    """Crash safety of the shadow (issue 20 item 5) and two releases of one model at once:
+    while the mirror is on, a second promote of the model is refused by the model's
+    release lock (exit 1, naming the holder) and changes nothing on the gateway; status
+    shows the mirror. The release is SIGKILLed there: the mirror and the sample log of
+    production's inputs stay (nothing ran to remove them), status still shows it, and the
+    next command (`modelship reconcile`) returns the gateway to production, deletes the
+    log and unloads the candidate from the canary Triton."""
+    same = models.register_onnx(str(stack_settings.mlflow_tracking_uri), MODEL,
+                                models.onnx_graph("softmax"), example={"input": GOLDEN})
+    policy = models.write_policy(tmp_path / "hold.yaml", {
+        **POLICY, "canary": {**POLICY["canary"], "window_s": 300.0,
+                             "max_duration_s": 600.0}})
+    router = _gateway(stack_settings)
+    release = start_cli("promote", MODEL, "--version", str(same), "--policy", str(policy),
+                        "--json", home=stack_settings.home)
+    try:
+        deadline = time.monotonic() + 240
+        while router.live().mirror_pct != 100.0:
+            assert release.poll() is None, release.communicate(timeout=30)
+            assert time.monotonic() < deadline, "the mirror never went on"
+            time.sleep(0.1)
+        load = run_load_sync([str(stack_settings.gateway_url)], MODEL, {"input": LIVE},
+                             LoadSpec(protocol="http", rate_rps=50.0, duration_s=1.0,
+                                      warmup_s=0.0, timeout_s=10.0))
+        assert load.records and all(r.ok for r in load.records)
+        second = run_inprocess("promote", MODEL, "--version", str(same), "--policy",
+                               str(policy), "--json", home=stack_settings.home, timeout=300)
+        assert second.returncode == 1, (second.stdout[-2000:], second.stderr[-2000:])
+        assert f"another release of {MODEL} is running" in second.stdout + second.stderr
+        assert router.live() == TrafficSplit(mirror_pct=100.0)  # the loser wrote nothing
+        shown = live_clients.status(stack_settings, MODEL)["traffic"]
+        assert shown["live"]["mirror_pct"] == 100.0 and not shown["production_only"], shown
+    finally:
+        release.kill()
+        release.communicate(timeout=30)
+    assert router.live() == TrafficSplit(mirror_pct=100.0)  # a SIGKILL restores nothing
+    assert router.layout.sample_log.stat().st_size > 0  # production's inputs, left behind
+    shown = live_clients.status(stack_settings, MODEL)["traffic"]
+    assert shown["live"]["mirror_pct"] == 100.0, shown
+    healed = json.loads(run_inprocess("reconcile", MODEL, "--json",
+                                      home=stack_settings.home).stdout)
+    print(json.dumps(healed)[:2000])
+    assert healed["traffic"]["restored"], healed["traffic"]
+    assert router.live() == PRODUCTION_ONLY
+    assert not router.layout.sample_log.exists()
+    recovered = healed["models"][0]["recovered"]
+    assert recovered["interrupted"] and MODEL in recovered["unloaded"], recovered
+    status = live_clients.status(stack_settings, MODEL)
+    assert status["traffic"]["production_only"], status["traffic"]
+    assert status["consistent"] and status["production_version"] == production

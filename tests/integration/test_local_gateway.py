@@ -7,7 +7,11 @@ backend that gave it. The module unloads and deletes it at the end.
 - weights route, the mirror copies, and ``live()`` reads both back from nginx;
 - moving the weights and the mirror several times under HTTP and gRPC load (the project's
   load generator, through the gateway) fails no request;
-- a killed gateway comes back on ``stack up`` with the split it had (last: it restarts it).
+- the gateway killed during a progressive step: the release aborts at its next look
+  (exit 1) although the orphaned workers still route its split, and ``stack up`` brings
+  the gateway back at production only, which status reads;
+- a killed gateway comes back on ``stack up`` at production only, never the split it died
+  with (last: it restarts it).
 """
 
 from __future__ import annotations
@@ -26,12 +30,17 @@ from typing import Any
 import pytest
 
 from bench.traffic import MODEL, PAYLOAD, serve_two_versions
+from modelship import nginx
+from modelship.errors import InfrastructureError
 from modelship.loadgen import LoadReport, LoadSpec, run_load, run_load_sync
 from modelship.settings import Settings
 from modelship.stack import manager
 from modelship.stack.state import read_state
 from modelship.traffic.local_gateway import LocalGateway
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
+from tasks.progressive import Progressive, run_progressive
+from tasks.traffic_plan import ProgressivePlan, Status
+from tasks.traffic_state import live_traffic
 
 pytestmark = pytest.mark.integration
 
@@ -153,22 +162,75 @@ def test_moving_weights_and_mirror_under_load_fails_no_request(
         assert {r.model_version for r in report.records} == {"1", "2"}, protocol
 
 
-def test_a_killed_gateway_comes_back_on_stack_up_with_its_split(
-        gateway: LocalGateway, stack_settings: Settings) -> None:
-    gateway.set_weights(20)
-    state = read_state(stack_settings.stack_file)
+def _heal(settings: Settings, dead: LocalGateway) -> LocalGateway:
+    """`stack up` restarts the dead gateway; the router of the new one."""
+    state = read_state(settings.stack_file)
     assert state is not None
-    # the master alone: its workers are left holding the ports, as after a crash
-    os.kill(gateway.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while not any(not c["alive"] and c["name"] == "gateway"
-                  for c in manager.status(stack_settings)["components"]):
+                  for c in manager.status(settings)["components"]):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    _, report = manager.up(stack_settings, replicas=len(state["triton"]["replicas"]))
+    _, report = manager.up(settings, replicas=len(state["triton"]["replicas"]))
     assert report.restarted == ["gateway"]
-    healed = LocalGateway.from_state(read_state(stack_settings.stack_file) or {})
-    assert healed.pid != gateway.pid
-    assert healed.live() == TrafficSplit(canary_pct=20)  # the configuration it had
-    assert sum(answers(state["gateway"]["grpc"], "grpc", 1.0).values()) > 0
-    healed.set_weights(0)
+    healed = LocalGateway.from_state(read_state(settings.stack_file) or {})
+    assert healed.pid != dead.pid
+    return healed
+
+
+def test_the_gateway_killed_during_a_progressive_step_is_exit_1_and_heals_to_production(
+        gateway: LocalGateway, stack_settings: Settings) -> None:
+    """nginx's master dies while the first step (5 %) is live: its orphaned workers still
+    send 5 % to the canary, but nothing can change the split any more. The release aborts
+    at its next look (an infrastructure failure, exit 1: not the candidate's verdict),
+    having written production as its intent; `stack up` brings the gateway back at
+    production only, and status says so."""
+    state = read_state(stack_settings.stack_file)
+    assert state is not None
+    written: list[dict[str, Any]] = []
+    killed: list[float] = []
+
+    def judge(step: int) -> Status:
+        if not killed:
+            os.kill(gateway.pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+        return "continue"
+
+    plan = ProgressivePlan(steps=(5.0, 50.0), min_s=60.0, max_s=120.0)
+    with pytest.raises(InfrastructureError) as err:
+        run_progressive(Progressive(plan, gateway, judge, written.append, look_s=0.2))
+    took = time.monotonic() - killed[0]
+    assert err.value.exit_code == 1 and "not running" in err.value.message, err.value
+    assert took < 10.0, took  # at the next look, not at the step's ceiling
+    events = written[-1]["events"]
+    assert [(e["action"], e["weight_pct"]) for e in events] == [("advance", 5.0),
+                                                                 ("abort", 0.0)], events
+    assert written[-1]["split"]["canary_pct"] == 0.0  # the record says production
+    # what was at stake: the orphaned workers still send 5 % to the canary
+    assert nginx.read_live(gateway.layout, timeout_s=2.0)[0] == 5.0
+    dead = live_traffic(gateway)  # status: the router did not answer, and why
+    assert dead is not None and dead["live"] is None and "not running" in dead["error"]
+    healed = _heal(stack_settings, gateway)
+    assert healed.live() == PRODUCTION_ONLY
+    shown = live_traffic(healed)
+    assert shown is not None and shown["production_only"], shown
+    assert set(answers(state["gateway"]["http"], "http", 1.0)) == {"1"}  # production only
+
+
+def test_a_killed_gateway_comes_back_on_stack_up_at_production_only(
+        gateway: LocalGateway, stack_settings: Settings) -> None:
+    """A restarted gateway never resumes the split it died with: the release that held it
+    aborted on the dead gateway and unloaded its candidate, so that share would fail. The
+    shadow's sample log (production's inputs) does not survive it either."""
+    state = read_state(stack_settings.stack_file)
+    assert state is not None
+    router = LocalGateway.from_state(state)  # the fixture's may have been restarted
+    router.set_weights(20)
+    router.mirror(50)
+    answers(state["gateway"]["http"], "http", 1.0)
+    assert router.layout.sample_log.exists()
+    os.kill(router.pid, signal.SIGKILL)  # the master alone: its workers hold the ports
+    healed = _heal(stack_settings, router)
+    assert healed.live() == PRODUCTION_ONLY
+    assert not healed.layout.sample_log.exists()
+    assert set(answers(state["gateway"]["grpc"], "grpc", 1.0)) == {"1"}

@@ -4,7 +4,9 @@ returns the mirror to 0 on every way out."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import os
 import signal
 import socket
 import subprocess
@@ -232,3 +234,116 @@ def test_a_stop_request_mid_window_returns_the_mirror_to_zero_and_goes_on_up(
         run.window(written.append, lambda _: None)
     assert router.split == PRODUCTION_ONLY
     assert [w["split"]["mirror_pct"] for w in written] == [20.0, 0.0]
+
+
+def _workers(master: int) -> list[int]:
+    """The nginx master's worker PIDs (children in /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == master:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _post(layout: nginx.GatewayLayout, n: int) -> None:
+    for i in range(n):
+        request = urllib.request.Request(layout.http_url + "/v2/models/m/infer",
+                                         data=f'{{"n":{i}}}'.encode(), method="POST")
+        urllib.request.urlopen(request, timeout=10).read()
+
+
+def test_whoever_turns_the_mirror_off_deletes_the_sample_log(
+        gateway: tuple[nginx.GatewayLayout, _Backend, _Backend]) -> None:
+    """The log holds production's inputs: recovery or reconcile returning a killed
+    shadow's mirror to 0 leaves none behind (the shadow itself read it first)."""
+    from modelship.traffic.local_gateway import LocalGateway
+
+    layout, _, _ = gateway
+    pid = int(Path(layout.prefix, "nginx.pid").read_text())
+    router = LocalGateway(layout, pid=pid, start_ticks=None)
+    _post(layout, 40)
+    deadline = time.monotonic() + 5
+    while not layout.sample_log.exists() or not layout.sample_log.stat().st_size:
+        assert time.monotonic() < deadline, "nothing was logged"
+        time.sleep(0.05)
+    router.set_weights(10.0)  # the mirror stays on: the log stays
+    assert layout.sample_log.exists()
+    router.mirror(0.0)
+    assert router.live() == TrafficSplit(canary_pct=10.0)
+    assert not layout.sample_log.exists()
+    _post(layout, 5)
+    assert not layout.sample_log.exists()  # nothing logs without a mirror
+
+
+def test_a_dead_master_is_a_dead_gateway_even_while_its_workers_answer(
+        gateway: tuple[nginx.GatewayLayout, _Backend, _Backend]) -> None:
+    """A SIGKILLed master leaves its workers serving the split they had, and nothing can
+    change it: live() says the gateway is dead (a release aborts at its next look)
+    instead of reading the orphans' split as if all were well."""
+    from modelship.traffic.local_gateway import LocalGateway
+
+    layout, _, _ = gateway
+    pid = int(Path(layout.prefix, "nginx.pid").read_text())
+    workers = _workers(pid)
+    assert workers
+    router = LocalGateway(layout, pid=pid, start_ticks=None, timeout_s=3.0)
+    assert router.live() == TrafficSplit(mirror_pct=50.0)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{pid}").exists() and \
+                "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert nginx.read_live(layout, timeout_s=2.0)[1] == 50.0  # the orphans answer
+        with pytest.raises(InfrastructureError, match="is not running"):
+            router.live()
+    finally:
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+
+
+def test_a_gateway_starts_at_rest_whatever_it_had(tmp_path: Path) -> None:
+    """stack up (a first start or a restart of a dead gateway) renders production only
+    and deletes a sample log left behind."""
+    layout = nginx.GatewayLayout(1, 2, 3, (("a:1", "b:2"),), ("c:3", "d:4"), str(tmp_path),
+                                 str(tmp_path / "e.log"))
+    nginx.write_config(layout, nginx.render_config(layout, 20.0, 50.0, "g1"))
+    layout.sample_log.write_bytes(b'{"body": "a production input"}\n')
+    nginx.at_rest(layout, "g2")
+    text = layout.config_path.read_text()
+    assert '"canary_pct": 0.0' in text and '"mirror_pct": 0.0' in text, text
+    assert "mirror /_modelship_mirror" not in text and "split_clients" not in text
+    assert not layout.sample_log.exists()
+
+
+def test_the_window_reads_its_samples_before_the_mirror_goes_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = nginx.GatewayLayout(1, 2, 3, (("a", "b"),), ("c", "d"), str(tmp_path),
+                                 str(tmp_path / "e.log"))
+
+    class Forgets(_Gateway):  # as the local gateway: the mirror off deletes the log
+        def mirror(self, share_pct: float) -> None:
+            super().mirror(share_pct)
+            if not share_pct:
+                layout.sample_log.unlink(missing_ok=True)
+
+    router = Forgets(layout, lasts=10**6)
+    run, written = _window(tmp_path, router, monkeypatch, max_duration_s=0.05)
+    original = run.tick
+
+    def tick() -> None:
+        original()
+        if router.split.mirror_pct:
+            with layout.sample_log.open("ab") as log:
+                log.write(b'{"uri":"/v2/models/m/infer","body":"x"}\n')
+
+    monkeypatch.setattr(run, "tick", tick)
+    run.window(written.append, lambda _: None)
+    assert not layout.sample_log.exists() and router.split == PRODUCTION_ONLY
+    assert run.lines and len(parse_samples(run.lines, "m").requests) == len(run.lines)
