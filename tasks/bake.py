@@ -565,21 +565,17 @@ def latency_state(windows: Sequence[Window], reference: Reference | None,
     """Every latency rule after these windows (pure): which windows were judged and which
     held, and each rule's looks so far; ``breach`` names the first rule that crossed."""
     quantiles = policy.latency_quantiles
-    held: dict[int, str] = {}
-    judged: list[Window] = []
     state: dict[str, Any] = {"judged": 0, "held": {}, "rules": [], "breach": None}
     ref_rows = [block_stats(w, quantiles) for w in reference.windows] \
         if reference is not None else []
-    if reference is None or not quantiles or sum(
+    if reference is None or not quantiles or reference.kind != "holdback" and sum(
             all(x is not None for x in row) for row in ref_rows) < 2:
         state["status"] = "off" if not quantiles else "no reference"
         return state
-    for window in windows:
-        why = load_departure(window, reference, policy)
-        if why is not None:
-            held[window.index] = why
-        else:
-            judged.append(window)
+    concurrent = reference.kind == "holdback"  # the control's window of the same index
+    control_by_index = {w.index: row for w, row in zip(reference.windows, ref_rows,
+                                                        strict=True)}
+    held, judged = _held_or_judged(windows, reference, policy, control_by_index)
     state.update(judged=len(judged), held=held, reference_rate_rps=reference.rate_rps,
                  load_tolerance_pct=policy.load_tolerance_pct)
     n_total = total_windows(policy)
@@ -587,9 +583,6 @@ def latency_state(windows: Sequence[Window], reference: Reference | None,
     points, final_alpha = look_plan(n_total, alpha_q)
     bake_over = len(windows) >= n_total > 0
     judged_rows = [block_stats(w, quantiles) for w in judged]
-    concurrent = reference.kind == "holdback"  # the control's window of the same index
-    control_by_index = {w.index: row for w, row in zip(reference.windows, ref_rows,
-                                                        strict=True)}
     for j, q in enumerate(quantiles):
         before = np.asarray([row[j] for row in ref_rows if row[j] is not None])
         stat_by_count: list[float] = []
@@ -640,6 +633,40 @@ def latency_state(windows: Sequence[Window], reference: Reference | None,
     state["status"] = ("nothing to judge" if not windows else "held" if not judged
                        else "partly held" if held else "judged")
     return state
+
+
+def _held_or_judged(windows: Sequence[Window], reference: Reference, policy: BakePolicy,
+                    control_rows: Mapping[int, Sequence[float | None]]
+                    ) -> tuple[dict[int, str], list[Window]]:
+    """The windows held (by index, with why: the load left the reference's, or the
+    holdback has no window of the same time) and the judged ones (pure)."""
+    held: dict[int, str] = {}
+    judged: list[Window] = []
+    for window in windows:
+        why = load_departure(window, reference, policy) or (
+            thin_control(window, reference, control_rows) if reference.kind == "holdback"
+            else None)
+        if why is not None:
+            held[window.index] = why
+        else:
+            judged.append(window)
+    return held, judged
+
+
+def thin_control(window: Window, reference: Reference,
+                 control_rows: Mapping[int, Sequence[float | None]]) -> str | None:
+    """Why ``window`` has no holdback window of the same time to be compared with, or None
+    (pure): the holdback answered fewer than :data:`MIN_BLOCK_PROBES` probe requests then
+    (a small ``holdback_pct`` does not thin the probe, which goes to every target alike;
+    a holdback that failed or was slow does). Such a window is held, never judged nor
+    failed: the concurrent control is what the bake compares with."""
+    row = control_rows.get(window.index)
+    if row is not None and all(x is not None for x in row):
+        return None
+    mate = next((w for w in reference.windows if w.index == window.index), None)
+    answered = 0 if mate is None else len(mate.latencies_ms)
+    return (f"window {window.index}: the holdback answered {answered} probe requests in the "
+            f"same time, fewer than {MIN_BLOCK_PROBES}: no control to compare with")
 
 
 def _breach_text(rule: str, blocks: int, control: str, alpha_q: float, window: Window,
@@ -703,11 +730,13 @@ def judge_windows(windows: Sequence[Window], baseline: Baseline,
     if latency["status"] == "held":
         first = next(iter(latency["held"].values()))
         return BakeVerdict("held", f"{len(windows)} windows, {served} requests, {errs}; "
-                           f"latency held in every window, not judged: the load left what "
-                           f"the reference covers ({first})", latency=record,
+                           f"latency held in every window, not judged (load outside what "
+                           f"the reference covers, or no holdback to compare with: {first})",
+                           latency=record,
                            errors=error_record)
     held = (f"; latency held in {len(latency['held'])} of {len(windows)} windows (load "
-            f"outside the reference's)" if latency["held"] else "")
+            f"outside the reference's, or no holdback to compare with)"
+            if latency["held"] else "")
     return BakeVerdict("passed", f"{len(windows)} windows, {served} requests, no breach: "
                        f"{errs}{held}", latency=record, errors=error_record)
 

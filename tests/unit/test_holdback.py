@@ -141,3 +141,77 @@ def test_the_dry_run_plan_names_the_control() -> None:
     held = baking.plan(BakePolicy(duration_s=30, holdback_pct=33))
     assert held["holdback_pct"] == 33 and held["control"].startswith("holdback: ")
     assert baking.plan(BakePolicy(duration_s=30))["control"].startswith("pre-swap reference")
+
+
+# --------------------------------------------------------------------------------------
+# holdback_pct at 5 % (the issue's example)
+
+FIVE = BakePolicy(duration_s=30.0, window_s=2.0, probe_rps=40.0, holdback_pct=5.0,
+                  max_latency_increase_pct=25.0)
+
+
+def test_five_percent_is_rendered_as_five_percent_of_live_requests(tmp_path: Any) -> None:
+    """The holdback's share as the gateway holds it: 5 % of requests to the canary
+    (previous version), the rest to the replicas, nothing mirrored."""
+    from modelship import nginx
+    from modelship.traffic.local_gateway import as_live
+    from modelship.traffic.port import TrafficSplit
+
+    share = TrafficSplit(canary_pct=FIVE.holdback_pct)
+    assert as_live(share) == share and share.production_pct == 95.0
+    layout = nginx.GatewayLayout(1, 2, 3, (("a:1", "b:2"), ("e:5", "f:6")), ("c:3", "d:4"),
+                                 str(tmp_path), str(tmp_path / "e.log"))
+    text = nginx.render_config(layout, share.canary_pct, share.mirror_pct, "g")
+    assert 'split_clients "${request_id}" $modelship_route {\n        5% canary;\n' \
+           '        * production;\n    }' in text
+    assert "proxy_pass http://${modelship_route}_http;" in text
+    assert "grpc_pass grpc://${modelship_route}_grpc;" in text
+    assert "mirror /_modelship_mirror" not in text
+
+
+def _thin(index: int, rng: np.random.Generator, probes: int) -> baking.Window:
+    lat = tuple(float(x) for x in 2.0 * np.exp(rng.normal(0, 0.3, probes)))
+    return baking.Window(index=index, seconds=2.0, requests=probes + 5, errors=0,
+                         server_us=None, latencies_ms=lat, rate_rps=3.0)
+
+
+def test_a_holdback_window_with_too_few_probes_is_held_not_judged_and_said() -> None:
+    """At 5 % the holdback's live share is small; its probe share is not (the probe goes
+    to every target alike), but a holdback that answers fewer than MIN_BLOCK_PROBES in a
+    window (slow, failing) leaves that window without a control: held, with the reason,
+    never silently dropped while counted as judged, never a breach."""
+    rng = np.random.default_rng(1)
+    n = baking.total_windows(FIVE)
+    fleet = [_window(i, rng, level_ms=4.0, rate=100.0) for i in range(n)]  # x2 slower
+    thin = {2, 5, 7}
+    control = baking.Reference(tuple(
+        _thin(i, rng, baking.MIN_BLOCK_PROBES - 1) if i in thin
+        else _window(i, rng, level_ms=2.0, rate=5.0) for i in range(n)), kind="holdback")
+    state = baking.latency_state(fleet, control, FIVE)
+    assert set(state["held"]) == thin, state["held"]
+    assert state["judged"] == n - len(thin) and state["status"] == "partly held"
+    assert f"fewer than {baking.MIN_BLOCK_PROBES}" in state["held"][2]
+    assert "answered 9 probe requests" in state["held"][2]
+    assert state["breach"]  # the windows with a control still judge a slower fleet
+
+
+def test_a_holdback_too_thin_in_every_window_holds_the_bake_and_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bake's verdict when the holdback never had enough probes: ``held`` (latency
+    not judged), not ``passed`` as if judged, not a breach; the record says why."""
+    rng = np.random.default_rng(2)
+
+    def windows(replicas: Any, **kw: Any) -> tuple[baking.Window, baking.Window | None]:
+        i = kw["index"]
+        return (_window(i, rng, level_ms=6.0, rate=100.0),
+                _thin(i, rng, baking.MIN_BLOCK_PROBES - 4))
+
+    monkeypatch.setattr(baking, "measure_windows", windows)
+    report = baking.watch([], model="m", version=2, payload={}, policy=FIVE,
+                          baseline=None, timeout_s=1.0,
+                          holdback=baking.Holdback(server=None, version=1))  # type: ignore[arg-type]
+    verdict = report.verdict
+    assert verdict.outcome == "held", verdict.reason
+    assert "no holdback to compare with" in verdict.reason
+    assert "the holdback answered 6 probe requests" in verdict.reason
+    assert len(verdict.latency["held"]) == len(report.windows) > 0
