@@ -26,7 +26,10 @@ release). Where the rest goes:
 Prefect flow run), the check's own stages, ``between_stages_s`` (inside the record but in
 no stage: the journal's first writes, the recovery check, the candidate, the release lock,
 the end of the release), and ``end_s`` (the record's end to the process's exit: the flow
-run's end, Prefect's senders). ``outside_stages_s`` is all three together. The tree is
+run's end, Prefect's senders). ``outside_stages_s`` is all three together. ``cpu_s`` is the
+CPU (user + system) of the promote process and the processes it waited for: the load
+window's load generator included, but less sensitive than wall time to what else runs on
+the machine. The tree is
 byte-compiled first, as ``make install`` does (:func:`compile_tree`). ``--tree DIR`` runs
 the promotes on another checkout's code (its packages first on ``PYTHONPATH``, this
 driver's stack and models), so an older commit is measured by the same arithmetic.
@@ -40,6 +43,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -101,16 +105,19 @@ def promote(home: Path, version: int, policy: Path, tree: Path = ROOT
     if tree != ROOT:
         env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
     launched = datetime.now(UTC).isoformat()
-    began = time.monotonic()
+    began, children = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([str(ROOT / ".venv/bin/modelship"), "promote", MODEL, "--version",
                            str(version), "--policy", str(policy), "--json"],
                           capture_output=True, text=True, env=env, cwd=tree, timeout=900)
     wall = time.monotonic() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - children.ru_utime) + (after.ru_stime - children.ru_stime)
     if done.returncode != 0:
         raise SystemExit(f"promote v{version} exited {done.returncode}:\n{done.stderr[-3000:]}")
     record = json.loads(done.stdout)
     record["_launched_at"], record["_exited_at"] = launched, datetime.now(UTC).isoformat()
     record["_stderr_tail"] = done.stderr.splitlines()[-5:]
+    record["_cpu_s"] = cpu
     record["_canary_events"] = canary_events(done.stderr)
     return wall, record
 
@@ -180,7 +187,8 @@ def breakdown(wall: float, record: dict[str, Any]) -> dict[str, Any]:
     check = next((s for s in record["stages"] if s["name"] == "check"), None) or {}
     check_stages = {c["stage"]: round(float(c.get("seconds") or 0), 2)
                     for c in (check.get("details") or {}).get("stages") or []}
-    return {"wall_s": round(wall, 2), "stages_s": stages, "check_stages_s": check_stages,
+    return {"wall_s": round(wall, 2), "cpu_s": round(float(record.get("_cpu_s") or 0.0), 2),
+            "stages_s": stages, "check_stages_s": check_stages,
             "start_s": round(start, 2), "end_s": round(end, 2),
             "between_stages_s": round(wall - in_stages - start - end, 2),
             "stderr_tail": record.get("_stderr_tail", []),
@@ -215,7 +223,7 @@ CHECK_STAGES = ["preflight", "resolve", "golden", "input_checks", "export", "val
                 "output_checks", "trial_load"]
 TOTALS = ["start_s", "between_stages_s", "end_s", "outside_stages_s", "canary_load_s",
           "bake_watch_s", "overhead_s", "canary_measured_s", "bake_windows_s",
-          "overhead_windows_s", "wall_s"]
+          "overhead_windows_s", "wall_s", "cpu_s"]
 CANARY_PHASES = ["before_load", "load", "load_window", "after_load", "after_report"]
 
 

@@ -45,10 +45,13 @@ outputs must satisfy ``|onnx - native| <= atol + rtol * |native|``.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import math
 import shutil
 import sys
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -485,13 +488,72 @@ def import_skops_without_torch() -> None:
     """
     if "torch" in sys.modules or "skops.io" in sys.modules:
         return
-    sys.meta_path.insert(0, _RefuseTorch)
+    sys.meta_path[:0] = [_RefuseTorch, _QuickWhichmodule]
     try:
         import skops.io  # noqa: F401
     except ImportError:
         pass  # no skops: MLflow says so when a .skops file needs it
     finally:
         sys.meta_path.remove(_RefuseTorch)
+        sys.meta_path.remove(_QuickWhichmodule)
+        _QuickWhichmodule.restore()
+
+
+class _QuickWhichmodule:
+    """While skops imports: its ``whichmodule`` answered by :func:`quick_whichmodule`.
+
+    At import, skops names the trusted numpy and scipy ufuncs with ``whichmodule``, which
+    reads each of ~850 names with ``getattr`` on every loaded module in import order (the
+    first module that holds the object names it). A missed ``getattr`` costs microseconds,
+    so in a process that has loaded prefect, mlflow and GX (~4,000 modules) that is ~2 s of
+    CPU. A meta path finder that finds nothing: asked for ``skops.io._trusted_types``
+    (which computes the names), it swaps ``skops.io._utils.whichmodule`` first;
+    :meth:`restore` puts skops's own back once the import is over.
+    """
+
+    original: Callable[[Any, str], str] | None = None
+
+    @classmethod
+    def find_spec(cls, name: str, path: Any = None, target: Any = None) -> None:
+        if name != "skops.io._trusted_types" or cls.original is not None:
+            return
+        utils = vars(importlib.import_module("skops.io._utils"))
+        cls.original = utils["whichmodule"]
+        utils["whichmodule"] = functools.partial(quick_whichmodule, fallback=cls.original)
+
+    @classmethod
+    def restore(cls) -> None:
+        if cls.original is not None:
+            vars(sys.modules["skops.io._utils"])["whichmodule"] = cls.original
+            cls.original = None
+
+
+def quick_whichmodule(obj: Any, name: str, *, fallback: Callable[[Any, str], str]) -> str:
+    """What ``fallback`` (skops's ``whichmodule``, a copy of pickle's) answers, found
+    sooner: the first loaded module, in import order, that holds ``obj`` as ``name``.
+
+    A plain module without a module ``__getattr__`` holds exactly its ``__dict__`` (no
+    ufunc is named like an attribute of the module type), so it is read there; any other
+    object in ``sys.modules`` is asked with ``getattr``, as skops does. A dotted name, or
+    an object with a ``__module__``, goes to ``fallback`` itself.
+    """
+    if "." in name or getattr(obj, "__module__", None) is not None:
+        return fallback(obj, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # as skops: numpy.core's
+        for module_name, module in sys.modules.copy().items():
+            if module_name in ("__main__", "__mp_main__") or module is None:
+                continue
+            if type(module) is types.ModuleType and "__getattr__" not in module.__dict__:
+                found = module.__dict__.get(name)
+            else:
+                try:
+                    found = getattr(module, name, None)
+                except (AttributeError, ImportError):
+                    continue
+            if found is obj:
+                return module_name
+    return "__main__"
 
 
 def _convert_sklearn(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -530,13 +531,14 @@ from tasks.export import import_skops_without_torch
 import_skops_without_torch()
 torch_after = "torch" in sys.modules
 from skops.io._trusted_types import SKLEARN_ESTIMATOR_TYPE_NAMES
-from skops.io._utils import get_type_name
+from skops.io._utils import get_type_name, whichmodule
+restored = whichmodule.__module__ == "skops.io._utils"
 from sklearn.utils import all_estimators
 import torch  # now allowed: what skops would have trusted with torch importable
 full = [get_type_name(c) for _, c in all_estimators() if get_type_name(c).startswith("sklearn.")]
 trusted = SKLEARN_ESTIMATOR_TYPE_NAMES
 print(json.dumps({"torch_after": torch_after, "same": sorted(full) == sorted(trusted),
-                  "trusted": len(trusted)}))
+                  "trusted": len(trusted), "restored": restored}))
 """
 
 
@@ -549,5 +551,57 @@ def test_skops_imports_without_torch_and_trusts_the_same_types() -> None:
                           cwd=root, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result == {"torch_after": False, "same": True, "trusted": result["trusted"]}
+    assert result == {"torch_after": False, "same": True, "trusted": result["trusted"],
+                      "restored": True}
     assert result["trusted"] > 100
+
+
+def _other_modules() -> Any:
+    """Loaded modules of the kinds quick_whichmodule must ask with getattr, each holding
+    an object of its own (a ufunc without ``__module__``, as skops's scan looks for)."""
+    import types
+
+    class Subclassed(types.ModuleType):
+        pass
+
+    held = {name: np.frompyfunc(lambda x: x, 1, 1) for name in ("plain", "lazy", "sub")}
+    plain = types.ModuleType("ms_quick_plain")
+    plain.plain_ufunc = held["plain"]  # type: ignore[attr-defined]
+    lazy = types.ModuleType("ms_quick_lazy")
+
+    def module_getattr(name: str) -> Any:
+        if name == "lazy_ufunc":
+            return held["lazy"]
+        raise AttributeError(name)
+
+    lazy.__dict__["__getattr__"] = module_getattr
+    sub = Subclassed("ms_quick_sub")
+    sub.sub_ufunc = held["sub"]  # type: ignore[attr-defined]
+    return {"ms_quick_plain": plain, "ms_quick_lazy": lazy, "ms_quick_sub": sub,
+            "ms_quick_none": None}, held
+
+
+def test_quick_whichmodule_answers_as_skops_whichmodule(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    import scipy.special
+    from skops.io._utils import whichmodule
+
+    from tasks.export import import_skops_without_torch, quick_whichmodule
+
+    import_skops_without_torch()  # as the export does (not torch: sklearn's walk would)
+    modules, held = _other_modules()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cases = [(getattr(np, n), n) for n in dir(np) if isinstance(getattr(np, n), np.ufunc)]
+    cases += [(getattr(scipy.special, n), n) for n in dir(scipy.special)
+              if isinstance(getattr(scipy.special, n), np.ufunc)]
+    cases += [(held["plain"], "plain_ufunc"), (held["lazy"], "lazy_ufunc"),
+              (held["sub"], "sub_ufunc"), (np.frompyfunc(abs, 1, 1), "nowhere"),
+              (LogisticRegression, "LogisticRegression"), (np.add, "linalg.norm")]
+    answers = [(name, whichmodule(obj, name)) for obj, name in cases]
+    assert [(name, quick_whichmodule(obj, name, fallback=whichmodule)) for obj, name in cases] \
+        == answers
+    assert {name: where for name, where in answers[-6:-2]} == {
+        "plain_ufunc": "ms_quick_plain", "lazy_ufunc": "ms_quick_lazy",
+        "sub_ufunc": "ms_quick_sub", "nowhere": "__main__"}
+    assert len(cases) > 300
