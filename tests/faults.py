@@ -77,8 +77,25 @@ def kill_component(home: Path, name: str, *, deadline_s: float = 10.0) -> dict[s
     return {"component": name, "pid": record.pid, "ports": list(record.ports)}
 
 
+#: How long a gated fault waits for its go (``FAULT_GATE``) before it acts anyway.
+GATE_WAIT_S = 900.0
+
+
+def wait_at_gate(gate: Path, *, wait_s: float = GATE_WAIT_S) -> None:
+    """Say the run is at its fault point (``GATE.ready``), then wait until ``GATE``
+    exists: a test that shares one stack between several releases kills a component only
+    once the others are out of its way."""
+    Path(f"{gate}.ready").write_text(str(os.getpid()))
+    end = time.monotonic() + wait_s
+    while not gate.exists() and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 def _act(fault: str, stage: str, mark: Path) -> None:
-    """Do the fault now, after saying so in ``mark``."""
+    """Do the fault now, after saying so in ``mark`` (a dependency's, once ``FAULT_GATE``
+    says go, when it is set)."""
+    if fault in DEPENDENCIES and os.environ.get("FAULT_GATE"):
+        wait_at_gate(Path(os.environ["FAULT_GATE"]))
     entry: dict[str, Any] = {"fault": fault, "stage": stage, "at": time.time(),
                              "thread": threading.current_thread().name}
     if fault in DEPENDENCIES:
@@ -211,7 +228,7 @@ CLI_PRELOAD = ("modelship.cli", "flows.promote", "flows.standalone", "tasks.chec
                "matplotlib.figure", "matplotlib.backends.backend_agg")
 #: Variables a zygote's run may add: read when it runs (by :func:`cli_main`, and the
 #: check cache's switch by the settings), not at import.
-FAULT_ENV = ("FAULT", "FAULT_STAGE", "FAULT_MARK", "MODELSHIP_CHECK_CACHE")
+FAULT_ENV = ("FAULT", "FAULT_STAGE", "FAULT_MARK", "FAULT_GATE", "MODELSHIP_CHECK_CACHE")
 
 
 def cli_defaults() -> None:
@@ -291,13 +308,17 @@ class FaultedRun:
 
 
 def run_faulted(fault: Fault, *args: str, env: Mapping[str, str], cwd: Path,
-                workdir: Path, timeout_s: float, zygote: Any = None) -> FaultedRun:
+                workdir: Path, timeout_s: float, zygote: Any = None,
+                gate: Path | None = None) -> FaultedRun:
     """Run ``modelship ARGS...`` with ``fault`` at its stage (``env``: the CLI's
     environment, as :func:`tests.conftest.cli_env` builds it): a ``python -m
     tests.faults`` process, or a run of ``zygote`` (:func:`cli_zygote`, started with
-    ``env``)."""
+    ``env``). ``gate``: a dependency's fault waits at its point for that file
+    (:func:`wait_at_gate`)."""
     mark = workdir / f"fault-{fault.id}-{time.monotonic_ns()}.jsonl"
     marks = {"FAULT": fault.kind, "FAULT_STAGE": fault.stage, "FAULT_MARK": str(mark)}
+    if gate is not None:
+        marks["FAULT_GATE"] = str(gate)
     if fault.stage == "check":  # a cached pass would skip the check, and its fault point
         marks["MODELSHIP_CHECK_CACHE"] = "0"
     started = time.monotonic()

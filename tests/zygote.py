@@ -26,8 +26,9 @@ What the fork must not carry over, and how it is kept out:
   does since it skips the interpreter teardown), so the zygote's own state is never torn
   down in a child.
 
-:func:`serve` is the server; :class:`Zygote` starts it and runs commands through it, one
-at a time (:meth:`Zygote.bound`: with some late variables set for every run).
+:func:`serve` is the server; :class:`Zygote` starts it and runs commands through it, from
+one thread or several at once (each run its own child; :meth:`Zygote.bound`: with some late
+variables set for every run).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import importlib
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -153,26 +155,58 @@ def _flush() -> None:
 
 
 def _serve(listener: socket.socket, late: frozenset[str], target: Callable[[], Any]) -> None:
-    """Serve requests one at a time until told to stop."""
+    """Serve requests until told to stop, runs side by side: each request forks its child
+    at once, and each child's exit status goes back to its own caller when it ends. The
+    server stays one thread (a fork copies only the calling thread): it polls for ended
+    children while some run, and blocks in ``accept`` otherwise."""
+    running: dict[int, socket.socket] = {}  # pid -> the connection waiting for its status
     while True:
+        _reap(running)
+        ready, _, _ = select.select([listener], [], [], _POLL_S if running else None)
+        if not ready:
+            continue
         conn, _ = listener.accept()
+        request = json.loads(_Lines(conn).next())
+        if request.get("stop"):
+            for pid in list(running):  # a caller gone without its run: nobody waits for it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            while running:
+                _reap(running, block=True)
+            _send(conn, {"stopped": True})
+            conn.close()
+            return
+        _flush()
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            for other in (conn, *running.values()):
+                other.close()
+            _child(request, late, target)  # never returns
+        _send(conn, {"pid": pid})
+        running[pid] = conn
+
+
+#: Seconds between two looks for ended children while runs are going on.
+_POLL_S = 0.05
+
+
+def _reap(running: dict[int, socket.socket], *, block: bool = False) -> None:
+    """Send each ended child's exit status to its caller (``block``: wait for one)."""
+    while running:
+        pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+        if pid == 0:
+            return
+        conn = running.pop(pid, None)
+        if conn is None:
+            continue
         with conn:
-            request = json.loads(_Lines(conn).next())
-            if request.get("stop"):
-                _send(conn, {"stopped": True})
-                return
-            _flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                _child(request, late, target)  # never returns
-            _send(conn, {"pid": pid})
-            _, status = os.waitpid(pid, 0)
             try:
                 _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
             except OSError:  # the client went away (it timed out): the child is reaped
                 pass
+        if block:
+            return
 
 
 def serve(config_path: str) -> None:
@@ -207,8 +241,8 @@ def serve(config_path: str) -> None:
 
 
 class Zygote:
-    """A started zygote server (see the module): :meth:`run` one command at a time, then
-    :meth:`close` (or use it as a context manager).
+    """A started zygote server (see the module): :meth:`run` commands (several threads may
+    each run one at once), then :meth:`close` (or use it as a context manager).
 
     Args:
         target: ``"module:function"`` each run calls with its ``sys.argv``, e.g.
@@ -229,6 +263,7 @@ class Zygote:
         (self._dir / "config.json").write_text(json.dumps(config))
         self.log = self._dir / "server.log"
         self.runs = 0
+        self._count = threading.Lock()  # runs may be asked for from several threads at once
         with self.log.open("w") as log:
             self._server = subprocess.Popen(
                 # -c, not -m: a child's __main__ has no package, so click names the
@@ -241,6 +276,10 @@ class Zygote:
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
         """Block until the server has imported its modules; its ready document."""
+        with self._count:  # one reader of the ready line, whichever thread asks first
+            return self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
         if self.ready:
             return self.ready
         assert self._server.stdout is not None
@@ -267,8 +306,10 @@ class Zygote:
         (negative: the signal that killed it), stdout and stderr. On ``timeout`` the child
         is killed and :class:`subprocess.TimeoutExpired` raised."""
         self.wait_ready()
-        self.runs += 1
-        out, err = self._dir / f"{self.runs}.out", self._dir / f"{self.runs}.err"
+        with self._count:
+            self.runs += 1
+            n = self.runs
+        out, err = self._dir / f"{n}.out", self._dir / f"{n}.err"
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(self.socket_path)
             _send(conn, {"argv": list(argv), "env": dict(env or {}),
@@ -295,7 +336,7 @@ class Zygote:
         return result
 
     def close(self) -> None:
-        """Stop the server (it has no child left: runs are one at a time)."""
+        """Stop the server (a run still going on, whose caller is gone, is killed)."""
         if self._server.poll() is None:
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

@@ -74,33 +74,38 @@ after the killed staging, and finishes the releases stopped at or past their rec
 no-op on the fleet that must repair the aliases and tags).
 
 **Cost** (each cell prints where its time goes, and each CLI run its own timeline from
-its record: start-up, every stage, the time between stages, the exit). The cells run on
-the worker's session stack (``tests/stack_fixtures.py``; ``GROUPS``: two halves of about
-the same time, one per ``make test`` worker, so each half on its worker's stack): a
-component a cell kills comes back through ``modelship stack up`` before the cell goes on
-(same ports, same data), and the matrix leaves the stack with every component running
-(:func:`_heal`) and its model converged, for the tests after it. One model whose versions
-take turns: each cell promotes the version that does not serve, from the state the cell
-before it settled in. Nothing is released for setup in half A: the first cell
-half-publishes the model's first release and its rerun releases it, the second cell's
-release (killed at its record) is the second; half B, alone on its worker, spends one.
-The policy is the smallest that still runs every stage: one threshold gate (the canary
-stops after its first window, 0.5 s, of at least 100 requests), a 1-s bake of one window
-on errors alone (a 1-s reference is below two windows, so no latency rule), and a 15-s
-swap deadline (a replica that cannot load, S3 down, is given up on then, not after the
-default 60 s; 8 s in the cell that kills S3 mid-swap, where a healthy switch has done its
-part before the fault). Every ``modelship`` run but ``stack up`` is a fork of a CLI
-zygote (:func:`tests.faults.cli_zygote`, ``tests/zygote.py``): a process that
-imported the CLI, the flows and what their stages import late (Prefect, MLflow, GX, ONNX:
-10-30 s a run) once, while the session stack came up (the stack's home is the one
-variable its runs add: read when a command runs, never at import); the child is a real
-process running ``modelship.cli.main`` (its own pid, signals, exit code and output). The
-console script itself runs one ``status``, one ``rollback`` and one ``promote`` rerun of
-the file (their exit code and JSON are the contract; :data:`GROUPS` names the cells, the
-cheapest of each command) and every ``stack up``. ``status`` is read by the CLI in the
-first cell of each fault kind and otherwise in this process through the function the CLI
-calls (:func:`tasks.status.status_report`; exit 1 unless ``consistent``); ``stack up``
-runs only after a component was killed. What remains is the product's: every faulted run
+its record: start-up, every stage, the time between stages, the exit). The whole file runs
+on the worker's session stack (``tests/stack_fixtures.py``), in three lanes side by side
+(:data:`LANES`, ``tests/e2e/crash_lanes.py``): a cell's time is mostly waiting (Triton
+loads, windows, a dependency's bounded timeouts), so the lanes' cells overlap. Each lane
+is one model whose versions take turns: each cell promotes the version that does not serve,
+from the state the cell before it in the lane settled in. Cells of different models touch
+different objects, so one lane's cell cannot change what another's asserts; the cells
+that kill a component (lane s) take the stack alone from their fault point (the faulted
+run waits there, :func:`tests.faults.wait_at_gate`; S3 mid-swap from its start) until
+their next command has converged, and the component comes back through ``modelship stack
+up`` before the cell goes on (same ports, same data). The matrix leaves the stack with
+every component running (:func:`_heal`) and its models converged, for the tests after it.
+Nothing is released for setup in lane a: the first cell half-publishes the model's first
+release and its rerun releases it, the second cell's release (killed at its record) is the
+second; lanes b and s spend one each, beside the others. The policy is the smallest that
+still runs every stage: one threshold gate (the canary stops after its first window,
+0.5 s, of at least 100 requests), a 1-s bake of one window on errors alone (a 1-s
+reference is below two windows, so no latency rule), and a 30-s swap deadline (a replica
+that cannot load, S3 down, is given up on then, not after the default 60 s; 8 s in the
+cell that kills S3 mid-swap, alone on the stack, where a healthy switch has done its part
+before the fault). Every ``modelship`` run is a fork of one CLI zygote
+(:func:`tests.faults.cli_zygote`, ``tests/zygote.py``; the lanes' runs side by side): a
+process that imported the CLI, the flows and what their stages import late (Prefect,
+MLflow, GX, ONNX: 10-30 s a run) once, while the session stack came up (the stack's home
+is the one variable its runs add: read when a command runs, never at import); the child
+is a real process running ``modelship.cli.main`` (its own pid, signals, exit code and
+output). The console script itself runs one ``status``, one ``rollback`` and one
+``promote`` rerun of the file (their exit code and JSON are the contract; :data:`LANES`
+names the cells, the cheapest of each command). ``status`` is read by the CLI in the first
+cell of each fault kind and otherwise in this process through the function the CLI calls
+(:func:`tasks.status.status_report`; exit 1 unless ``consistent``); ``stack up`` runs
+only after a component was killed. What remains is the product's: every faulted run
 starts the Prefect flow run, resolves, checks (GX, export, trial load; a check-stage fault
 never takes a cached check, the others may) and, from the canary on, runs a canary.
 """
@@ -109,6 +114,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -128,6 +134,7 @@ from modelship.stack.state import process_records, read_state
 from tasks.status import status_report
 from tests import models
 from tests.conftest import ROOT, cli_env, run_cli
+from tests.e2e.crash_lanes import Hold, Lanes, Turns
 from tests.faults import (
     Fault,
     FaultedRun,
@@ -145,9 +152,9 @@ from tests.zygote import Bound
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-#: The model's name: the first of MODEL, MODEL-2, ... that the stack's registry does not
-#: know yet (:func:`_fresh_name`: a half that runs after the other on one worker's stack,
-#: with other files between them, starts from a fresh model as it does on its own).
+#: The models' names: MODEL-<lane>, or MODEL-<lane>-2, ... the first the stack's registry
+#: does not know yet (:func:`_fresh_name`: a run after another on one stack starts from
+#: fresh models as it does on its own).
 MODEL = "fault-matrix"
 POLICY: dict[str, Any] = {
     # The matrix is about the ways out, not the gates: one threshold rule needs only
@@ -160,8 +167,9 @@ POLICY: dict[str, Any] = {
     "bake": {"duration_s": 1.0, "window_s": 1.0, "baseline_s": 1.0,
              "max_latency_increase_pct": 400.0},
     # a replica that cannot load (S3 down) is given up on after this, not the default 60 s
-    # (a healthy switch of this model takes a few seconds even on a loaded machine)
-    "swap": {"deadline_s": 15.0},
+    # (a healthy switch of this model takes a few seconds even on a loaded machine, with
+    # the other lanes' releases beside it)
+    "swap": {"deadline_s": 30.0},
 }
 #: The swap deadline of the cell that kills S3 mid-swap: both the failing switch and the
 #: abort wait it out (S3 down, a load hangs), and the first replica's switch, healthy,
@@ -189,6 +197,9 @@ class Cell:
     #: Commands of this cell run by the console script itself ("status", the next command)
     console: frozenset[str] = frozenset()
     swap_deadline_s: float = POLICY["swap"]["deadline_s"]
+    #: A cell that kills a component takes the stack alone (tests/e2e/crash_lanes.py) from
+    #: its fault point; this one from its start (a wait at the point would change it).
+    alone_from_start: bool = False
 
     @property
     def id(self) -> str:
@@ -199,46 +210,61 @@ class Cell:
         return {**POLICY, "swap": {**POLICY["swap"], "deadline_s": self.swap_deadline_s}}
 
 
+    @property
+    def gated(self) -> bool:
+        """Its faulted run waits at the fault point until the cell has the stack alone."""
+        return self.fault.component is not None and not self.alone_from_start
+
+
 def _cell(kind: str, stage: str, next_command: str, *, console: tuple[str, ...] = (),
-          swap_deadline_s: float = POLICY["swap"]["deadline_s"]) -> Cell:
-    return Cell(Fault(kind, stage), next_command, frozenset(console), swap_deadline_s)
+          swap_deadline_s: float = POLICY["swap"]["deadline_s"],
+          alone_from_start: bool = False) -> Cell:
+    return Cell(Fault(kind, stage), next_command, frozenset(console), swap_deadline_s,
+                alone_from_start)
 
 
-#: The cells in two halves of about the same time. ``make test`` cuts this file into its
-#: two halves of consecutive cells, one per xdist worker (``tests/conftest.py``: SPLIT),
-#: each on its worker's session stack; alone, the file runs A then B on one stack. Each
-#: half starts with promote cells, so that on a fresh model it spends as few setup
-#: releases as it can (:func:`_start`: A none, B one), and the rollbacks after them have a
-#: version that served before. The console script runs once per command in the file, in
-#: half A, where it costs least: a ``status`` and a ``promote`` that finishes a release
-#: killed past its point of no return (a no-op on the fleet: no check, no canary), and a
-#: ``rollback``.
-GROUPS = {
-    # A: the model's first release, half-published; its rerun is the first release and
+#: The cells in lanes, one model per lane, the lanes side by side on the worker's session
+#: stack (tests/e2e/crash_lanes.py), each lane's cells in order: each starts from what the
+#: one before it left. Each lane starts with promote cells, so that on a fresh model it
+#: spends as few setup releases as it can (:func:`_start`: a none, b and s one each), and
+#: the rollbacks after them have a version that served before. The cells that kill a
+#: component are lane s's: each takes the stack alone from its fault point (S3 mid-swap
+#: from its start), and lane s's other stages (its setup release, every faulted run up to
+#: its point) run beside lanes a and b. The console script runs once per command in the
+#: file, in lane a, where it costs least: a ``status`` and a ``promote`` that finishes a
+#: release killed past its point of no return (a no-op on the fleet: no check, no canary),
+#: and a ``rollback``.
+LANES = {
+    # a: the model's first release, half-published; its rerun is the first release and
     # the next cell's the second (no release spent on setup)
-    "crash-a": [
+    "a": [
         _cell("sigkill", "stage", "promote"),
         _cell("sigkill", "record", "promote", console=("status", "promote")),
         _cell("sigkill", "check", "rollback", console=("rollback",)),
         _cell("sigkill", "swap", "rollback"),
         _cell("sigkill", "bake", "rollback"),
         _cell("sigterm", "bake", "rollback"),
-        _cell("s3", "swap", "rollback", swap_deadline_s=S3_SWAP_DEADLINE_S),
-        _cell("prefect", "bake", "rollback"),
     ],
-    # B: one setup release on a stack of its own, then the reruns release
-    "crash-b": [
+    # b: one setup release, then the rerun releases
+    "b": [
         _cell("sigterm", "record", "promote"),
-        _cell("mlflow", "record", "promote"),
-        _cell("s3", "bake", "promote"),
         _cell("sigkill", "canary", "rollback"),
         _cell("sigkill", "approval", "rollback"),
         _cell("sigterm", "check", "rollback"),
         _cell("sigterm", "approval", "rollback"),
         _cell("sigint", "swap", "rollback"),
     ],
+    # s: the components killed; one setup release, then the reruns release
+    "s": [
+        _cell("mlflow", "record", "promote"),
+        _cell("s3", "bake", "promote"),
+        _cell("s3", "swap", "rollback", swap_deadline_s=S3_SWAP_DEADLINE_S,
+              alone_from_start=True),
+        _cell("prefect", "bake", "rollback"),
+    ],
 }
-CELLS = [cell for cells in GROUPS.values() for cell in cells]
+CELLS = [cell for cells in LANES.values() for cell in cells]
+LANE_OF = {cell: lane for lane, cells in LANES.items() for cell in cells}
 #: The cells whose ``status`` the CLI reads: the first of each fault kind in the file, and
 #: the one whose status is the console script's.
 STATUS_BY_CLI = frozenset(
@@ -284,8 +310,16 @@ def timeline(record: RecordState, launched: float, ended: float) -> str:
     return f"  {record.kind} {record.status}: {ended - launched:.1f} s ({', '.join(parts)})"
 
 
+#: The test process's own calls of the stack (MLflow's fluent API and client, boto3's
+#: clients: neither is made to be set up from several threads at once), one at a time
+#: across the lanes; the lanes' ``modelship`` runs are processes and go side by side.
+IN_PROCESS = threading.RLock()
+
+
 @dataclass
 class Matrix:
+    """One lane: its model, whose two versions take turns, on the shared stack."""
+
     settings: Settings
     model: str
     versions: tuple[int, int]
@@ -294,6 +328,8 @@ class Matrix:
     settled: Observation | None = None  # what the last cell that passed ended in
     zygote: Bound | None = None  # runs of `modelship` (None: every run a process)
     policies: dict[float, Path] = field(default_factory=dict)  # by swap deadline
+    turns: Turns = field(default_factory=Turns)  # the stack, shared by the lanes
+    said: list[str] = field(default_factory=list)  # lines for the current cell's output
 
     @property
     def home(self) -> Path:
@@ -319,6 +355,10 @@ class Matrix:
     def locks(self) -> list[dict[str, Any]]:
         """The model's held locks (its release lock, a canary slot held for it), as
         ``modelship locks`` lists them."""
+        with IN_PROCESS:
+            return self._locks()
+
+    def _locks(self) -> list[dict[str, Any]]:
         clients = build_clients(self.settings)
         try:
             rows = list_locks(storage=clients.storage, home=self.home)
@@ -328,6 +368,10 @@ class Matrix:
 
     def version_keys(self, version: int) -> list[str]:
         """The objects under the version's folder of the model repository."""
+        with IN_PROCESS:
+            return self._version_keys(version)
+
+    def _version_keys(self, version: int) -> list[str]:
         clients = build_clients(self.settings)
         try:
             assert clients.storage is not None
@@ -337,7 +381,14 @@ class Matrix:
             clients.close()
 
     def observe(self) -> Observation:
-        return observe(self.settings, self.model, locks=self.locks)
+        with IN_PROCESS:
+            return observe(self.settings, self.model, locks=self.locks)
+
+    def register(self, graph: Any) -> int:
+        """A new version of the model from ``graph``."""
+        with IN_PROCESS:
+            return models.register_onnx(str(self.settings.mlflow_tracking_uri), self.model,
+                                        graph)
 
     def status(self, *, cli: bool, console: bool = False) -> tuple[int, Any]:
         """``modelship status MODEL``'s exit code and document: the CLI (the console
@@ -348,11 +399,12 @@ class Matrix:
             done = self.cli("status", self.model, "--json", timeout=120, console=console)
             assert "Traceback (most recent call last)" not in done.stderr, done.stderr
             return done.returncode, json_document(done.stdout) or done.stdout[-3000:]
-        clients = build_clients(self.settings)
-        try:
-            doc = status_report(self.settings, clients, model=self.model)
-        finally:
-            clients.close()
+        with IN_PROCESS:
+            clients = build_clients(self.settings)
+            try:
+                doc = status_report(self.settings, clients, model=self.model)
+            finally:
+                clients.close()
         return (0 if doc["consistent"] else 1), doc
 
     def promote(self, version: int, *extra: str, cell: Cell | None = None) -> list[str]:
@@ -365,7 +417,7 @@ class Matrix:
         done = self.cli(*self.promote(version), timeout=600)
         assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
         self.released.append(version)
-        print(f"promote v{version}: {time.monotonic() - began:.1f} s")
+        self.said.append(f"setup: promote v{version}: {time.monotonic() - began:.1f} s")
 
 
 def _own_bytes(*, seed: int) -> Any:
@@ -379,20 +431,24 @@ def _own_bytes(*, seed: int) -> Any:
 
 
 def _setup_graphs() -> list[Any]:
-    """The two versions' ONNX graphs (:func:`_own_bytes`), MLflow's ONNX flavor imported."""
+    """Two versions' ONNX graphs for each lane (:func:`_own_bytes`), MLflow's ONNX flavor
+    imported. Lane a, whose staging cell must upload a blob, has bytes of its own; the
+    other lanes share theirs, so the check of one lane's version is the other's cached."""
     import mlflow.onnx  # noqa: F401 - imported here, beside the stack's start
 
-    return [_own_bytes(seed=seed) for seed in (0, 7)]
+    shared = [_own_bytes(seed=seed) for seed in (0, 7)]
+    return [[_own_bytes(seed=seed) for seed in (0, 7)] if lane == "a" else shared
+            for lane in LANES]
 
 
-def _fresh_name(tracking_uri: str) -> str:
-    """:data:`MODEL`, or MODEL-2, MODEL-3...: the first name the registry does not know."""
+def _fresh_name(tracking_uri: str, base: str) -> str:
+    """``base``, or base-2, base-3...: the first name the registry does not know."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
-    known = {m.name for m in client.search_registered_models(f"name LIKE '{MODEL}%'")}
+    known = {m.name for m in client.search_registered_models(f"name LIKE '{base}%'")}
     return next(name for n in range(1, len(known) + 2)
-                if (name := MODEL if n == 1 else f"{MODEL}-{n}") not in known)
+                if (name := base if n == 1 else f"{base}-{n}") not in known)
 
 
 def dead_components(home: Path) -> list[str]:
@@ -414,15 +470,25 @@ def _heal(home: Path) -> None:
         assert not dead_components(home), dead_components(home)
 
 
+def _selected(request: pytest.FixtureRequest) -> set[Cell]:
+    """The cells this run of the file runs (``-k`` and the like leave the rest out)."""
+    return {item.callspec.params["cell"] for item in request.session.items
+            if getattr(item, "module", None) is request.module
+            and hasattr(item, "callspec") and "cell" in item.callspec.params}
+
+
 @pytest.fixture(scope="module")
 def matrix(request: pytest.FixtureRequest,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
-    """The worker's session stack (2 replicas + canary) and MODEL's two versions
-    registered, nothing released: the first cells' reruns are the releases (see
-    :func:`_start`). The CLI's zygote imports while the session stack comes up (when this
-    is the worker's first test to need it); at the end every component is running."""
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lanes[Cell]]:
+    """The worker's session stack (2 replicas + canary), each lane's model with its two
+    versions registered, nothing released (the first cells' reruns are the releases, see
+    :func:`_start`), and the lanes started: each cell's test waits for its outcome. The
+    CLI's zygote imports while the session stack comes up (when this is the worker's
+    first test to need it); at the end every component is running."""
     workdir = tmp_path_factory.mktemp("fault-marks")
     started = time.monotonic()
+    selected = _selected(request)
+    lanes = {lane: [c for c in cells if c in selected] for lane, cells in LANES.items()}
     # the zygote's environment: a command's but the home, which each of its runs adds
     env = {k: v for k, v in cli_env(workdir).items() if k != HOME}
     with cli_zygote(env, ROOT, late=(HOME,)) as zygote:
@@ -430,19 +496,48 @@ def matrix(request: pytest.FixtureRequest,
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-setup") as pool:
             training = pool.submit(_setup_graphs)
             settings: Settings = request.getfixturevalue("stack_settings")
-            graphs = training.result()
+            graphs = dict(zip(LANES, training.result(), strict=True))
         print(f"session stack: {time.monotonic() - started:.1f} s")
         assert not dead_components(settings.home), dead_components(settings.home)
-        uri = str(settings.mlflow_tracking_uri)
-        model = _fresh_name(uri)
-        v_a, v_b = (models.register_onnx(uri, model, graph) for graph in graphs)
-        print(f"registered v{v_a}, v{v_b} of {model} at {time.monotonic() - started:.1f} s")
+        uri, turns = str(settings.mlflow_tracking_uri), Turns()
+        bound = zygote.bound({HOME: str(settings.home)})
         ready = zygote.wait_ready()
         print(f"zygote ready at {time.monotonic() - started:.1f} s: {ready}")
+        matrices: dict[str, Matrix] = {}
+
+        def registered(lane: str) -> Matrix:
+            """The lane's model and its two versions, registered by its first cell (the
+            lanes one at a time, beside the others' cells)."""
+            if lane not in matrices:
+                with IN_PROCESS:
+                    model = _fresh_name(uri, f"{MODEL}-{lane}")
+                    v_a, v_b = (models.register_onnx(uri, model, graph)
+                                for graph in graphs[lane])
+                lane_dir = workdir / lane
+                lane_dir.mkdir()
+                matrices[lane] = Matrix(settings, model, (v_a, v_b), lane_dir, released=[],
+                                        zygote=bound, turns=turns)
+                matrices[lane].said.append(
+                    f"setup: registered v{v_a}, v{v_b} of {model} at "
+                    f"{time.monotonic() - started:.1f} s")
+            return matrices[lane]
+
+        def run(lane: str, cell: Cell, lines: list[str]) -> None:
+            lane_matrix = registered(lane)
+            clock = Clock()
+            try:
+                _run_cell(lane_matrix, cell, clock)
+            finally:
+                lines.extend([f"lane {lane}: {clock.line(cell.id)}", *lane_matrix.said,
+                              *clock.notes])
+                lane_matrix.said.clear()
+
+        runner = Lanes(lanes, run)
+        runner.start()
         try:
-            yield Matrix(settings, model, (v_a, v_b), workdir, released=[],
-                         zygote=zygote.bound({HOME: str(settings.home)}))
+            yield runner
         finally:
+            runner.stop()
             _heal(settings.home)
             print(f"matrix total (incl. setup): {time.monotonic() - started:.1f} s")
 
@@ -549,7 +644,8 @@ def _start(matrix: Matrix, cell: Cell) -> Observation:
     except Exception as exc:  # noqa: BLE001 - healed below, and said if it cannot be
         healthy, inherited = False, f"not observable: {type(exc).__name__}: {exc}"
     if not healthy:
-        matrix.cli("stack", "up", "--json", timeout=300, console=True)
+        if dead_components(matrix.home):
+            matrix.cli("stack", "up", "--json", timeout=300)
         obs = matrix.observe()
         matrix.release(obs.aliases.get("production") or obs.serving or matrix.versions[0])
         obs = matrix.observe()
@@ -564,15 +660,50 @@ def _start(matrix: Matrix, cell: Cell) -> Observation:
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
-def test_a_fault_at_a_stage_converges_on_the_next_command(matrix: Matrix, cell: Cell) -> None:
-    clock = Clock()
-    try:
-        _run_cell(matrix, cell, clock)
-    finally:
-        print("\n".join([clock.line(cell.id), *clock.notes]), flush=True)
+def test_a_fault_at_a_stage_converges_on_the_next_command(matrix: Lanes[Cell],
+                                                          cell: Cell) -> None:
+    """The cell ran in its lane (:func:`_run_cell`, in the ``matrix`` fixture's lanes):
+    its output, and what it raised."""
+    waited = time.monotonic()
+    outcome = matrix.outcome(cell)
+    print("\n".join([f"waited {time.monotonic() - waited:.1f} s for lane "
+                     f"{LANE_OF[cell]}", *outcome.lines]), flush=True)
+    if outcome.error is not None:
+        raise outcome.error
+
+
+def _faulted_run(matrix: Matrix, cell: Cell, hold: Hold, args: list[str],
+                 clock: Clock) -> FaultedRun:
+    """The faulted promote. A gated one (:attr:`Cell.gated`) runs beside the other lanes up
+    to its fault point, waits there until this cell has the stack alone, then kills."""
+    kwargs: dict[str, Any] = {"env": cli_env(matrix.home), "cwd": ROOT,
+                              "workdir": matrix.workdir, "timeout_s": FAULTED_TIMEOUT_S,
+                              "zygote": matrix.zygote}
+    if not cell.gated:
+        return run_faulted(cell.fault, *args, **kwargs)
+    gate = matrix.workdir / f"gate-{cell.id}-{time.monotonic_ns()}"
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="faulted") as pool:
+        running = pool.submit(run_faulted, cell.fault, *args, gate=gate, **kwargs)
+        while not Path(f"{gate}.ready").exists() and not running.done():
+            time.sleep(0.05)
+        if Path(f"{gate}.ready").exists():  # at its fault point (else it ended before)
+            clock.lap("faulted promote, to its fault point")
+            hold.go_alone()
+            clock.lap("waiting for the stack alone")
+            gate.touch()
+        return running.result()
 
 
 def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
+    hold = Hold(matrix.turns, alone=cell.alone_from_start)
+    try:
+        clock.lap("waiting for the stack alone" if hold.alone else "waiting for a turn")
+        _converge(matrix, cell, clock, hold)
+    finally:
+        hold.release()
+
+
+def _converge(matrix: Matrix, cell: Cell, clock: Clock, hold: Hold) -> None:
     start = _start(matrix, cell)
     current = start.serving  # None: the fresh stack, nothing released yet
     assert current in matrix.versions or not start.records, start.summary()
@@ -580,8 +711,7 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
     if cell.fault.stage == "stage" and any(k.endswith(MANIFEST)
                                            for k in matrix.version_keys(candidate)):
         # a version is staged once: a new one, to half-publish
-        candidate = models.register_onnx(str(matrix.settings.mlflow_tracking_uri), matrix.model,
-                                         _own_bytes(seed=11))
+        candidate = matrix.register(_own_bytes(seed=11))
         assert current is not None, start.summary()  # a staged candidate: released before
         matrix.versions = (current, candidate)
     before_ids = {r.id for r in start.records}
@@ -591,14 +721,14 @@ def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
     up = None
     launched = time.time()
     try:
-        run = run_faulted(cell.fault, *matrix.promote(candidate, *extra, cell=cell),
-                          env=cli_env(matrix.home), cwd=ROOT, workdir=matrix.workdir,
-                          timeout_s=FAULTED_TIMEOUT_S, zygote=matrix.zygote)
+        run = _faulted_run(matrix, cell, hold, matrix.promote(candidate, *extra, cell=cell),
+                           clock)
     finally:  # the killed dependency comes back, whatever the run did
         ended = time.time()
         clock.lap("faulted promote")
         if cell.fault.component is not None:
-            up = matrix.cli("stack", "up", "--json", timeout=300, console=True)
+            hold.go_alone()  # (already, unless the run ended before its fault point)
+            up = matrix.cli("stack", "up", "--json", timeout=300)
             clock.lap("stack up")
     assert [i["stage"] for i in run.injected] == [cell.fault.stage], run.describe()
     if up is not None:

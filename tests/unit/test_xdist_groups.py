@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from tests.conftest import FILE_SECONDS, SPLIT, xdist_groups
+import pytest
+
+from tests import conftest
+from tests.conftest import FILE_SECONDS, xdist_groups
 
 CRASH = "tests/e2e/test_crash.py"
 PROMOTE = "tests/e2e/test_promote.py"
+
+
+@pytest.fixture()
+def split_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file cut in two (SPLIT) that weighs more than test_promote, less than twice it:
+    the cut, not today's table (the fault matrix runs whole since its lanes)."""
+    monkeypatch.setitem(conftest.SPLIT, CRASH, 2)
+    monkeypatch.setitem(conftest.FILE_SECONDS, CRASH, FILE_SECONDS[PROMOTE] * 2.3)
 
 
 def _ids(*paths: str) -> list[str]:
@@ -23,8 +34,8 @@ def test_one_group_per_file_heaviest_first_ties_in_collection_order() -> None:
     ]
 
 
+@pytest.mark.usefixtures("split_crash")
 def test_a_split_file_is_cut_into_consecutive_parts_each_weighted_by_its_share() -> None:
-    assert SPLIT[CRASH] == 2
     ids = _ids(CRASH, CRASH, PROMOTE, CRASH, CRASH, CRASH)
     groups = xdist_groups(ids)
     # the first 3 of 5 cells and the last 2; test_promote weighs between their shares
@@ -33,6 +44,7 @@ def test_a_split_file_is_cut_into_consecutive_parts_each_weighted_by_its_share()
                       (f"{CRASH}-part2of2", [4, 5])]
 
 
+@pytest.mark.usefixtures("split_crash")
 def test_ordering_by_the_groups_then_grouping_again_gives_the_same_groups() -> None:
     """The workers reorder the collection by the groups; the scheduler groups what they
     collected: both must see the same groups."""

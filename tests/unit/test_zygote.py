@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,15 @@ def _probe() -> None:
         time.sleep(60)
     if what == "message":
         sys.exit("a message")
+    if what == "meet":  # say I am here (argv[2]), then wait for the other (argv[3])
+        Path(f"{sys.argv[2]}.tmp").write_text(str(os.getpid()))
+        Path(f"{sys.argv[2]}.tmp").rename(sys.argv[2])  # never seen half written
+        deadline = time.monotonic() + 20
+        while not Path(sys.argv[3]).exists():
+            if time.monotonic() > deadline:
+                sys.exit(9)
+            time.sleep(0.01)
+        print(Path(sys.argv[3]).read_text())
 
 
 def _start_thread() -> None:
@@ -124,6 +134,21 @@ def test_a_timeout_kills_the_run(zygote: Zygote) -> None:
         zygote.run(["prog", "sleep"], timeout=1)
     assert time.monotonic() - began < 20
     assert zygote.run(["prog", "mutate"], timeout=30).stdout == "1\n"  # serves on
+
+
+def test_runs_asked_for_at_once_run_side_by_side(zygote: Zygote, tmp_path: Path) -> None:
+    """Two runs from two threads: each waits until the other has started, so one at a
+    time would end the first with 9 after 20 s; side by side both see the other's pid,
+    each gets its own output and exit code, and a third run meanwhile is not held up."""
+    here, there = tmp_path / "a", tmp_path / "b"
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first = pool.submit(zygote.run, ["prog", "meet", str(here), str(there)], timeout=60)
+        second = pool.submit(zygote.run, ["prog", "meet", str(there), str(here)], timeout=60)
+        assert zygote.run(["prog", "mutate"], timeout=30).stdout == "1\n"
+        a, b = first.result(), second.result()
+    assert (a.returncode, b.returncode) == (0, 0), (a, b)
+    assert (a.stdout, b.stdout) == (there.read_text() + "\n", here.read_text() + "\n")
+    assert here.read_text() != there.read_text()
 
 
 def test_a_preload_that_leaves_a_thread_is_refused() -> None:
