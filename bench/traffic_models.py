@@ -18,6 +18,10 @@ load steps. Pure (a ``numpy.random.Generator`` in, arrays out); shared by the un
   given request (a traffic surge: queueing makes every request slower).
 - :func:`arm`: one arm's requests over a run: latencies of the answered ones, their send
   times, and the send times of the failures.
+- :func:`load_profile` and :class:`LiveTraffic`: live traffic split by a router (issue 20):
+  flat, bursty (on/off) or diurnal-ramp load on both versions at once, AR(1) requests per
+  server and a per-server drift, read look by look as the live judge does
+  (``tests/unit/test_live_judge_traffic.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import signal
 
-__all__ = ["Arm", "ar1", "ar1_latency", "arm", "bursty_errors", "load_step",
-           "standard_latency", "tail_stretch"]
+__all__ = ["Arm", "LiveTraffic", "ar1", "ar1_latency", "arm", "bursty_errors", "load_profile",
+           "load_step", "standard_latency", "tail_stretch"]
 
 Sampler = Callable[[np.random.Generator, int], np.ndarray]
 
@@ -208,3 +212,86 @@ def bake_traffic(rng: np.random.Generator, *, reference: int, windows: int,
                                                                       np.cumsum(sent)[:-1]]))
     errors[:reference] = 0
     return BakeTraffic(tuple(lat), sent - errors, errors, sent / window_s, reference)
+
+
+# ------------------------------------------------------------------- live traffic (issue 20)
+
+
+def load_profile(rng: np.random.Generator, kind: str, looks: int, *, look_s: float = 0.5,
+                 base_rps: float = 200.0, burst_x: float = 4.0, burst_every_s: float = 10.0,
+                 burst_s: float = 3.0, ramp: tuple[float, float] = (0.5, 2.5)) -> np.ndarray:
+    """Requests per second reaching the router at each look (pure, seeded).
+
+    - ``flat``: ``base_rps`` throughout;
+    - ``bursty``: on/off: bursts start as a Poisson process (one per ``burst_every_s`` on
+      average), last an exponential ``burst_s`` on average, and multiply the rate by
+      ``burst_x``;
+    - ``diurnal``: the morning arriving: a linear ramp from ``ramp[0]`` to ``ramp[1]`` ×
+      ``base_rps`` over the looks.
+    """
+    if kind == "flat":
+        return np.full(looks, base_rps)
+    if kind == "diurnal":
+        return base_rps * np.linspace(ramp[0], ramp[1], looks)
+    if kind != "bursty":
+        raise ValueError(f"unknown load profile {kind!r}")
+    start, end = look_s / burst_every_s, look_s / burst_s
+    u = rng.random(looks)
+    on = np.zeros(looks, dtype=bool)
+    state = False
+    for i in range(looks):
+        state = bool(u[i] >= end) if state else bool(u[i] < start)
+        on[i] = state
+    return base_rps * np.where(on, burst_x, 1.0)
+
+
+@dataclass
+class LiveTraffic:
+    """Live traffic split by a router between production P (the replicas) and a candidate C
+    (the canary Triton), one look at a time, as the live judge reads it: per arm, the
+    requests of the look and their mean server-side µs (pure, seeded).
+
+    - requests: Poisson(``rps[i] · look_s``), each to C with probability ``share``;
+    - per request: :func:`standard_latency`, AR(1)-dependent in request order on each
+      server (``phi``: requests share a queue and a batcher), so dependence crosses looks;
+    - load: the same :func:`queueing_factor` of the look's rate on both arms (a burst or the
+      morning ramp reaches both versions at the same time);
+    - drift: a per-server slow factor ``exp(drift · AR(1)(drift_phi))`` per look,
+      independent between the arms (a noisy neighbour, CPU contention, a cache): the
+      dependence a shared load does not cancel;
+    - the candidate's latency is ×``candidate_x``.
+    """
+
+    rng: np.random.Generator
+    rps: np.ndarray
+    phi: float = 0.6
+    drift: float = 0.15
+    drift_phi: float = 0.6
+    candidate_x: float = 1.0
+    look_s: float = 0.5
+    base_util: float = 0.25
+
+    def __post_init__(self) -> None:
+        looks = self.rps.size
+        total = int(self.rps.sum() * self.look_s * 1.2) + 100
+        self._streams = [ar1_latency(self.rng, total, self.phi) * 1000.0 for _ in range(2)]
+        self._drifts = [np.exp(self.drift * ar1(self.rng, looks, self.drift_phi))
+                        for _ in range(2)]
+        self._load = queueing_factor(self.rps / float(np.median(self.rps)), self.base_util) \
+            / queueing_factor(1.0, self.base_util)
+        self._next = [0, 0]
+
+    def look(self, i: int, share: float) -> tuple[tuple[int, float | None],
+                                                   tuple[int, float | None]]:
+        """Look ``i`` with the candidate at ``share`` (0-1): ``((requests, mean µs or
+        None), ...)`` of the candidate, then production."""
+        sent = int(self.rng.poisson(self.rps[i] * self.look_s))
+        to_c = int(self.rng.binomial(sent, share))
+        out = []
+        for arm, n, scale in ((0, to_c, self.candidate_x), (1, sent - to_c, 1.0)):
+            at = self._next[arm]
+            self._next[arm] = at + n
+            mean = float(self._streams[arm][at:at + n].mean()) if n else None
+            out.append((n, None if mean is None else
+                        mean * scale * float(self._load[i] * self._drifts[arm][i])))
+        return out[0], out[1]

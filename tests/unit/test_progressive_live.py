@@ -70,10 +70,13 @@ def _run(ratio: float, looks: int, seed: int, *, c_rate: float = 0.0, p_rate: fl
     return seen
 
 
-def test_a_slow_candidate_fails_within_a_dozen_looks() -> None:
+def test_a_slow_candidate_fails_within_two_dozen_looks() -> None:
+    """Within 12 s at a look every 0.5 s: 9-22 looks for these seeds (the counts are
+    deflated by the looks' measured dependence, whose bound is wide early; undeflated it
+    took at most 12)."""
     for seed in range(20):
         seen = _run(3.0, 40, seed)
-        assert seen[-1] == "failed" and len(seen) <= 12, (seed, seen)
+        assert seen[-1] == "failed" and len(seen) <= 24, (seed, seen)
 
 
 def test_an_identical_candidate_is_not_failed_over_many_looks() -> None:
