@@ -30,8 +30,11 @@ T = TypeVar("T")
 #: Prefect client settings for every modelship process (set as environment defaults by
 #: the CLI, before Prefect is imported): one retry after 2 s and 10 s per request, so a call
 #: to a refused API gives up in about 2 s, and one to a server that accepts but never
-#: answers in about 22 s.
-BOUNDED_CLIENT = {"PREFECT_CLIENT_MAX_RETRIES": "1", "PREFECT_API_REQUEST_TIMEOUT": "10"}
+#: answers in about 22 s. And never an ephemeral server: Prefect's default starts one
+#: (``python -m uvicorn``, a port in 8000-8999, seconds of CPU) for a client that has no API
+#: URL, and a parent that is SIGKILLed leaves it running, owned by no stack.
+BOUNDED_CLIENT = {"PREFECT_CLIENT_MAX_RETRIES": "1", "PREFECT_API_REQUEST_TIMEOUT": "10",
+                  "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false"}
 #: Longest wait for queued run logs and events at the end of a flow run, in seconds.
 FLUSH_TIMEOUT_S = 3.0
 #: Pauses before starting a flow again whose start Prefect answered busy, in seconds.
@@ -71,7 +74,7 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
         yield
         return
     # lazy: prefect costs ~3 s at import; only a run pointed at a Prefect API needs it
-    from prefect.events.clients import PrefectEventsClient
+    from prefect.events.clients import NullEventsClient, PrefectEventsClient
     from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -80,6 +83,10 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
     # that is ~8 s an event, paid at exit. Here: two tries an event, no sleep.
     EventsWorker.set_client_override(PrefectEventsClient, api_url=api_url,
                                      reconnection_attempts=EVENT_RECONNECTIONS)
+    # Outside the block, with no API URL of its own, Prefect would send a late run event to
+    # an ephemeral server it starts for it (its events ignore
+    # PREFECT_SERVER_ALLOW_EPHEMERAL_MODE): such events are dropped instead.
+    after = None if PREFECT_API_URL.value() else NullEventsClient
     with temporary_settings({PREFECT_API_URL: api_url}):
         try:
             yield
@@ -89,7 +96,7 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
             raise translate(exc, what="the Prefect API", endpoint=api_url) from exc
         finally:
             _flush_to_api()
-            EventsWorker.set_client_override(None)
+            EventsWorker.set_client_override(after)
 
 
 def _flush_to_api(timeout_s: float = FLUSH_TIMEOUT_S) -> None:

@@ -22,6 +22,8 @@ for key, value in {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "GX_ANALYTICS_ENABLED": "false",
+    # no Prefect server but the stacks' own (modelship.prefect_api.BOUNDED_CLIENT)
+    "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false",
 }.items():
     os.environ.setdefault(key, value)
 

@@ -60,7 +60,8 @@ def stack_up(
         doc = status_document(state, _live_records(state))
         doc["startup"] = {"ready_s": report.ready_s, "total_s": report.total_s,
                           "already_running": report.already_running,
-                          "restarted": report.restarted, "reconciled": report.reconciled}
+                          "restarted": report.restarted, "reconciled": report.reconciled,
+                          "prefect_db": report.prefect_db}
         return doc
 
     finish(run_reporting(action, as_json=as_json, render=render, to_json=to_json))

@@ -9,6 +9,7 @@ file lists, and checks that their ports are closed.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import shutil
@@ -18,6 +19,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.signing import generate_key
 from modelship.stack import components as c
+from modelship.stack import prefect_db
 from modelship.stack.keys import (
     drop_undecryptable_webhooks,
     reusable_ports,
@@ -38,11 +41,16 @@ from modelship.stack.keys import (
 from modelship.stack.process import (
     LOOPBACK,
     ProcessRecord,
+    ProcessView,
     free_ports,
     is_alive,
+    is_own_server,
+    listening_pids,
+    own_executables,
     port_open,
     reap,
     start_process,
+    stop_pid,
     stop_process,
     wait_ready,
 )
@@ -76,6 +84,10 @@ REPOSITORY_MARKER = ".modelship-repository"
 #: survives `stack down` so that versions staged before stay verifiable.
 SIGNING_KEY_FILE = "manifest-signing.key"
 SEAWEED_CONF_DIR = "seaweedfs-conf"
+#: Held (flock) by `up` and `down` for their whole run: two of them on one home take turns,
+#: so a second `up` finds the first one's stack running instead of starting another
+#: Prefect (or restarting a dead server twice). The servers never inherit it.
+HOME_LOCK_FILE = "stack.lock"
 
 
 def _private_dir(path: Path) -> Path:
@@ -121,6 +133,9 @@ class StartupReport:
     already_running: bool = False
     restarted: list[str] = field(default_factory=list)
     reconciled: dict[str, Any] | None = None
+    #: how a fresh start got Prefect's database (:func:`prefect_db.seed`): kept, copied
+    #: (or built, then copied) from the migrated template, or unseeded; None on a resume
+    prefect_db: str | None = None
 
 
 def _project_bin() -> Path:
@@ -168,6 +183,23 @@ def status(settings: Settings) -> dict[str, Any]:
     return status_document(state, _live_records(state))
 
 
+@contextmanager
+def home_lock(settings: Settings, progress: Progress = quiet) -> Iterator[None]:
+    """Hold the home's lock (:data:`HOME_LOCK_FILE`): one `up` or `down` at a time per
+    home. It is released when the holder exits, however it exits (even SIGKILL)."""
+    home = _private_dir(settings.home.resolve())
+    fd = os.open(home / HOME_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"waiting for another `modelship stack up/down` in {home}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def up(
     settings: Settings,
     *,
@@ -189,6 +221,12 @@ def up(
     if replicas < 1:
         raise UsageError(f"--replicas must be at least 1, got {replicas}",
                          hint="pass --replicas 1 or more (the canary comes on top)")
+    with home_lock(settings, progress):
+        return _up_locked(settings, replicas, base_port, progress, on_ready)
+
+
+def _up_locked(settings: Settings, replicas: int, base_port: int | None, progress: Progress,
+               on_ready: ReadyHook | None) -> tuple[dict[str, Any], StartupReport]:
     resumed = _resume_existing(settings, replicas, progress, on_ready)
     if resumed is not None:
         return resumed
@@ -545,13 +583,6 @@ class _Startup:
             list(ports.seaweed.values()),
             cwd=home.seaweed_conf,  # weed reads ./security.toml: the filer's JWT keys
         )
-        prefect_proc = self._launch(
-            "prefect",
-            c.prefect_command(venv_bin, port=ports.prefect),
-            c.prefect_env(base_env, prefect_home=data / "prefect", db_path=data / "prefect.db",
-                          port=ports.prefect),
-            [ports.prefect],
-        )
         # MLflow touches S3 only when artifacts move, so it can boot while SeaweedFS does.
         mlflow_proc = self._launch(
             "mlflow",
@@ -582,9 +613,25 @@ class _Startup:
                                state_file=data / "webhook-deliveries.json"),
             c.webhooks_env(base_env, home=home.path), [ports.webhooks],
         )
-        return {"seaweedfs": weed_proc, "prefect": prefect_proc, "mlflow": mlflow_proc,
-                "slack": slack_proc, "approvals": approvals_proc, "webhooks": webhooks_proc,
-                "gateway": self._launch_gateway(ports, binary)}
+        gateway_proc = self._launch_gateway(ports, binary)
+        return {"seaweedfs": weed_proc, "prefect": self._launch_prefect(ports),
+                "mlflow": mlflow_proc, "slack": slack_proc, "approvals": approvals_proc,
+                "webhooks": webhooks_proc, "gateway": gateway_proc}
+
+    def _launch_prefect(self, ports: _StackPorts) -> _Child:
+        """Prefect last: a new home's database is first copied from the migrated template
+        (:mod:`modelship.stack.prefect_db`; built once if missing, while the servers
+        started before it boot)."""
+        data, venv_bin = self.home.data, _project_bin()
+        self.report.prefect_db = prefect_db.seed(data / "prefect.db", venv_bin=venv_bin,
+                                                 env=self.base_env, progress=self.progress)
+        return self._launch(
+            "prefect",
+            c.prefect_command(venv_bin, port=ports.prefect),
+            c.prefect_env(self.base_env, prefect_home=data / "prefect",
+                          db_path=data / "prefect.db", port=ports.prefect),
+            [ports.prefect],
+        )
 
     def _launch_gateway(self, ports: _StackPorts, binary: Path) -> _Child:
         """nginx in front of the Tritons, production only: a fresh stack has no release in
@@ -749,6 +796,8 @@ def _restart(settings: Settings, state: dict[str, Any], dead: list[str],
         old = records[name]
         # its orphaned children (Triton's backend stubs) and their shm regions, if any
         stop_process(old, clean_shm=_is_triton(name))
+        # a server of its own that the record lost track of, still on its ports
+        _stop_strays(state, [old], progress)
         # its leftovers (nginx's workers outlive a killed master) release the ports as they
         # exit, a moment after the signal
         busy = _wait_ports_closed(list(old.ports), deadline_s=5.0)
@@ -821,7 +870,19 @@ def _s3_bucket_ready(endpoint: str, bucket: str, access_key: str, secret_key: st
 
 
 def down(settings: Settings, *, progress: Progress = quiet) -> dict[str, Any]:
-    """Stop every process ``up`` started (by PID, with its process group) and nothing else."""
+    """Stop every process ``up`` started (by PID, with its process group) and nothing else.
+
+    A server of the stack's own that still listens on one of its recorded ports after that
+    (a restart path lost track of it) is stopped too: only when it runs the component's
+    own executable with its recorded command line (:func:`is_own_server`)."""
+    if not settings.stack_file.exists():
+        progress(f"no stack is running here ({settings.stack_file} does not exist)")
+        return {"stopped": [], "already_stopped": [], "open_ports": []}
+    with home_lock(settings, progress):
+        return _down_locked(settings, progress)
+
+
+def _down_locked(settings: Settings, progress: Progress) -> dict[str, Any]:
     state = read_state(settings.stack_file)
     if state is None:
         progress(f"no stack is running here ({settings.stack_file} does not exist)")
@@ -831,6 +892,7 @@ def down(settings: Settings, *, progress: Progress = quiet) -> dict[str, Any]:
     records = process_records(state)
     # Triton and MLflow before the S3 server they read from; reported in reverse start order.
     running = _stop_records(records)
+    strays = _stop_strays(state, records, progress)
     for record in reversed(records):
         if running[record.name]:
             stopped.append(record.name)
@@ -845,7 +907,36 @@ def down(settings: Settings, *, progress: Progress = quiet) -> dict[str, Any]:
             ports=open_ports,
         )
     settings.stack_file.unlink(missing_ok=True)
-    return {"stopped": stopped, "already_stopped": already, "open_ports": []}
+    return {"stopped": stopped, "already_stopped": already, "open_ports": [],
+            **({"strays_stopped": strays} if strays else {})}
+
+
+def _stop_strays(state: dict[str, Any], records: list[ProcessRecord],
+                 progress: Progress) -> list[dict[str, Any]]:
+    """Stop what still listens on the records' ports when it is that component's own server
+    (its executable and recorded command line), never anything else; returns what was
+    stopped (name, pid, port)."""
+    commands = state.get("commands") or {}
+    open_ports = {p: r for r in records for p in r.ports if port_open(p, timeout_s=0.2)}
+    if not open_ports:
+        return []
+    stopped: list[dict[str, Any]] = []
+    for port, pids in listening_pids(list(open_ports)).items():
+        record = open_ports[port]
+        argv = (commands.get(record.name) or {}).get("argv")
+        if not argv:
+            continue
+        executables = own_executables(argv)
+        for pid in pids:
+            view = ProcessView.of(pid)
+            if view is None or not is_own_server(view, argv, executables) \
+                    or any(s["pid"] == pid for s in stopped):
+                continue
+            progress(f"stopping a {record.name} server the stack had lost track of "
+                     f"(pid {pid}, listening on its port {port})")
+            stop_pid(pid)
+            stopped.append({"name": record.name, "pid": pid, "port": port})
+    return stopped
 
 
 def _wait_ports_closed(ports: list[int], *, deadline_s: float) -> list[int]:

@@ -31,11 +31,14 @@ class ProcessRecord:
     start_ticks: int | None
     ports: tuple[int, ...]
     log: str
+    #: its process group when it started (its own PID: each server gets a session)
+    pgid: int | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
             "name": self.name,
             "pid": self.pid,
+            "pgid": self.pgid,
             "start_ticks": self.start_ticks,
             "ports": list(self.ports),
             "log": self.log,
@@ -44,6 +47,7 @@ class ProcessRecord:
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> ProcessRecord:
         ticks = data.get("start_ticks")
+        pgid = data.get("pgid")
         ports = data.get("ports") or []
         assert isinstance(ports, list)
         return cls(
@@ -52,6 +56,7 @@ class ProcessRecord:
             start_ticks=int(str(ticks)) if ticks is not None else None,
             ports=tuple(int(p) for p in ports),
             log=str(data.get("log", "")),
+            pgid=int(str(pgid)) if pgid is not None else None,
         )
 
 
@@ -129,12 +134,17 @@ def start_process(
                 hint="run `make install` to (re)build the virtualenvs, then try again",
                 component=name,
             ) from exc
+    try:
+        pgid: int | None = os.getpgid(proc.pid)
+    except ProcessLookupError:  # it died at once; wait_ready reports why
+        pgid = None
     record = ProcessRecord(
         name=name,
         pid=proc.pid,
         start_ticks=process_start_ticks(proc.pid),
         ports=tuple(ports),
         log=str(log_path),
+        pgid=pgid,
     )
     return proc, record
 
@@ -301,6 +311,111 @@ def _kill_group_leftovers(pgid: int, *, grace_s: float) -> None:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# --------------------------------------------------------------------------------------
+# what still listens on a stack's port: the stack's own server, or a stranger
+
+
+def listening_pids(ports: Sequence[int]) -> dict[int, list[int]]:
+    """The live processes holding a TCP socket that listens on each of ``ports`` (any
+    address): /proc/net/tcp{,6} name the sockets' inodes, each process's fds theirs."""
+    by_inode: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            # local_address is HEXIP:HEXPORT; state 0A is LISTEN; field 9 is the inode
+            if len(fields) > 9 and fields[3] == "0A":
+                port = int(fields[1].rsplit(":", 1)[1], 16)
+                if port in ports:
+                    by_inode[f"socket:[{fields[9]}]"] = port
+    found: dict[int, list[int]] = {port: [] for port in ports}
+    if not by_inode:
+        return found
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:
+            continue
+        for port in sorted({by_inode[link] for link in map(_link, fds) if link in by_inode}):
+            if process_start_ticks(int(entry.name)) is not None:
+                found[port].append(int(entry.name))
+    return found
+
+
+def _link(path: Path) -> str:
+    """Where a /proc fd points, or "" when it closed meanwhile."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class ProcessView:
+    """What Linux shows of a live process: its executable and its command line."""
+
+    pid: int
+    exe: str
+    cmdline: tuple[str, ...]
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessView | None:
+        try:
+            exe = os.path.realpath(f"/proc/{pid}/exe")
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        return cls(pid=pid, exe=exe, cmdline=tuple(a.decode(errors="replace")
+                                                   for a in raw.split(b"\0") if a))
+
+
+def own_executables(argv: Sequence[str]) -> set[str]:
+    """The executables a server started with ``argv`` runs as: ``argv[0]`` itself, and the
+    interpreter named by its ``#!`` line when it is a script (``.venv/bin/prefect``)."""
+    first = Path(argv[0])
+    found = {os.path.realpath(first)}
+    try:
+        with first.open("rb") as handle:
+            head = handle.readline(512)
+    except OSError:
+        return found
+    if head.startswith(b"#!"):
+        words = head[2:].decode(errors="replace").split()
+        if words:
+            found.add(os.path.realpath(words[0]))
+    return found
+
+
+def is_own_server(view: ProcessView, argv: Sequence[str], executables: set[str]) -> bool:
+    """True only when ``view`` is a server the stack started with ``argv`` (pure): it runs
+    one of the stack's ``executables`` and its command line holds the recorded command
+    whole (the ports and paths in it are the stack's own). A script's command line has its
+    interpreter in front; nginx's master rewrites its title to ``nginx: master process``
+    followed by its command."""
+    if view.exe not in executables or not argv:
+        return False
+    n, line = len(argv), list(view.cmdline)
+    if any(line[i:i + n] == list(argv) for i in range(len(line) - n + 1)):
+        return True
+    title = f"{Path(argv[0]).name}: master process {' '.join(argv)}"
+    return len(line) == 1 and line[0] == title
+
+
+def stop_pid(pid: int, *, grace_s: float = 10.0) -> None:
+    """SIGTERM ``pid`` (its process group when it leads one), then SIGKILL after the grace;
+    its group's leftovers go too."""
+    ticks = process_start_ticks(pid)
+    if ticks is None:
+        return
+    record = ProcessRecord(name=str(pid), pid=pid, start_ticks=ticks, ports=(), log="")
+    _stop_group(record, grace_s=grace_s)
 
 
 def reap(proc: subprocess.Popen[bytes] | None) -> None:

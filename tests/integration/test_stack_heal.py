@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from modelship.stack.process import (
     ProcessRecord,
     group_members,
     is_alive,
+    listening_pids,
     port_open,
     shm_regions,
     stop_process,
@@ -42,8 +43,9 @@ from modelship.triton.infer import TritonInference
 from tasks.reconcile import reconcile, reconcile_stack
 from tasks.swap import SwapOptions, SwapTarget, fleet_status, pin_signature, swap_fleet
 from tests import models
-from tests.conftest import base_settings, run_cli, stack_settings_at
+from tests.conftest import base_settings, run_cli, stack_settings_at, start_cli
 from tests.e2e.test_stack_cli import processes_mentioning
+from tests.faults import kill_component
 
 pytestmark = pytest.mark.integration
 
@@ -60,6 +62,8 @@ class OwnStack:
     #: `modelship stack up --replicas 1 --json` as it answered, and stack.json right after
     up: subprocess.CompletedProcess[str]
     state: dict[str, Any]
+    #: every server process this stack has had, restarts included (`down` leaves none)
+    ever: list[ProcessRecord] = field(default_factory=list)
 
 
 def record(settings: Settings, name: str) -> ProcessRecord:
@@ -92,7 +96,8 @@ def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OwnStack]:
                                             version=version, probe_feed=FEED,
                                             probe_outputs=["label"]),
                    SwapOptions(SwapPolicy()))
-        yield OwnStack(settings, clients, version, up, state)
+        yield OwnStack(settings, clients, version, up, state,
+                       ever=[ProcessRecord.from_dict(p) for p in state["processes"]])
         clients.close()
     finally:
         manager.down(base)
@@ -249,18 +254,86 @@ def test_replicas_zero_is_a_usage_error(own_stack: OwnStack) -> None:
     assert info.value.exit_code == 2
 
 
+def prefect_servers(home: Path) -> list[int]:
+    """The live Prefect servers of the stack in ``home`` (their environment names its
+    Prefect home), however they were started."""
+    marker = f"PREFECT_HOME={home.resolve() / 'data' / 'prefect'}".encode()
+    return [pid for pid in started_in(home) if marker in _environ(pid)]
+
+
+def started_in(home: Path) -> list[int]:
+    """Live processes whose environment points at ``home``: the stack's servers, and any
+    process one of its commands (or a Prefect client in them) left behind."""
+    markers = (f"MODELSHIP_HOME={home}".encode(), f"MODELSHIP_HOME={home.resolve()}".encode(),
+               f"PREFECT_HOME={home.resolve() / 'data' / 'prefect'}".encode())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            environ = _environ(int(entry.name))
+            if any(m + b"\0" in environ + b"\0" for m in markers) \
+                    and is_alive(ProcessRecord(entry.name, int(entry.name), None, (), "")):
+                found.append(int(entry.name))
+    return found
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_prefect_killed_as_the_fault_matrix_does_then_two_ups_at_once_leave_one_prefect(
+        own_stack: OwnStack) -> None:
+    """The fault matrix's path (tests.faults.kill_component: SIGKILL of Prefect's process
+    group, then `modelship stack up`), with two `up` racing on the home: one restarts
+    Prefect, the other waits for it and finds the stack running."""
+    settings, home = own_stack.settings, own_stack.settings.home
+    old = record(settings, "prefect")
+    kill_component(home, "prefect")
+    ups = [start_cli("stack", "up", "--replicas", "1", "--json", home=home) for _ in range(2)]
+    answers_ = [up.communicate(timeout=300) for up in ups]
+    assert [up.returncode for up in ups] == [0, 0], [err[-2000:] for _, err in answers_]
+    restarted = sorted(json.loads(out)["startup"]["restarted"] for out, _ in answers_)
+    assert restarted == [[], ["prefect"]]
+    new = record(settings, "prefect")
+    own_stack.ever.append(new)
+    assert new.pid != old.pid and is_alive(new) and not is_alive(old)
+    assert new.pgid == new.pid  # a session of its own: `down` stops its whole group
+    (port,) = new.ports
+    assert listening_pids([port]) == {port: [new.pid]}
+    assert prefect_servers(home) == [new.pid]
+
+
 @pytest.mark.e2e
 def test_stack_down_stops_everything_and_leaves_nothing_behind(own_stack: OwnStack) -> None:
-    """Last in this module: the stack is gone afterwards (the fixture's down is a no-op)."""
+    """Last in this module: the stack is gone afterwards (the fixture's down is a no-op).
+
+    Prefect's record is first made to name the server the fault matrix killed (as if a
+    restart had lost track of the live one): `down` still stops the live one, found on the
+    recorded port running Prefect's own command line."""
     home = own_stack.settings.home
     state = json.loads((home / "stack.json").read_text())
     records = [ProcessRecord.from_dict(p) for p in state["processes"]]
     ports = [p for r in records for p in r.ports]
     assert {r.name for r in records} == {r["name"] for r in own_stack.state["processes"]}
+    live_prefect = record(own_stack.settings, "prefect")
+    lost = next(r for r in own_stack.ever if r.name == "prefect" and not is_alive(r))
+    state["processes"] = [{**p, "pid": lost.pid, "start_ticks": lost.start_ticks}
+                          if p["name"] == "prefect" else p for p in state["processes"]]
+    (home / "stack.json").write_text(json.dumps(state))
+    assert started_in(home)  # the servers are found this way
     down = run_cli("stack", "down", "--json", home=home)
     assert down.returncode == 0, down.stderr
-    assert sorted(json.loads(down.stdout)["stopped"]) == sorted(r.name for r in records)
-    assert not any(is_alive(r) for r in records)
+    doc = json.loads(down.stdout)
+    assert sorted(doc["stopped"]) == sorted(r.name for r in records if r.name != "prefect")
+    assert doc["already_stopped"] == ["prefect"]
+    assert doc["strays_stopped"] == [{"name": "prefect", "pid": live_prefect.pid,
+                                      "port": live_prefect.ports[0]}]
+    # nothing of the stack is left: by PID (every server it ever had), by port, by
+    # command line and by environment
+    assert not [r for r in [*records, *own_stack.ever, live_prefect] if is_alive(r)]
     assert not [p for p in ports if port_open(p)]
     assert not processes_mentioning(str(home))
+    assert not started_in(home)
     assert not (home / "stack.json").exists()
