@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +45,10 @@ FLUSH_TIMEOUT_S = 3.0
 BUSY_START_PAUSES_S = (0.5, 1.0, 2.0, 4.0)
 #: Reconnections of the run-events websocket per event (Prefect's default is 10).
 EVENT_RECONNECTIONS = 1
+#: :func:`pointed_at` blocks open now, in any thread: the events client is reset only when
+#: the last one ends, so one thread's block never changes where another's run events go.
+_OPEN_BLOCKS = [0]
+_OPEN_BLOCKS_LOCK = threading.Lock()
 
 
 class PrefectApi:
@@ -81,8 +86,10 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
     # Run events (task run states) go over a websocket whose client tries to reconnect 10
     # times, sleeping 1 s from the fourth try, for EACH queued event: against a dead server
     # that is ~8 s an event, paid at exit. Here: two tries an event, no sleep.
-    EventsWorker.set_client_override(PrefectEventsClient, api_url=api_url,
-                                     reconnection_attempts=EVENT_RECONNECTIONS)
+    with _OPEN_BLOCKS_LOCK:
+        _OPEN_BLOCKS[0] += 1
+        EventsWorker.set_client_override(PrefectEventsClient, api_url=api_url,
+                                         reconnection_attempts=EVENT_RECONNECTIONS)
     # Outside the block, with no API URL of its own, Prefect would send a late run event to
     # an ephemeral server it starts for it (its events ignore
     # PREFECT_SERVER_ALLOW_EPHEMERAL_MODE): such events are dropped instead.
@@ -96,7 +103,10 @@ def pointed_at(api_url: str | None) -> Iterator[None]:
             raise translate(exc, what="the Prefect API", endpoint=api_url) from exc
         finally:
             _flush_to_api()
-            EventsWorker.set_client_override(after)
+            with _OPEN_BLOCKS_LOCK:
+                _OPEN_BLOCKS[0] -= 1
+                if not _OPEN_BLOCKS[0]:
+                    EventsWorker.set_client_override(after)
 
 
 def _flush_to_api(timeout_s: float = FLUSH_TIMEOUT_S) -> None:

@@ -213,3 +213,39 @@ def test_without_a_template_prefect_migrates_its_own(tmp_path: Path) -> None:
 def test_the_cache_directory(env: dict[str, str], expected: str) -> None:
     assert prefect_db.cache_dir(env) == Path(expected)
     assert prefect_db.template_path(Path(expected), "3.9.1").name == "prefect-3.9.1.db"
+
+
+def test_one_threads_block_never_changes_where_anothers_run_events_go() -> None:
+    """Each pointed_at block sends run events to its API; the events client is reset (to
+    one that drops them, with no API URL here) only when the last open block ends."""
+    from prefect.events.clients import NullEventsClient, PrefectEventsClient
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL
+
+    from modelship.prefect_api import pointed_at
+
+    assert not PREFECT_API_URL.value()
+    saved = EventsWorker._client_override
+    inside, release = threading.Event(), threading.Event()
+
+    def other_block() -> None:
+        with pointed_at("http://127.0.0.1:9/api"):
+            inside.set()
+            release.wait(10)
+
+    other = threading.Thread(target=other_block)
+    try:
+        other.start()
+        assert inside.wait(10)
+        with pointed_at("http://127.0.0.1:9/api"):
+            pass
+        override = EventsWorker._client_override
+        assert override is not None and override[0] is PrefectEventsClient  # still open
+        release.set()
+        other.join(10)
+        override = EventsWorker._client_override
+        assert override is not None and override[0] is NullEventsClient
+    finally:
+        release.set()
+        other.join(10)
+        EventsWorker._client_override = saved
