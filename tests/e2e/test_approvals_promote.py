@@ -30,7 +30,10 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "cli-approvals"
 POLICY: dict[str, Any] = {
-    "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 8.0, "min_samples": 200},
+    # 1-s windows that count as stable at once (stability_pct 100): the canary stops as
+    # soon as its error rule has its samples; the approval is tested here
+    "canary": {"warmup_s": 0.5, "window_s": 1.0, "stability_pct": 100.0,
+               "max_duration_s": 8.0, "min_samples": 200},
     # sized to catch 4% errors (179 requests, so min_samples decides), not 2% (982)
     "gates": [{"name": "error_rate", "metric": "error_rate", "test": "exact_rate",
                "max_rate": 0.01, "effect": 0.03}],

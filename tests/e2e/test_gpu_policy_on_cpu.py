@@ -45,7 +45,9 @@ POLICY: dict[str, Any] = {
                 "tensorrt": {"precision": "FP16", "max_workspace_bytes": 512 * MiB},
                 "warmup": {"enabled": True, "data": "random", "count": 2}},
     },
-    "canary": {"warmup_s": 0.5, "window_s": 1.0, "max_duration_s": 20.0, "min_samples": 100},
+    # windows that count as stable at once: the canary stops when its rules have samples
+    "canary": {"warmup_s": 0.5, "window_s": 1.0, "stability_pct": 100.0,
+               "max_duration_s": 20.0, "min_samples": 100},
     "gates": [
         # sized to catch 5% errors (117 requests), not 2% (982): the GPU policy is tested here
         {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01,

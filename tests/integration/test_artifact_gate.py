@@ -37,6 +37,7 @@ class Production:
     version: int
     outputs: dict[str, np.ndarray]
     feed: dict[str, np.ndarray]
+    report: Any  # its check: a fresh one (new bytes), staged, with Data Docs
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +49,11 @@ def clients(stack_settings: Settings) -> Iterator[Clients]:
 
 def _check(stack_settings: Settings, clients: Clients, tmp: Path, *, version: int | None = None,
            alias: str | None = None, policy: Policy | None = None, stage: bool = False,
-           model: str = MODEL) -> Any:
+           model: str = MODEL, docs: bool = False) -> Any:
+    """``run_check`` as ``modelship check`` runs it; GX Data Docs only where a test reads
+    them (``docs``: a build renders every validation this process has run so far)."""
     return run_check(stack_settings, clients, policy or Policy(), model=model, version=version,
-                     alias=alias, workdir=tmp, stage=stage)
+                     alias=alias, workdir=tmp, stage=stage, docs=docs)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +63,10 @@ def production(stack_settings: Settings, clients: Clients,
     uri = str(stack_settings.mlflow_tracking_uri)
     version = models.register_sklearn(uri, MODEL)
     report = _check(stack_settings, clients, tmp_path_factory.mktemp("prod"), version=version,
-                    stage=True)
+                    stage=True, docs=True)
     assert report.verdict == "passed"
+    for suite in ("inputs", "outputs"):  # the Data Docs of both suites, as the CLI builds them
+        assert Path(report.checks[suite]["docs_path"]).is_file(), report.checks[suite]
     assert clients.registry is not None
     clients.registry.set_alias(MODEL, "production", version)
     replica = clients.replicas[0]
@@ -73,7 +78,7 @@ def production(stack_settings: Settings, clients: Clients,
     answer = inference.infer(MODEL, feed, outputs=["label", "probabilities"])
     inference.close()
     assert answer.model_version == str(version)
-    return Production(version=version, outputs=answer.outputs, feed=feed)
+    return Production(version=version, outputs=answer.outputs, feed=feed, report=report)
 
 
 def _assert_production_untouched(clients: Clients, production: Production) -> None:
@@ -134,16 +139,29 @@ def test_a_passed_check_of_the_same_bytes_is_reused_and_a_corrupt_entry_rebuilt(
 def test_good_sklearn_candidate_passes_and_stages_a_verifiable_release(
         stack_settings: Settings, clients: Clients, production: Production,
         tmp_path: Path) -> None:
+    """The production fixture's check is a full, fresh check of new sklearn bytes: every
+    stage ran and passed. The same artifact registered as a new version passes again (the
+    cache's pass of those bytes) and stages a release that verifies, which Triton loads
+    from S3; production keeps serving."""
+    import mlflow
+
     from modelship.repository import verify_staged
 
-    version = models.register_sklearn(str(stack_settings.mlflow_tracking_uri), MODEL, seed=1)
+    fresh = production.report
+    assert fresh.cache is not None and not fresh.cache["hit"], fresh.cache
+    assert [s["stage"] for s in fresh.stages] == ["preflight", "resolve", "golden",
+                                                  "input_checks", "export", "validate",
+                                                  "output_checks", "trial_load", "stage"]
+    assert fresh.golden.source == "input_example"
+    assert fresh.checks["trial_load"]["outputs"]["label"]["passed"]
+
+    assert clients.registry is not None
+    point_mlflow_at(str(stack_settings.mlflow_tracking_uri))
+    source = mlflow.MlflowClient().get_model_version(MODEL, str(production.version)).source
+    version = int(mlflow.register_model(source, MODEL).version)
     report = _check(stack_settings, clients, tmp_path, version=version, stage=True)
-    assert report.verdict == "passed"
-    assert [s["stage"] for s in report.stages] == ["preflight", "resolve", "golden",
-                                                   "input_checks", "export", "validate",
-                                                   "output_checks", "trial_load", "stage"]
-    assert report.golden.source == "input_example"
-    assert report.checks["trial_load"]["outputs"]["label"]["passed"]
+    assert report.verdict == "passed" and report.version == version
+    assert report.staged is not None and not report.staged["already_staged"]
     assert clients.storage is not None
     manifest = verify_staged(clients.storage, model=MODEL, version=version,
                              repository_prefix=stack_settings.repository_prefix)
