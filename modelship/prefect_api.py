@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, ParamSpec, TypeVar
 
-from modelship.errors import ModelshipError
+from modelship.errors import InfrastructureError, ModelshipError
 from modelship.faults import is_busy, is_transient, translate
 from modelship.http import expect_ok
 
@@ -66,6 +66,21 @@ class PrefectApi:
     def ping(self) -> None:
         """Raise Unreachable/InfrastructureError unless ``/health`` answers 200."""
         expect_ok(f"{self.api_url}/health", timeout_s=self.timeout_s, what="the Prefect API")
+
+
+def require_api(api_url: str | None) -> str:
+    """The Prefect API a flow runs on, or an error that says how to get one (exit 1).
+
+    Without one, Prefect's own "No Prefect API URL provided" would surface as an unexpected
+    error (modelship never lets it start a private ephemeral server instead)."""
+    if not api_url:
+        raise InfrastructureError(
+            "no Prefect API to run the flow on: no stack is up in MODELSHIP_HOME, and "
+            "neither MODELSHIP_PREFECT_API_URL nor PREFECT_API_URL is set",
+            hint="run `modelship stack up` (the embedded stack) and retry, or set "
+            "PREFECT_API_URL to your Prefect server's API (e.g. http://127.0.0.1:4200/api)",
+            component="prefect")
+    return api_url
 
 
 @contextmanager

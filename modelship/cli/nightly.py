@@ -90,7 +90,7 @@ def nightly(
     def action() -> Any:
         # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
         from flows.nightly import NightlyParams, nightly_flow
-        from modelship.prefect_api import pointed_at
+        from modelship.prefect_api import pointed_at, require_api
 
         current = settings()
         try:
@@ -105,7 +105,7 @@ def nightly(
         except ValueError as exc:
             raise UsageError(f"invalid nightly options: {exc}",
                              hint="see `modelship nightly --help`") from exc
-        with pointed_at(current.prefect_api_url):
+        with pointed_at(require_api(current.prefect_api_url)):
             return nightly_flow(params)
 
     def render(doc: dict[str, Any]) -> str:

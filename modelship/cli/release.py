@@ -83,7 +83,7 @@ def promote(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
     def action() -> Any:
         # lazy: a command imports its flow and tasks when it runs, so the CLI starts fast
         from flows.promote import PromoteParams, promote_flow
-        from modelship.prefect_api import run_flow
+        from modelship.prefect_api import require_api, run_flow
         from tasks.check import parse_ref
 
         parse_ref(version, alias)
@@ -96,7 +96,8 @@ def promote(model: ModelArg, version: VersionOpt = None, alias: AliasOpt = None,
             if approvers else None,
             requested_by=requested_by or current.requester or getpass.getuser(),
             trigger="cli", allow_breaking_changes=allow_breaking_changes)
-        return run_flow(lambda: promote_flow(params), api_url=current.prefect_api_url)
+        return run_flow(lambda: promote_flow(params),
+                        api_url=require_api(current.prefect_api_url))
 
     finish(run_reporting(action, as_json=as_json, render=render_record, to_json=lambda d: d,
                          exit_code=lambda d: int(d.get("exit_code") or 0)))

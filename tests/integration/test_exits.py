@@ -93,3 +93,17 @@ def test_every_command_ends_in_time_and_names_what_it_could_not_reach(
             assert named == [names], (args, errors[0])
         assert document["error"] in ("Unreachable", "InfrastructureError", "PreflightError"), \
             (args, document)
+
+
+def test_a_release_with_no_stack_and_no_prefect_says_how_to_get_one(tmp_path: Path) -> None:
+    """No stack in the home and no PREFECT_API_URL: exit 1 naming both ways out, not
+    Prefect's "No Prefect API URL provided" as an unexpected error (and no ephemeral
+    Prefect server started for it)."""
+    result = run_cli("promote", "fraud", "--version", "2", "--json",
+                     home=tmp_path / ".modelship", timeout=BOUND_S * 3)
+    document = json.loads(result.stdout)
+    assert result.returncode == document["exit_code"] == 1, result.stderr[-2000:]
+    assert document["error"] == "InfrastructureError", document
+    assert "no Prefect API" in document["message"], document
+    assert "modelship stack up" in document["hint"] and "PREFECT_API_URL" in document["hint"]
+    assert "Traceback" not in result.stdout + result.stderr
