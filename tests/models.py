@@ -14,6 +14,12 @@ from model_registry.client import point_mlflow_at
 
 N_FEATURES = 6
 
+#: The requirements every logged model states, as modelship's demo and tasks/train do.
+#: Without them MLflow infers them: it starts a Python subprocess that loads the model and
+#: records its imports, 2-4 s per ONNX model and 7-10 s of CPU per sklearn model.
+ONNX_REQUIREMENTS = ["onnx", "onnxruntime"]
+SKLEARN_REQUIREMENTS = ["scikit-learn"]
+
 
 def training_data(n_features: int = N_FEATURES, seed: int = 0) -> tuple[pd.DataFrame, Any]:
     from sklearn.datasets import make_classification
@@ -58,7 +64,8 @@ def register_sklearn(tracking_uri: str, name: str, *, n_features: int = N_FEATUR
     model, frame = sklearn_classifier(n_features, seed)
     with mlflow.start_run():
         info = mlflow.sklearn.log_model(model, name="model", registered_model_name=name,
-                                        input_example=frame.head(16))
+                                        input_example=frame.head(16),
+                                        pip_requirements=SKLEARN_REQUIREMENTS)
         if golden is not None:
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "inputs.parquet"
@@ -96,7 +103,8 @@ def register_onnx(tracking_uri: str, name: str, onnx_model: Any, *, signature: A
         signature = tensor_signature()
     with mlflow.start_run():
         info = mlflow.onnx.log_model(onnx_model, name="model", registered_model_name=name,
-                                     signature=signature, input_example=example)
+                                     signature=signature, input_example=example,
+                                     pip_requirements=ONNX_REQUIREMENTS)
     return int(info.registered_model_version)
 
 
@@ -117,7 +125,7 @@ def corrupt_onnx_dir(tmp: Path) -> Path:
 
     target = tmp / "corrupt"
     mlflow.onnx.save_model(sklearn_onnx(), str(target), signature=tensor_signature(),
-                           save_as_external_data=False)
+                           save_as_external_data=False, pip_requirements=ONNX_REQUIREMENTS)
     (target / "model.onnx").write_bytes(b"\x08\x07this is not a protobuf" * 10)
     return target
 
@@ -130,7 +138,8 @@ def parity_mismatch_dir(tmp: Path) -> Path:
 
     target = tmp / "mismatch"
     model_a, frame = sklearn_classifier(seed=0)
-    mlflow.sklearn.save_model(model_a, str(target), input_example=frame.head(16))
+    mlflow.sklearn.save_model(model_a, str(target), input_example=frame.head(16),
+                              pip_requirements=SKLEARN_REQUIREMENTS)
     onnx.save_model(sklearn_onnx(seed=7), str(target / "model.onnx"))
     mlmodel_path = target / "MLmodel"
     mlmodel = yaml.safe_load(mlmodel_path.read_text())
@@ -197,7 +206,8 @@ def pyfunc_only_dir(tmp: Path) -> Path:
 
     target = tmp / "pyfunc"
     mlflow.pyfunc.save_model(str(target), python_model=Doubler(),
-                             input_example=pd.DataFrame({"x": [1.0, 2.0]}))
+                             input_example=pd.DataFrame({"x": [1.0, 2.0]}),
+                             pip_requirements=["pandas"])
     return target
 
 
