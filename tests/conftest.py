@@ -95,24 +95,26 @@ pytest_plugins = ["tests.stack_fixtures"]
 # item._nodeid, which pytest 9 no longer reads (Node.nodeid is str(self._id)), so every test
 # silently becomes a unit of its own. The scheduler below works from the node ids alone.
 
-#: Worker seconds of the heaviest files (the last full run's durations, setup included):
+#: Worker seconds of the heaviest files (per-file runs and the last full run, setup included):
 #: groups go out heaviest first, so the two workers end together (longest job first).
 #: A file missing here is estimated from its number of tests (:data:`SECONDS_PER_TEST`).
 #: Refresh from a run's ``--durations=0`` when a file's weight changes a lot.
 FILE_SECONDS = {
-    "tests/e2e/test_crash.py": 400, "tests/e2e/test_promote.py": 450,
-    "tests/e2e/test_demo.py": 330, "tests/e2e/test_fleet_cli.py": 280,
-    "tests/e2e/test_stack_cli.py": 40, "tests/integration/test_prefect_deployments.py": 150,
-    "tests/integration/test_swap.py": 220, "tests/e2e/test_bake_traffic.py": 200,
-    "tests/integration/test_stack_heal.py": 200, "tests/e2e/test_nightly.py": 155,
-    "tests/integration/test_artifact_gate.py": 150, "tests/e2e/test_approvals_promote.py": 130,
-    "tests/integration/test_release_transaction.py": 130,
-    "tests/e2e/test_gpu_policy_on_cpu.py": 120,
-    "tests/integration/test_standalone_journal.py": 110, "tests/e2e/test_pytorch_promote.py": 110,
-    "tests/integration/test_swap_faults.py": 100, "tests/integration/test_exits.py": 100,
-    "tests/integration/test_wheel.py": 90, "tests/unit/test_sequential.py": 90,
-    "tests/unit/test_bake_traffic.py": 80, "tests/unit/test_gates_calibration.py": 80,
-    "tests/e2e/test_progressive.py": 130, "tests/e2e/test_shadow.py": 125,
+    "tests/e2e/test_crash.py": 340, "tests/e2e/test_promote.py": 300,
+    "tests/e2e/test_fleet_cli.py": 300, "tests/e2e/test_demo.py": 200,
+    "tests/integration/test_prefect_deployments.py": 170, "tests/e2e/test_bake_traffic.py": 160,
+    "tests/e2e/test_progressive.py": 125, "tests/e2e/test_nightly.py": 90,
+    "tests/integration/test_artifact_gate.py": 80, "tests/integration/test_stack_heal.py": 80,
+    "tests/integration/test_approvals_flow.py": 75, "tests/e2e/test_shadow.py": 75,
+    "tests/e2e/test_approvals_promote.py": 70, "tests/integration/test_swap.py": 70,
+    "tests/e2e/test_gpu_policy_on_cpu.py": 50, "tests/integration/test_release_transaction.py": 45,
+    "tests/e2e/test_pytorch_promote.py": 40, "tests/integration/test_swap_faults.py": 40,
+    "tests/integration/test_canary_slot.py": 40, "tests/integration/test_gpu_evidence.py": 40,
+    "tests/integration/test_exits.py": 35, "tests/integration/test_local_gateway.py": 30,
+    "tests/integration/test_standalone_journal.py": 25, "tests/unit/test_gates_calibration.py": 25,
+    "tests/integration/test_loadgen.py": 25, "tests/e2e/test_stack_cli.py": 20,
+    "tests/unit/test_sequential.py": 20, "tests/integration/test_wheel.py": 15,
+    "tests/unit/test_bake_traffic.py": 12,
 }
 SECONDS_PER_TEST = {"tests/e2e": 60.0, "tests/integration": 8.0}
 #: Files of independent cells (each starts from whatever the one before left, and sets up
