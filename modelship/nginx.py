@@ -5,6 +5,7 @@ TrafficRouter port (:mod:`modelship.traffic.local_gateway`) steers it; both sit 
 module, which knows nginx and nothing of either:
 
 - :class:`GatewayLayout`: what never changes while the stack runs (ports, upstreams, paths);
+- :class:`SplitScope`: the one model whose requests a release's split applies to;
 - :func:`render_config`: the whole ``nginx.conf`` for a layout and a split (pure);
 - :func:`parse_live`: the split the running workers answer with (pure);
 - :func:`check_config`, :func:`reload`, :func:`read_live`: the I/O, each with a timeout.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -119,6 +121,43 @@ class GatewayLayout:
                    user=str(data["user"]) if data.get("user") else None)
 
 
+#: Model names a scope can hold: Triton's model directory names, nothing a regex reads.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class SplitScope:
+    """Which live requests a split applies to; every other request goes to production and
+    is never mirrored (the canary Triton serves only the release's candidate, so another
+    model's request sent there would fail).
+
+    Attributes:
+        model: HTTP requests whose path names it (``/v2/models/<model>[/...]``).
+        grpc: gRPC requests too. KServe gRPC names the model inside the message body,
+            which nginx does not read, so only when the gateway fronts this model alone.
+    """
+
+    model: str
+    grpc: bool = False
+
+    def __post_init__(self) -> None:
+        if not _MODEL_NAME.fullmatch(self.model):
+            raise InfrastructureError(
+                f"the local gateway cannot scope a split to model {self.model!r}: a Triton "
+                "model name is letters, digits, '_', '.' and '-'",
+                hint="rename the model, or use the replay canary (canary.traffic: replay)",
+                component="gateway")
+
+    @property
+    def uri_pattern(self) -> str:
+        """The ``$request_uri`` regex of its HTTP requests ('.' in a class, not escaped:
+        nginx reads backslashes in a quoted string itself)."""
+        return f"^/v2/models/{self.model.replace('.', '[.]')}(/|[?]|$)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "grpc": self.grpc}
+
+
 def quantize_pct(value: float) -> float:
     """A share as nginx can hold it: two decimals (0.004 % is 0, 99.996 % is 100)."""
     return round(round(float(value) / RESOLUTION_PCT) * RESOLUTION_PCT, 2)
@@ -151,15 +190,14 @@ def _upstreams(name: str, servers: Sequence[str], keepalive: int) -> str:
     return f"    upstream {name} {{\n{lines}        keepalive {keepalive};\n    }}\n"
 
 
-def _mirror_location(kind: str, mirror: float) -> str:
+def _mirror_location(kind: str, copy: str) -> str:
     """The internal location a mirrored copy goes to; its answer is thrown away.
 
-    Below 100 % it answers 204 itself (no upstream is touched) for the requests outside
-    the share. The copy has short timeouts: nginx holds a client's keep-alive connection
-    until its mirror subrequest ends, so a stuck canary must not hold production."""
-    if mirror <= 0:
-        return ""
-    skip = "            if ($modelship_mirror = 0) { return 204; }\n" if mirror < 100 else ""
+    With a ``copy`` variable (the share below 100 %, or a scope) it answers 204 itself (no
+    upstream is touched) for the requests it does not copy. The copy has short timeouts:
+    nginx holds a client's keep-alive connection until its mirror subrequest ends, so a
+    stuck canary must not hold production."""
+    skip = f"            if ({copy} = 0) {{ return 204; }}\n" if copy else ""
     if kind == "http":
         forward = ("            proxy_pass http://canary_http$request_uri;\n"
                    "            proxy_http_version 1.1;\n"
@@ -196,28 +234,53 @@ def _http_settings(prefix: str) -> str:
             "    http2_max_concurrent_streams 1024;\n")
 
 
+def _scoped_choice(variable: str, drawn: str | None, hit: str, miss: str) -> str:
+    """A ``map`` giving ``hit`` to the scope's requests whose draw ``drawn`` (a chooser's
+    variable) also gave ``hit`` (all of the scope's when None), ``miss`` to the rest."""
+    key = f'"$modelship_scoped{drawn}"' if drawn else "$modelship_scoped"
+    picked = f'"1{hit}"' if drawn else "1"
+    return (f"    map {key} ${variable} {{\n        {picked} {hit};\n"
+            f"        default {miss};\n    }}\n")
+
+
 def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
-                  generation: str) -> str:
+                  generation: str, scope: SplitScope | None = None) -> str:
     """The whole ``nginx.conf`` for ``layout`` with this split (pure).
 
     Shares are quantized to nginx's two decimals (:func:`quantize_pct`); the admin port
-    answers with exactly the rendered (quantized) shares and ``generation``, so a caller
-    can tell when the workers running this configuration are the ones answering.
+    answers with exactly the rendered (quantized) shares, the scope and ``generation``, so
+    a caller can tell when the workers running this configuration are the ones answering.
+    With a ``scope``, the split applies to its requests only (:class:`SplitScope`).
     """
     canary, mirror = quantize_pct(canary_pct), quantize_pct(mirror_pct)
     prefix = layout.prefix
-    backend = _backend(canary)
+    http_backend = grpc_backend = _backend(canary)
     choosers = ""
     if 0 < canary < 100:
         choosers += _chooser("modelship_route", "", canary, "canary", "production")
     if 0 < mirror < 100:
         choosers += _chooser("modelship_mirror", "mirror", mirror, "1", "0")
-    mirror_on = "            mirror /_modelship_mirror;\n" if mirror > 0 else ""
+    copy = "$modelship_mirror" if 0 < mirror < 100 else ""  # the mirror's per-request draw
+    http_mirror = grpc_mirror = mirror > 0
+    if scope is not None and (canary > 0 or mirror > 0):
+        choosers += (f'    map $request_uri $modelship_scoped {{\n'
+                     f'        "~{scope.uri_pattern}" 1;\n        default 0;\n    }}\n')
+        if canary > 0:
+            drawn = "$modelship_route" if canary < 100 else None
+            choosers += _scoped_choice("modelship_http_route", drawn, "canary", "production")
+            http_backend = "${modelship_http_route}"
+        if mirror > 0:
+            choosers += _scoped_choice("modelship_copy", copy or None, "1", "0")
+            copy = "$modelship_copy"
+        if not scope.grpc:
+            grpc_backend, grpc_mirror = "production", False
+    mirror_on = "            mirror /_modelship_mirror;\n"
     sampled = ""
     if mirror > 0:  # the mirrored share's bodies, for the shadow canary's agreement
-        only = " if=$modelship_mirror" if mirror < 100 else ""
+        only = f" if={copy}" if copy else ""
         sampled = (f"            access_log {layout.sample_log} modelship_sample{only};\n")
-    live = json.dumps({"canary_pct": canary, "mirror_pct": mirror, "generation": generation},
+    live = json.dumps({"canary_pct": canary, "mirror_pct": mirror, "generation": generation,
+                       "scope": scope.to_dict() if scope is not None else None},
                       sort_keys=True)
     return (
         f"# Rendered by modelship (generation {generation}); it is rewritten on every change\n"
@@ -238,22 +301,23 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
         + "    server {  # KServe HTTP/REST\n"
         f"        listen {layout.host}:{layout.http_port};\n"
         "        location / {\n"
-        f"{mirror_on}{sampled}"
-        f"            proxy_pass http://{backend}_http;\n"
+        f"{mirror_on if http_mirror else ''}{sampled}"
+        f"            proxy_pass http://{http_backend}_http;\n"
         "            proxy_http_version 1.1;\n"
         '            proxy_set_header Connection "";\n'
         "            proxy_read_timeout 300s;\n"
         "        }\n"
-        + _mirror_location("http", mirror)
+        + (_mirror_location("http", copy) if http_mirror else "")
         + "    }\n"
         "    server {  # KServe gRPC (h2c)\n"
         f"        listen {layout.host}:{layout.grpc_port} http2;\n"
         "        location / {\n"
-        f"{mirror_on}"
-        f"            grpc_pass grpc://{backend}_grpc;\n"
+        f"{mirror_on if grpc_mirror else ''}"
+        f"            grpc_pass grpc://{grpc_backend}_grpc;\n"
         "            grpc_read_timeout 300s;\n"
         "        }\n"
-        + _mirror_location("grpc", mirror)
+        + (_mirror_location("grpc", "$modelship_mirror" if 0 < mirror < 100 else "")
+           if grpc_mirror else "")
         + "    }\n"
         "    server {  # admin: the live split, never for clients\n"
         f"        listen {layout.host}:{layout.admin_port};\n"

@@ -65,7 +65,7 @@ def holdback_watch(settings: Settings, clients: Clients, policy: Policy, *, mode
             previous version did not load on the canary (exit 1).
     """
     server, router = canary_and_router(settings, clients, what="bake.holdback_pct",
-                                       progress=progress)
+                                       model=model, progress=progress)
     share = TrafficSplit(canary_pct=policy.bake.holdback_pct)
     with canary_slot(clients.storage, model=model, progress=progress,
                      owner=f"holdback of {model} v{previous} (bake of v{version})",

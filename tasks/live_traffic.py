@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from modelship.clients import Clients
 from modelship.errors import InfrastructureError, ModelshipError, UsageError
+from modelship.nginx import SplitScope
 from modelship.progress import Progress, quiet
 from modelship.repository import staged_config
 from modelship.settings import Settings
@@ -23,16 +24,36 @@ from modelship.triton.target import render_for_servers
 from tasks.approve import canary_cleanup
 from tasks.traffic_state import configured_router
 
-__all__ = ["canary_and_router", "scrape_servers", "serving_on_canary"]
+__all__ = ["canary_and_router", "scrape_servers", "serving_on_canary", "split_scope"]
 
 _READY_POLL_S = 0.1
 
 
-def canary_and_router(settings: Settings, clients: Clients, *, what: str,
+def split_scope(clients: Clients, model: str, progress: Progress = quiet) -> SplitScope:
+    """The requests a release of ``model`` may split: its own HTTP requests, and gRPC too
+    only when the replicas serve no other model (gRPC names the model in its body, which
+    the gateway does not read). A replica that does not answer counts as serving others."""
+    others: set[str] = set()
+    for replica in clients.replicas:
+        try:
+            others |= {str(m.get("name")) for m in replica.repository_index()
+                       if m.get("state") == "READY" and m.get("name") != model}
+        except ModelshipError as exc:
+            others.add(f"(unknown: {replica.name}: {exc.message})")
+    if others:
+        shown = ", ".join(sorted(others)[:5]) + (" ..." if len(others) > 5 else "")
+        progress(f"traffic: the split covers {model}'s HTTP requests only; gRPC requests "
+                 f"stay on production (the fleet also serves {shown}, and gRPC names the "
+                 "model inside the request body)")
+    return SplitScope(model, grpc=not others)
+
+
+def canary_and_router(settings: Settings, clients: Clients, *, what: str, model: str,
                       progress: Progress = quiet) -> tuple[TritonServer, TrafficRouter]:
-    """The canary Triton and the configured router, or a usage error (exit 2) naming
-    what is missing for ``what`` (e.g. ``canary.traffic: progressive``)."""
-    router = configured_router(settings, progress)
+    """The canary Triton and the configured router, its splits over ``model``'s requests
+    (:func:`split_scope`), or a usage error (exit 2) naming what is missing for ``what``
+    (e.g. ``canary.traffic: progressive``)."""
+    router = configured_router(settings, progress, scope=split_scope(clients, model, progress))
     if router is None or clients.canary is None:
         missing = "a traffic router" if router is None else "a canary Triton"
         raise UsageError(f"{what} needs {missing}: live requests reach the candidate "

@@ -235,7 +235,7 @@ def live_canary(settings: Settings, clients: Clients, policy: Policy,
     record = journal.record
     model, version = record.model, int(record.to_version or 0)
     server, router = canary_and_router(settings, clients, what="canary.traffic: progressive",
-                                       progress=progress)
+                                       model=model, progress=progress)
     plan = ProgressivePlan.from_policy(policy.canary)
     judge = LiveJudge(LiveRules.from_policy(policy))
 

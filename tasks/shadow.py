@@ -78,6 +78,7 @@ from tasks.canary import (
 )
 from tasks.canary_slot import in_canary_slot
 from tasks.gates import evaluate
+from tasks.live_traffic import split_scope
 from tasks.record import ReleaseJournal
 from tasks.shadow_plan import (
     ArmTotals,
@@ -453,6 +454,8 @@ def shadow_task(settings: Settings, clients: Clients, policy: Policy, journal: R
         journal.thread.reply(text, [])
 
     return run_shadow(settings, clients, policy, model=model, candidate=candidate,
-                      baseline=baseline, router=configured_router(settings, progress),
+                      baseline=baseline,
+                      router=configured_router(settings, progress,
+                                               scope=split_scope(clients, model, progress)),
                       write=write, announce=announce, progress=progress,
                       keep_loaded=keep_loaded, release=release)

@@ -36,6 +36,7 @@ from typing import Any, Literal
 from modelship.errors import InfrastructureError, ModelshipError
 from modelship.ledger import ReleaseRecord, now_iso
 from modelship.locks import list_locks
+from modelship.nginx import SplitScope
 from modelship.progress import Progress, quiet
 from modelship.settings import Settings
 from modelship.storage import S3Storage
@@ -350,12 +351,14 @@ def reconcile_hook(router: TrafficRouter, owners: Callable[[], Sequence[TrafficC
     return lambda: settle_router(router, owners, progress=progress)
 
 
-def configured_router(settings: Settings, progress: Progress = quiet) -> TrafficRouter | None:
-    """The configured traffic router (:func:`modelship.traffic.select.router_for`); a
-    router that cannot be built (a ``stack.json`` that does not parse, a gateway without
-    its process record) is a note, never a stopped recovery or status."""
+def configured_router(settings: Settings, progress: Progress = quiet, *,
+                      scope: SplitScope | None = None) -> TrafficRouter | None:
+    """The configured traffic router (:func:`modelship.traffic.select.router_for`), its
+    splits over ``scope``'s requests; a router that cannot be built (a ``stack.json`` that
+    does not parse, a gateway without its process record) is a note, never a stopped
+    recovery or status."""
     try:
-        return router_for(settings)
+        return router_for(settings, scope=scope)
     except ModelshipError as exc:
         progress(f"note: the traffic router is not known: {exc.message}")
         return None

@@ -27,9 +27,11 @@ from modelship.traffic.port import TrafficSplit
 CALL_TIMEOUT_S = 15.0
 
 
-def render(layout: nginx.GatewayLayout, split: TrafficSplit, generation: str) -> str:
-    """The gateway's configuration for ``split`` (pure; shares to nginx's 0.01 %)."""
-    return nginx.render_config(layout, split.canary_pct, split.mirror_pct, generation)
+def render(layout: nginx.GatewayLayout, split: TrafficSplit, generation: str,
+           scope: nginx.SplitScope | None = None) -> str:
+    """The gateway's configuration for ``split`` over ``scope``'s requests (pure; shares
+    to nginx's 0.01 %)."""
+    return nginx.render_config(layout, split.canary_pct, split.mirror_pct, generation, scope)
 
 
 def as_live(split: TrafficSplit) -> TrafficSplit:
@@ -46,21 +48,27 @@ class LocalGateway:
         pid: the nginx master's PID; ``start_ticks``: its start time, so a recycled PID is
             never signalled.
         timeout_s: bound of each call.
+        scope: the requests a split applies to (one model's; :class:`~modelship.nginx.
+            SplitScope`); None splits every request. A release scopes its router to its
+            model, or another model's requests in the share would reach the canary Triton,
+            which serves only the candidate.
     """
 
     name = "local-gateway"
 
     def __init__(self, layout: nginx.GatewayLayout, *, pid: int, start_ticks: int | None,
-                 timeout_s: float = CALL_TIMEOUT_S) -> None:
+                 timeout_s: float = CALL_TIMEOUT_S,
+                 scope: nginx.SplitScope | None = None) -> None:
         self.layout = layout
+        self.scope = scope
         self.pid = pid
         self.start_ticks = start_ticks
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], *, timeout_s: float = CALL_TIMEOUT_S
-                   ) -> LocalGateway:
+    def from_state(cls, state: dict[str, Any], *, timeout_s: float = CALL_TIMEOUT_S,
+                   scope: nginx.SplitScope | None = None) -> LocalGateway:
         """The gateway of a stack, from its ``stack.json`` document.
 
         Raises:
@@ -77,7 +85,7 @@ class LocalGateway:
         ticks = record.get("start_ticks")
         return cls(nginx.GatewayLayout.from_dict(gateway["layout"]), pid=int(record["pid"]),
                    start_ticks=int(ticks) if ticks is not None else None,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, scope=scope)
 
     # ------------------------------------------------------------------ the port
 
@@ -130,7 +138,7 @@ class LocalGateway:
         deadline = time.monotonic() + self.timeout_s
         self._check_master()
         generation = f"{time.time_ns():x}"
-        text = render(self.layout, split, generation)
+        text = render(self.layout, split, generation, self.scope)
         nginx.check_config(nginx.nginx_binary(), self.layout, text,
                            timeout_s=max(deadline - time.monotonic(), 0.1))
         nginx.write_config(self.layout, text)

@@ -9,16 +9,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from modelship.errors import UsageError
+from modelship.nginx import SplitScope
 from modelship.settings import Settings
 from modelship.traffic.gateway_api import build_gateway_api_router
 from modelship.traffic.local_gateway import LocalGateway
 from modelship.traffic.port import TrafficRouter
 
 
-def router_for(settings: Settings, state: Mapping[str, Any] | None = None
-               ) -> TrafficRouter | None:
+def router_for(settings: Settings, state: Mapping[str, Any] | None = None, *,
+               scope: SplitScope | None = None) -> TrafficRouter | None:
     """The router for these settings (no I/O but reading ``stack.json`` when ``state`` is
-    not given; the router talks to its data plane on first use).
+    not given; the router talks to its data plane on first use). ``scope``: the requests
+    the local gateway's splits apply to (the Gateway API's route is one model's already).
 
     Raises:
         UsageError: the Gateway API settings do not parse, or ``stack.json`` is not JSON.
@@ -29,7 +31,7 @@ def router_for(settings: Settings, state: Mapping[str, Any] | None = None
     if state is None:
         state = _stack_state(settings)
     if state and state.get("gateway"):
-        return LocalGateway.from_state(dict(state))
+        return LocalGateway.from_state(dict(state), scope=scope)
     return None
 
 

@@ -32,11 +32,11 @@ def status(settings: Settings, model: str) -> dict[str, Any]:
                                          home=settings.home).stdout))
 
 
-def organic(settings: Settings, model: str, rate: float, seconds: float
-            ) -> subprocess.Popen[str]:
+def organic(settings: Settings, model: str, rate: float, seconds: float,
+            protocol: str = "grpc") -> subprocess.Popen[str]:
     """Live clients: ``modelship load`` at ``rate`` req/s (through the gateway)."""
     return start_cli("load", model, "--rate", f"{rate:g}", "--duration", f"{seconds:g}",
-                     "--json", home=settings.home)
+                     "--protocol", protocol, "--json", home=settings.home)
 
 
 def stop(process: subprocess.Popen[str]) -> None:

@@ -71,7 +71,10 @@ def _status(settings: Settings) -> dict[str, Any]:
 
 
 def _organic(settings: Settings, rate: float, seconds: float) -> subprocess.Popen[str]:
-    return live_clients.organic(settings, MODEL, rate, seconds)
+    # HTTP: a release's split covers its own model's requests only, and gRPC ones only
+    # when the fleet serves no other model (tasks/live_traffic.split_scope); the session
+    # stack's replicas serve other modules' models too
+    return live_clients.organic(settings, MODEL, rate, seconds, protocol="http")
 
 
 def _when_serving(settings: Settings, done: threading.Event, version: int) -> bool:

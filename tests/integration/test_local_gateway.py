@@ -5,6 +5,8 @@ the replicas (production) and version 2 on the canary Triton, so every answer na
 backend that gave it. The module unloads and deletes it at the end.
 
 - weights route, the mirror copies, and ``live()`` reads both back from nginx;
+- a split scoped to ``gw`` leaves another model's requests (``gw-other``, on the replicas
+  only) on production, and ``gw``'s gRPC requests too on a fleet serving another model;
 - moving the weights and the mirror several times under HTTP and gRPC load (the project's
   load generator, through the gateway) fails no request;
 - the gateway killed during a progressive step: the release aborts at its next look
@@ -17,6 +19,7 @@ backend that gave it. The module unloads and deletes it at the end.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -29,12 +32,14 @@ from typing import Any
 
 import pytest
 
-from bench.traffic import MODEL, PAYLOAD, serve_two_versions
+from bench.traffic import MODEL, PAYLOAD, _triton, model_config, serve_two_versions
 from modelship import nginx
+from modelship.clients import build_clients
 from modelship.errors import InfrastructureError
 from modelship.loadgen import LoadReport, LoadSpec, run_load, run_load_sync
 from modelship.settings import Settings
 from modelship.stack import manager
+from modelship.stack.local_triton import mlp_classifier_onnx
 from modelship.stack.state import read_state
 from modelship.traffic.local_gateway import LocalGateway
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
@@ -160,6 +165,46 @@ def test_moving_weights_and_mirror_under_load_fails_no_request(
         assert failed == [], f"{protocol}: {len(failed)} failed, e.g. {failed[:3]}"
         # both backends answered during the run: the weights really moved
         assert {r.model_version for r in report.records} == {"1", "2"}, protocol
+
+
+OTHER = "gw-other"
+
+
+def test_a_split_scoped_to_one_model_leaves_other_models_requests_on_production(
+        gateway: LocalGateway, stack_settings: Settings) -> None:
+    """``gw-other`` is served by the replicas only. Unscoped at 100 %, its requests would
+    reach the canary Triton, which does not serve it, and fail; scoped to ``gw`` (as a
+    release scopes its router: tasks/live_traffic.split_scope), they stay on production,
+    while ``gw``'s HTTP requests go to the canary and its gRPC ones stay on production
+    (gRPC names the model in the body, and the fleet serves another model)."""
+    state = read_state(stack_settings.stack_file)
+    assert state is not None
+    http, grpc = state["gateway"]["http"], state["gateway"]["grpc"]
+    storage = build_clients(stack_settings).storage
+    assert storage is not None
+    prefix = f"{stack_settings.repository_prefix}/{OTHER}"
+    storage.put_bytes(f"{prefix}/config.pbtxt", f'name: "{OTHER}"\n'.encode())
+    storage.put_bytes(f"{prefix}/1/model.onnx", mlp_classifier_onnx(4)[0].SerializeToString())
+    replicas = [_triton(r["http"]) for r in state["triton"]["replicas"]]
+    for replica in replicas:
+        replica.load_model(OTHER, config=json.dumps({**model_config(1), "name": OTHER}))
+    scoped = LocalGateway.from_state(state, scope=nginx.SplitScope(MODEL))
+    try:
+        scoped.set_weights(100)
+        assert scoped.live() == TrafficSplit(canary_pct=100)
+        assert set(answers(http, "http")) == {"2"}  # gw over HTTP: the canary
+        assert set(answers(grpc, "grpc")) == {"1"}  # gw over gRPC: production
+        other = run_load_sync([http], OTHER, PAYLOAD, LoadSpec(
+            protocol="http", concurrency=4, duration_s=2.0, warmup_s=0.0, timeout_s=10.0))
+        assert len(other.records) >= 20
+        assert [r.error for r in other.records if not r.ok] == []
+        assert {r.model_version for r in other.records} == {"1"}
+    finally:
+        scoped.set_weights(0)
+        for replica in replicas:
+            replica.unload_model(OTHER)
+        storage.delete_prefix(prefix + "/")
+    assert gateway.live() == PRODUCTION_ONLY
 
 
 def _heal(settings: Settings, dead: LocalGateway) -> LocalGateway:

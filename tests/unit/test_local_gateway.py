@@ -4,6 +4,7 @@ each checked by Debian's ``nginx -t``), the read-back's parsing, and the adapter
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -283,3 +284,65 @@ def test_a_reload_that_never_settles_still_answers_within_the_bound(
     started = time.monotonic()
     assert gateway.live() == TrafficSplit(canary_pct=0.0, mirror_pct=0.0)
     assert 0.3 <= time.monotonic() - started < 3.0
+
+
+# --------------------------------------------------------------------------------------
+# a split scoped to one model (another model's requests never reach the canary)
+
+SCOPED = nginx.SplitScope("fraud.v2")
+# canary, mirror, scope -> the HTTP backend, the gRPC backend, whether gRPC is mirrored
+SCOPED_CASES = [
+    (25, 0, SCOPED, "${modelship_http_route}", "production", False),
+    (100, 0, SCOPED, "${modelship_http_route}", "production", False),
+    (0, 50, SCOPED, "production", "production", False),
+    (25, 100, SCOPED, "${modelship_http_route}", "production", False),
+    (25, 50, nginx.SplitScope("fraud.v2", grpc=True), "${modelship_http_route}",
+     "${modelship_route}", True),
+    (100, 0, nginx.SplitScope("fraud.v2", grpc=True), "${modelship_http_route}", "canary",
+     False),
+    (0, 0, SCOPED, "production", "production", False),  # at rest: nothing to scope
+]
+
+
+@pytest.mark.parametrize(("canary", "mirror", "scope", "http_to", "grpc_to", "grpc_copied"),
+                         SCOPED_CASES)
+def test_a_scoped_split_routes_and_mirrors_only_its_models_requests(
+        tmp_path: Path, canary: float, mirror: float, scope: nginx.SplitScope, http_to: str,
+        grpc_to: str, grpc_copied: bool) -> None:
+    gw = layout(tmp_path)
+    text = render(gw, TrafficSplit(canary_pct=canary, mirror_pct=mirror), "g", scope)
+    nginx.check_config(nginx.nginx_binary(), gw, text)
+    http, grpc = location(text, "KServe HTTP/REST"), location(text, "KServe gRPC")
+    assert f"proxy_pass http://{http_to}_http;" in http
+    assert f"grpc_pass grpc://{grpc_to}_grpc;" in grpc
+    assert ("mirror /_modelship_mirror;" in grpc) is grpc_copied
+    if canary or mirror:
+        assert f'"~{scope.uri_pattern}" 1;' in text
+    if mirror:  # a copy (and a logged body) only of the scope's requests
+        assert "if ($modelship_copy = 0) { return 204; }" in text
+        assert "modelship_sample if=$modelship_copy;" in http
+    body = re.search(r"return 200 '(\{.*\})\\n';", text)
+    assert body is not None
+    live = as_live(TrafficSplit(canary, mirror))
+    assert nginx.parse_live(body.group(1)) == (live.canary_pct, live.mirror_pct, "g")
+    assert json.loads(body.group(1))["scope"] == scope.to_dict()  # what the workers hold
+
+
+@pytest.mark.parametrize(("uri", "scoped"), [
+    ("/v2/models/fraud.v2/infer", True),
+    ("/v2/models/fraud.v2/versions/3/infer", True),
+    ("/v2/models/fraud.v2", True),
+    ("/v2/models/fraud.v2?verbose=1", True),
+    ("/v2/models/fraudxv2/infer", False),   # '.' is a dot, not any character
+    ("/v2/models/fraud.v20/infer", False),  # another model whose name starts the same
+    ("/v2/models/other/infer", False),
+    ("/v2/health/ready", False),
+])
+def test_the_scope_pattern_matches_its_models_paths_only(uri: str, scoped: bool) -> None:
+    assert bool(re.match(SCOPED.uri_pattern, uri)) is scoped
+
+
+@pytest.mark.parametrize("name", ["a b", 'x"y', "m;n", "", "p{1}"])
+def test_a_model_name_nginx_could_misread_is_refused(name: str) -> None:
+    with pytest.raises(InfrastructureError, match="cannot scope a split"):
+        nginx.SplitScope(name)

@@ -14,6 +14,7 @@ import pytest
 
 from modelship.errors import GateFailed, InfrastructureError
 from modelship.ledger import ReleaseRecord
+from modelship.nginx import SplitScope
 from modelship.policy import CanaryPolicy, Policy
 from modelship.slack.notifier import NullNotifier
 from modelship.traffic.port import PRODUCTION_ONLY
@@ -68,7 +69,10 @@ def _run(monkeypatch: pytest.MonkeyPatch, router: FakeRouter, counters: _Counter
     def loaded(*args: Any, **kwargs: Any) -> Iterator[None]:
         yield
 
-    monkeypatch.setattr(live_traffic, "configured_router", lambda settings, progress: router)
+    monkeypatch.setattr(live_traffic, "configured_router",
+                        lambda settings, progress, scope=None: router)
+    monkeypatch.setattr(live_traffic, "split_scope",
+                        lambda clients, model, progress: SplitScope(model))
     monkeypatch.setattr(progressive, "serving_on_canary", loaded)
     monkeypatch.setattr(progressive, "scrape_servers", counters.scrape)
     monkeypatch.setattr(progressive, "LOOK_S", 0.0)

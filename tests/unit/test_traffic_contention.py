@@ -16,6 +16,7 @@ import pytest
 
 from modelship.errors import ReleaseLocked
 from modelship.ledger import ReleaseRecord
+from modelship.nginx import SplitScope
 from modelship.policy import BakePolicy, CanaryPolicy, Policy
 from modelship.slack.notifier import NullNotifier
 from tasks import canary_slot as slot_module
@@ -53,7 +54,10 @@ def test_a_shadow_of_another_model_never_touches_the_router_while_the_slot_is_bu
 def test_a_progressive_canary_of_another_model_never_writes_a_split(
         monkeypatch: pytest.MonkeyPatch) -> None:
     router = FakeRouter()
-    monkeypatch.setattr(live_traffic, "configured_router", lambda settings, progress: router)
+    monkeypatch.setattr(live_traffic, "configured_router",
+                        lambda settings, progress, scope=None: router)
+    monkeypatch.setattr(live_traffic, "split_scope",
+                        lambda clients, model, progress: SplitScope(model))
     monkeypatch.setattr(progressive, "canary_slot", _busy)
     record = ReleaseRecord.start("promote", "b", to_version=2, from_version=1)
     journal = ReleaseJournal(record, None, NullNotifier())

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from modelship.ledger import ReleaseRecord
+from modelship.nginx import SplitScope
 from modelship.policy import CanaryPolicy, Policy
 from modelship.slack.notifier import NullNotifier
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
@@ -48,7 +49,10 @@ def test_the_weight_is_back_at_production_and_the_candidate_unloaded_before_the_
         yield
         timeline.append("candidate unloaded")
 
-    monkeypatch.setattr(live_traffic, "configured_router", lambda settings, progress: router)
+    monkeypatch.setattr(live_traffic, "configured_router",
+                        lambda settings, progress, scope=None: router)
+    monkeypatch.setattr(live_traffic, "split_scope",
+                        lambda clients, model, progress: SplitScope(model))
     monkeypatch.setattr(progressive, "serving_on_canary", loaded)
     monkeypatch.setattr(progressive, "scrape_servers",
                         _Counters(c_us=1000.0, p_us=1500.0, per_look=2000).scrape)
