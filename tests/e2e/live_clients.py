@@ -8,6 +8,8 @@ import json
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +47,38 @@ def stop(process: subprocess.Popen[str]) -> None:
     process.communicate(timeout=30)
 
 
+def replica_urls(settings: Settings) -> list[str]:
+    """The replicas' KServe HTTP base URLs (no client object: nothing to close)."""
+    clients = build_clients(settings)
+    try:
+        return [r.endpoint.http for r in clients.replicas]
+    finally:
+        clients.close()
+
+
+def serving_everywhere(urls: list[str], model: str, version: int) -> bool:
+    """Every replica has ``version`` of ``model`` ready, asked over KServe HTTP.
+
+    Not the gRPC client: these run in a thread beside an in-process release that uses gRPC
+    itself, and a test worker once died of a segfault inside grpc's blocking call there."""
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/v2/models/{model}/versions/{version}/ready",
+                                        timeout=5) as answer:
+                if answer.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False
+    return True
+
+
 def when_serving(settings: Settings, model: str, done: threading.Event, version: int) -> bool:
     """Wait until every replica serves ``version`` (the swap is done, the bake begins);
     False when the release ended first."""
-    clients = build_clients(settings)
-    try:
-        deadline = time.monotonic() + 300
-        while not done.is_set() and time.monotonic() < deadline:
-            if all(r.is_model_ready(model, str(version)) for r in clients.replicas):
-                return True
-            time.sleep(0.05)
-        return False
-    finally:
-        clients.close()
+    urls = replica_urls(settings)
+    deadline = time.monotonic() + 300
+    while not done.is_set() and time.monotonic() < deadline:
+        if serving_everywhere(urls, model, version):
+            return True
+        time.sleep(0.05)
+    return False

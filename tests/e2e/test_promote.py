@@ -37,6 +37,7 @@ from modelship.locks import release_lock
 from modelship.settings import Settings
 from tests import models
 from tests.conftest import run_cli, start_cli
+from tests.e2e import live_clients
 from tests.inprocess import beside, run_inprocess
 from tests.integration.test_canary import slow_onnx_graph
 
@@ -319,17 +320,11 @@ def _poison_during_bake(settings: Settings, policy: Path, model: str,
                     counts["sent"] += 1
                     counts["failed"] += failed
 
-        clients = build_clients(settings)
-        try:
-            deadline = time.monotonic() + 300
-            while not done.is_set() and time.monotonic() < deadline and not all(
-                    r.is_model_ready(model, str(version)) for r in clients.replicas):
-                time.sleep(0.05)
-            urls = [r.endpoint.http for r in clients.replicas for _ in range(4)]
-            with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-                list(pool.map(flood, urls))
-        finally:
-            clients.close()
+        if not live_clients.when_serving(settings, model, done, version):
+            return
+        urls = [url for url in live_clients.replica_urls(settings) for _ in range(4)]
+        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+            list(pool.map(flood, urls))
 
     with beside(poison_once_serving) as poisoning:
         done = run_inprocess("promote", model, "--version", str(version), "--policy",
