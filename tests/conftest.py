@@ -187,3 +187,29 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
             return self._groups[nodeid]
 
     return FileGroupScheduling(config, log)
+
+
+# --- a crashed xdist worker's stacks ---
+
+def leftover_stack_homes(basetemp: Path) -> list[Path]:
+    """The stack homes (a ``stack.json`` there) that the workers' fixtures and tests made:
+    ``<basetemp>/popen-gwN/<tmp dir>/.modelship``, where ``mktemp`` and ``tmp_path`` put
+    them (a stack.json deeper down is a test's own fixture data, not a stack)."""
+    return sorted(path.parent for path in basetemp.glob("popen-gw*/*/.modelship/stack.json"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """On the xdist controller, after every worker ended: bring down the stacks a worker
+    left. A worker that crashes (final run A: a segfault in grpc) never runs its session
+    fixtures' teardown, and its stack's servers would outlive the run. ``down`` is
+    idempotent: a stack its worker already brought down costs a read of its stack.json."""
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    from modelship.stack import manager  # lazy: only an xdist controller at its end
+
+    for home in leftover_stack_homes(config._tmp_path_factory.getbasetemp()):
+        try:
+            manager.down(base_settings(home))
+        except Exception as exc:  # noqa: BLE001 - one stack's failure must not hide others
+            print(f"\nleft a stack in {home}: `modelship stack down` failed: {exc}")
