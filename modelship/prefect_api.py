@@ -15,7 +15,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, ParamSpec, TypeVar
@@ -36,6 +36,15 @@ T = TypeVar("T")
 #: URL, and a parent that is SIGKILLed leaves it running, owned by no stack.
 BOUNDED_CLIENT = {"PREFECT_CLIENT_MAX_RETRIES": "1", "PREFECT_API_REQUEST_TIMEOUT": "10",
                   "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false"}
+#: Of :data:`BOUNDED_CLIENT`, what a long-running Prefect service (``modelship worker`` and
+#: the flow runs it starts) takes back to Prefect's own defaults, 5 retries with backoff and
+#: 60 s a request: it must ride out a server that is busy (SQLite answers 503 while another
+#: write holds it: a worker's flow run crashed so in a final run) or restarting, where a
+#: command a person waits for should not.
+SERVICE_UNBOUNDED = ("PREFECT_CLIENT_MAX_RETRIES", "PREFECT_API_REQUEST_TIMEOUT")
+#: Lists the :data:`BOUNDED_CLIENT` keys a modelship process set as defaults (not the
+#: caller), so a process started from it still tells its bounds from a caller's own.
+DEFAULTED_MARK = "MODELSHIP_PREFECT_DEFAULTED"
 #: Longest wait for queued run logs and events at the end of a flow run, in seconds.
 FLUSH_TIMEOUT_S = 3.0
 #: Pauses before starting a flow again whose start Prefect answered busy, in seconds.
@@ -49,6 +58,26 @@ EVENT_RECONNECTIONS = 1
 #: the last one ends, so one thread's block never changes where another's run events go.
 _OPEN_BLOCKS = [0]
 _OPEN_BLOCKS_LOCK = threading.Lock()
+
+
+def set_client_defaults(environ: MutableMapping[str, str]) -> None:
+    """Set :data:`BOUNDED_CLIENT` where ``environ`` has no value of its own, and mark which
+    were set here (:data:`DEFAULTED_MARK`)."""
+    marked = set(filter(None, environ.get(DEFAULTED_MARK, "").split(",")))
+    for key, value in BOUNDED_CLIENT.items():
+        if key not in environ:
+            environ[key] = value
+            marked.add(key)
+    if marked:
+        environ[DEFAULTED_MARK] = ",".join(sorted(marked))
+
+
+def service_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a long-running Prefect service (pure): the :data:`SERVICE_UNBOUNDED`
+    bounds that modelship set as defaults are removed; a caller's own stay."""
+    marked = set(env.get(DEFAULTED_MARK, "").split(","))
+    return {key: value for key, value in env.items()
+            if not (key in SERVICE_UNBOUNDED and key in marked)}
 
 
 class PrefectApi:

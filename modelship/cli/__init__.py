@@ -97,16 +97,16 @@ def main() -> None:
     at exit (:func:`_exit_without_teardown`).
     """
     # lazy: keeps ssl and http.client (~35 ms) out of `import modelship.cli`; main pays it once
-    from modelship.prefect_api import BOUNDED_CLIENT
+    from modelship.prefect_api import set_client_defaults
 
     # No network but loopback here, and progress bars would garble stderr progress lines.
     for key, value in {"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
                        "GX_ANALYTICS_ENABLED": "false",
                        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-                       "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
-                       **BOUNDED_CLIENT}.items():
+                       "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3"}.items():
         os.environ.setdefault(key, value)
+    set_client_defaults(os.environ)
     # Prefect's background senders warn "Still processing items: N items remaining..." while
     # they flush at exit: noise for a CLI user, whose result is already printed.
     for service in ("APILogWorker", "EventsWorker"):

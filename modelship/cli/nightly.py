@@ -22,6 +22,7 @@ import typer
 
 from modelship.cli._common import JsonOpt, PolicyOpt, app, finish, run_reporting, settings, table
 from modelship.errors import InfrastructureError, ModelshipError, UsageError
+from modelship.prefect_api import service_env
 
 #: The work pool of the embedded stack (prefect.yaml `definitions.work_pools.process`).
 PROCESS_POOL = "modelship-process"
@@ -202,7 +203,8 @@ def worker(
     """Run a Prefect process worker on the stack's server (replaces this process)."""
     try:
         current = settings()
-        env = prefect_env(current.prefect_api_url, current.home)
+        # a service rides out a busy or restarting server: Prefect's own retries
+        env = service_env(prefect_env(current.prefect_api_url, current.home))
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from exc

@@ -245,3 +245,27 @@ def test_the_cli_keeps_prefects_run_logs_to_one_line(monkeypatch: pytest.MonkeyP
             logger.removeFilter(_without_traceback)
         text = logging.Formatter().format(record)
         assert text == "Encountered GateFailed('the gates stopped fraud v3')", text
+
+
+def test_a_worker_takes_back_prefects_retries_that_modelship_set_but_not_a_callers() -> None:
+    """`modelship worker` and its flow runs ride out a busy Prefect (final run B: a worker's
+    flow run crashed on a 503 after the CLI's one retry); a caller's own bound stays, also
+    in a process started from a modelship process (the mark travels in the environment)."""
+    from modelship.prefect_api import BOUNDED_CLIENT, service_env, set_client_defaults
+
+    defaulted: dict[str, str] = {"PATH": "/bin"}
+    set_client_defaults(defaulted)
+    assert {k: defaulted[k] for k in BOUNDED_CLIENT} == BOUNDED_CLIENT
+    child = dict(defaulted)
+    set_client_defaults(child)  # a modelship process started from one: still defaults
+    service = service_env(child)
+    assert "PREFECT_CLIENT_MAX_RETRIES" not in service
+    assert "PREFECT_API_REQUEST_TIMEOUT" not in service
+    assert service["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] == "false"  # never an ephemeral
+    assert service["PATH"] == "/bin"
+
+    own = {"PREFECT_CLIENT_MAX_RETRIES": "3"}  # the caller's
+    set_client_defaults(own)
+    assert own["PREFECT_CLIENT_MAX_RETRIES"] == "3"
+    assert service_env(own)["PREFECT_CLIENT_MAX_RETRIES"] == "3"
+    assert "PREFECT_API_REQUEST_TIMEOUT" not in service_env(own)
