@@ -106,6 +106,12 @@ class RegistryClient:
         """Raise Unreachable/InfrastructureError unless ``/health`` answers 200."""
         expect_ok(f"{self.tracking_uri}/health", timeout_s=self.timeout_s, what="MLflow")
 
+    def warm(self) -> None:
+        """Import MLflow and build its registry client, with no I/O: the import takes ~4 s
+        (more on a loaded machine), which a caller timing MLflow's answer must not count
+        as MLflow's silence (``modelship status``)."""
+        mlflow_client(self.tracking_uri, timeout_s=self.timeout_s)._get_registry_client()
+
     def _call(self, action: str, body: Callable[[MlflowClient], T]) -> T:
         """``body(client)``, retried on a transient failure, MLflow's errors translated."""
 

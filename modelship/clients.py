@@ -30,6 +30,17 @@ class Clients:
     replicas: list[TritonServer] = field(default_factory=list)
     canary: TritonServer | None = None
 
+    def warm(self) -> None:
+        """Do every client's local work (imports, building it) now, with no I/O, so that a
+        deadline started afterwards times the servers alone: on a loaded machine importing
+        MLflow alone took longer than ``modelship status``'s whole deadline."""
+        if self.registry is not None:
+            self.registry.warm()
+        if self.storage is not None:
+            self.storage.warm()
+        for server in [*self.replicas, *([self.canary] if self.canary else [])]:
+            server.warm()
+
     def close(self) -> None:
         for server in [*self.replicas, *([self.canary] if self.canary else [])]:
             server.close()

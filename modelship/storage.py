@@ -75,6 +75,9 @@ class S3Storage:
     def client(self) -> S3Client:
         """The boto3 client; raises at once while the endpoint is known to be hung."""
         self.breaker.check()
+        return self._built()
+
+    def _built(self) -> S3Client:
         if self._client is None:
             # lazy: boto3 costs ~0.4 s at import; only an S3 call needs it
             import boto3
@@ -96,6 +99,11 @@ class S3Storage:
             )
             self._client.meta.events.register("after-call.s3", self._answered)
         return self._client
+
+    def warm(self) -> None:
+        """Import boto3 and build the client, with no I/O (the breaker is not consulted): a
+        caller that times S3's answer starts its clock after the local work."""
+        self._built()
 
     def _answered(self, **_: Any) -> None:
         """botocore's after-call event: the endpoint answered (an error answer too)."""

@@ -14,6 +14,8 @@ Every read runs in its own daemon thread and the whole read ends by a deadline o
 :data:`DEADLINE_FACTOR` x ``settings.http_timeout_s``: a source that did not answer by
 then is reported unreachable, and a hung server never holds the command (daemon threads do
 not keep the process alive). Any one source down leaves the others compared, with a note.
+The clock starts once every client is built (:meth:`Clients.warm`): the deadline times the
+servers, never the imports (MLflow's alone took longer than the deadline under load).
 """
 
 from __future__ import annotations
@@ -203,6 +205,7 @@ def status_report(settings: Settings, clients: Clients, *, model: str,
     calls = _reads(settings, clients, model)
     if router is not None:
         calls["traffic"] = partial(live_traffic, router)
+    clients.warm()
     got = read_within(calls, deadline_s=DEADLINE_FACTOR * settings.http_timeout_s)
     gaps = _Gaps()
     pairs = [_replica(got[f"replica:{i}"], s.name, s.endpoint.http)

@@ -52,6 +52,11 @@ class TritonServer:
             self._grpc = grpcclient.InferenceServerClient(self.endpoint.grpc)
         return self._grpc
 
+    def warm(self) -> None:
+        """Import grpcio and build the channel, with no I/O: a caller that times this
+        server's answer starts its clock after the local work (``modelship status``)."""
+        self.grpc  # noqa: B018 - the property builds the client
+
     def close(self) -> None:
         if self._grpc is not None:
             self._grpc.close()

@@ -361,6 +361,7 @@ def test_status_ends_within_its_deadline_when_a_dependency_hangs(
         elapsed = time.monotonic() - began
     assert [u["source"] for u in doc["unreachable"]] == [source]
     assert doc["production_version"] == v1
-    # The deadline (6 s here) plus the CLI's start-up; far below what retrying clients
-    # took against a hung server (minutes, in issue 18).
-    assert elapsed < 30, elapsed
+    # The deadline (6 s here), started once the clients are built, plus the CLI's start-up
+    # and imports (10-20 s on a loaded machine); far below what retrying clients took
+    # against a hung server (minutes, in issue 18).
+    assert elapsed < 60, elapsed

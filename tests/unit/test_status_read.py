@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from modelship.clients import build_clients
+from modelship.clients import Clients, build_clients
 from modelship.errors import StorageError, Unreachable
 from modelship.settings import Settings
 from tasks.status import read_within, status_report
@@ -53,3 +53,31 @@ def test_every_source_down_is_named_once_and_status_still_answers(tmp_path: Path
     assert [d["kind"] for d in doc["disagreements"]] == ["no_replicas"]
     assert not doc["consistent"] and doc["next"].startswith("`modelship stack up`")
     assert doc["record"] is None and doc["pin"] is None and doc["aliases"] == {}
+
+
+class _SlowToImport:
+    """A registry whose first call pays a local cost (MLflow's import, ~4 s and more under
+    load) unless it was warmed first; the server itself answers at once."""
+
+    def __init__(self, import_s: float) -> None:
+        self.import_s = import_s
+        self.warmed = False
+
+    def warm(self) -> None:
+        time.sleep(self.import_s)
+        self.warmed = True
+
+    def aliases(self, name: str) -> dict[str, int]:
+        if not self.warmed:
+            self.warm()
+        return {"production": 3}
+
+
+def test_the_deadline_times_the_servers_not_the_imports(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path, http_timeout_s=0.25)  # deadline 0.5 s
+    registry = _SlowToImport(import_s=1.0)
+    clients = Clients(registry=registry, storage=None, prefect=None,  # type: ignore[arg-type]
+                      slack=None)
+    doc = status_report(settings, clients, model="m")
+    assert doc["unreachable"] == []
+    assert doc["aliases"] == {"production": 3}
