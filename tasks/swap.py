@@ -75,7 +75,7 @@ from modelship.triton.gpu import (
     initializer_bytes,
     plan_headroom,
 )
-from modelship.triton.infer import GoldenProbe, TritonInference
+from modelship.triton.infer import GoldenProbe, TritonInference, warm_http
 from modelship.triton.metrics import scrape_text
 from modelship.triton.model_config import (
     ModelConfig,
@@ -511,10 +511,20 @@ def apply_config(server: TritonServer, *, model: str, config: ModelConfig, versi
     """
     phase = Phase(name, config, version, probe=True)
     probe = _Probe({}, [], probe_timeout_s, golden=golden, target=version)
+    _warm([server])  # the clock times the server, not our imports
     start = time.monotonic()
     outcome = _run_phase_on(server, phase, model=model, swap_start=start,
                             deadline=start + timeout_s, probe=probe)
     return outcome.ok, outcome.reason, outcome.seconds
+
+
+def _warm(servers: Iterable[TritonServer]) -> None:
+    """Import the HTTP probe's client and build each replica's gRPC client, with no I/O,
+    before a phase's deadline starts: on a loaded machine that import alone took seconds,
+    and a deadline meant for a replica's silence must not count it (a no-op once done)."""
+    warm_http()
+    for server in servers:
+        server.warm()
 
 
 def _run_phase(servers: dict[str, TritonServer], names: Sequence[str], phase: Phase, *,
@@ -525,7 +535,9 @@ def _run_phase(servers: dict[str, TritonServer], names: Sequence[str], phase: Ph
     With ``stop_on_failure`` (forward phases), the first failure stops the others: they
     send nothing more and stop waiting, so the abort starts as soon as their in-flight
     load call returns, not at the deadline. The abort phase runs to the end everywhere.
+    The deadline starts once the local work is done (:func:`_warm`).
     """
+    _warm([servers[name] for name in names])
     deadline = time.monotonic() + policy.deadline_s
     cancel = threading.Event()
     pool = ThreadPoolExecutor(max_workers=max(1, len(names)),

@@ -41,6 +41,15 @@ def build_inputs(arrays: dict[str, np.ndarray]) -> list[Any]:
     return inputs
 
 
+def warm_http() -> None:
+    """Import tritonclient.http (gevent with it: ~0.5 s idle, seconds on a loaded machine)
+    with no I/O, so that a deadline started afterwards times the servers alone (the swap's
+    phases and reconcile probe over HTTP; their first probe used to pay this import)."""
+    # lazy: tritonclient.http pulls in gevent; only a caller about to probe needs it
+    import tritonclient.http  # noqa: F401
+    import tritonclient.utils  # noqa: F401
+
+
 class TritonInference:
     """HTTP inference against one server. The constructor does no I/O.
 

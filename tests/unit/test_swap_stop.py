@@ -62,6 +62,9 @@ class FakeReplica:
     def unload_model(self, model: str) -> None:
         self.serving = None
 
+    def warm(self) -> None:
+        """No client to build."""
+
 
 class FakeInference:
     """Answers as the version its replica serves."""
