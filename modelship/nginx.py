@@ -5,7 +5,7 @@ TrafficRouter port (:mod:`modelship.traffic.local_gateway`) steers it; both sit 
 module, which knows nginx and nothing of either:
 
 - :class:`GatewayLayout`: what never changes while the stack runs (ports, upstreams, paths);
-- :class:`SplitScope`: the one model whose requests a release's split applies to;
+- a :class:`~modelship.split_scope.SplitScope` limits a split to one model's requests;
 - :func:`render_config`: the whole ``nginx.conf`` for a layout and a split (pure);
 - :func:`parse_live`: the split the running workers answer with (pure);
 - :func:`check_config`, :func:`reload`, :func:`read_live`: the I/O, each with a timeout.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from modelship.errors import InfrastructureError
+from modelship.split_scope import SplitScope
 
 #: Where the admin port answers with the live split.
 SPLIT_PATH = "/modelship/split"
@@ -119,43 +119,6 @@ class GatewayLayout:
                    prefix=str(data["prefix"]), error_log=str(data["error_log"]),
                    host=str(data.get("host", "127.0.0.1")),
                    user=str(data["user"]) if data.get("user") else None)
-
-
-#: Model names a scope can hold: Triton's model directory names, nothing a regex reads.
-_MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-@dataclass(frozen=True)
-class SplitScope:
-    """Which live requests a split applies to; every other request goes to production and
-    is never mirrored (the canary Triton serves only the release's candidate, so another
-    model's request sent there would fail).
-
-    Attributes:
-        model: HTTP requests whose path names it (``/v2/models/<model>[/...]``).
-        grpc: gRPC requests too. KServe gRPC names the model inside the message body,
-            which nginx does not read, so only when the gateway fronts this model alone.
-    """
-
-    model: str
-    grpc: bool = False
-
-    def __post_init__(self) -> None:
-        if not _MODEL_NAME.fullmatch(self.model):
-            raise InfrastructureError(
-                f"the local gateway cannot scope a split to model {self.model!r}: a Triton "
-                "model name is letters, digits, '_', '.' and '-'",
-                hint="rename the model, or use the replay canary (canary.traffic: replay)",
-                component="gateway")
-
-    @property
-    def uri_pattern(self) -> str:
-        """The ``$request_uri`` regex of its HTTP requests ('.' in a class, not escaped:
-        nginx reads backslashes in a quoted string itself)."""
-        return f"^/v2/models/{self.model.replace('.', '[.]')}(/|[?]|$)"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "grpc": self.grpc}
 
 
 def quantize_pct(value: float) -> float:
@@ -461,12 +424,36 @@ def accepting_workers(master_pid: int) -> int:
     return count
 
 
+def parse_scope(body: bytes | str) -> SplitScope | None:
+    """The scope in the admin port's answer (pure; None: unscoped, or an answer without
+    one). Read after :func:`parse_live` accepted the same body."""
+    try:
+        return SplitScope.from_dict(json.loads(body).get("scope"))
+    except (ValueError, AttributeError):
+        return None
+
+
 def read_live(layout: GatewayLayout, *, timeout_s: float) -> tuple[float, float, str]:
     """The split the running workers answer with, on a new connection.
 
     Raises:
         InfrastructureError: no answer within ``timeout_s``, or not a split.
     """
+    return parse_live(_split_body(layout, timeout_s))
+
+
+def read_live_scoped(layout: GatewayLayout, *, timeout_s: float
+                     ) -> tuple[float, float, str, SplitScope | None]:
+    """:func:`read_live` and the scope the same workers were configured with (one answer).
+
+    Raises:
+        InfrastructureError: no answer within ``timeout_s``, or not a split.
+    """
+    body = _split_body(layout, timeout_s)
+    return (*parse_live(body), parse_scope(body))
+
+
+def _split_body(layout: GatewayLayout, timeout_s: float) -> bytes:
     url = layout.admin_url + SPLIT_PATH
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
@@ -476,4 +463,4 @@ def read_live(layout: GatewayLayout, *, timeout_s: float) -> tuple[float, float,
             f"the local gateway did not answer at {url} within {timeout_s:g} s ({exc})",
             hint="run `modelship stack status`; `modelship stack up` restarts a dead gateway, "
             f"and its log is {layout.error_log}", component="gateway", url=url) from exc
-    return parse_live(body)
+    return body

@@ -103,9 +103,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -191,6 +191,9 @@ class Window:
     pending: float | None = None
     probe_requests: int = 0
     replicas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: A holdback's window only: why it is no control although it was measured (the
+    #: router did not hold the holdback's share through it; :class:`Holdback` ``check``).
+    held_for: str | None = None
 
     @property
     def load_rps(self) -> float | None:
@@ -218,7 +221,8 @@ class Window:
                          "server_us": _round(self.server_us, 1), "load": load,
                          "unreachable": self.unreachable, "error_texts": self.error_texts,
                          **probe, **({"gpu": self.gpu} if self.gpu else {}),
-                         **({"replicas": self.replicas} if self.replicas else {})})
+                         **({"replicas": self.replicas} if self.replicas else {}),
+                         **({"held_for": self.held_for} if self.held_for else {})})
 
 
 def _round(value: float | None, digits: int) -> float | None:
@@ -659,11 +663,14 @@ def thin_control(window: Window, reference: Reference,
     (pure): the holdback answered fewer than :data:`MIN_BLOCK_PROBES` probe requests then
     (a small ``holdback_pct`` does not thin the probe, which goes to every target alike;
     a holdback that failed or was slow does). Such a window is held, never judged nor
-    failed: the concurrent control is what the bake compares with."""
+    failed: the concurrent control is what the bake compares with. A holdback window the
+    router did not carry the holdback's share through (``held_for``) is no control either."""
+    mate = next((w for w in reference.windows if w.index == window.index), None)
+    if mate is not None and mate.held_for:
+        return mate.held_for
     row = control_rows.get(window.index)
     if row is not None and all(x is not None for x in row):
         return None
-    mate = next((w for w in reference.windows if w.index == window.index), None)
     answered = 0 if mate is None else len(mate.latencies_ms)
     return (f"window {window.index}: the holdback answered {answered} probe requests in the "
             f"same time, fewer than {MIN_BLOCK_PROBES}: no control to compare with")
@@ -774,10 +781,16 @@ def _scrape_all(replicas: Sequence[TritonServer], timeout_s: float
 class Holdback:
     """The bake's concurrent control (``bake.holdback_pct``, issue 20 item 4): the previous
     version alone on ``server`` (the canary Triton), answering a share of live traffic
-    through the router while the fleet bakes the new one."""
+    through the router while the fleet bakes the new one.
+
+    ``check``, called after each window with its index, reads the router back: it returns
+    None when the share held, or why the window is no control (the share had changed and
+    was restored; the window is then held), and raises ``InfrastructureError`` when the
+    share cannot be kept (:func:`tasks.holdback.holdback_look`)."""
 
     server: TritonServer
     version: int
+    check: Callable[[int], str | None] | None = field(default=None, compare=False)
 
 
 def measure_window(replicas: Sequence[TritonServer], *, index: int, model: str,
@@ -959,6 +972,10 @@ def watch(replicas: Sequence[TritonServer], *, model: str, version: int,
                                             holdback=holdback)
         windows.append(window)
         if held_back is not None:
+            changed = holdback.check(index) if holdback and holdback.check else None
+            if changed:
+                held_back = replace(held_back, held_for=changed)
+                progress(f"holdback: {changed}")
             control.append(held_back)
             reference = Reference(tuple(control), kind="holdback")
             progress(f"holdback window {index + 1}/{count}: {_describe(held_back)}")

@@ -12,10 +12,10 @@ from contextlib import contextmanager
 
 from modelship.clients import Clients
 from modelship.errors import InfrastructureError, ModelshipError, UsageError
-from modelship.nginx import SplitScope
 from modelship.progress import Progress, quiet
 from modelship.repository import staged_config
 from modelship.settings import Settings
+from modelship.split_scope import SplitScope
 from modelship.traffic.port import TrafficRouter
 from modelship.triton.client import TritonServer
 from modelship.triton.metrics import Scrape, parse_metrics, scrape_text

@@ -31,7 +31,15 @@ log is written by the gateway itself after the client's answer, nothing new runs
 die in front of the candidate, the mirrored copies keep going straight to the canary, and
 the sampled bodies are exactly the mirrored ones (both read one ``split_clients`` draw).
 Limits: HTTP only (gRPC requests are mirrored and counted by Triton, but their bodies are
-not sampled); a body larger than the gateway's buffer (1 MiB) is not sampled (counted).
+not sampled: the record's ``traffic.shadow.not_compared`` counts them and the report says
+so); a body larger than the gateway's buffer (1 MiB) is not sampled (counted).
+
+**The Gateway API router** (Kubernetes) carries the mirror (an HTTPRoute ``RequestMirror``
+filter with ``percent``/``fraction``, Gateway API >= v1.3) but keeps no copy of the bodies:
+the window then waits for the counters only, latency and errors are judged the same way,
+and the agreement judged is the golden rows' (``agreement_source: golden rows``; the record,
+the report and the Slack thread say live agreement was not measured). Live agreement on
+Kubernetes needs a component on the mirror's path that keeps the bodies (docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -58,7 +66,6 @@ from modelship.measurements import ArmMeasurements, CanarySnapshot
 from modelship.policy import Policy
 from modelship.progress import Progress, quiet
 from modelship.settings import Settings
-from modelship.traffic.local_gateway import LocalGateway
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter
 from modelship.triton.client import TritonServer
 from modelship.triton.metrics import Scrape, scrape
@@ -87,6 +94,7 @@ from tasks.shadow_plan import (
     ShadowPlan,
     answer_problem,
     arm_totals,
+    not_compared,
     parse_samples,
     pick,
     screen,
@@ -130,15 +138,28 @@ def _compare(pairs: list[tuple[Outputs, Outputs]], policy: Policy
     return (agreed / compared if compared else None), compared, kind
 
 
+def _sample_log(router: TrafficRouter) -> Path | None:
+    """The file a router logs the mirrored requests' bodies to: the local gateway's (its
+    layout's ``sample_log``), None for a router that keeps no copy (the Gateway API)."""
+    layout = getattr(router, "layout", None)
+    found = getattr(layout, "sample_log", None)
+    return found if isinstance(found, Path) else None
+
+
 class _Shadow:
     """The executor of one shadow window (see the module docstring)."""
 
     def __init__(self, settings: Settings, clients: Clients, policy: Policy, *, model: str,
-                 candidate: int, baseline: int, router: LocalGateway, canary: TritonServer,
+                 candidate: int, baseline: int, router: TrafficRouter, canary: TritonServer,
                  progress: Progress) -> None:
         self.settings, self.policy, self.model = settings, policy, model
         self.candidate, self.baseline = candidate, baseline
         self.router, self.canary, self.progress = router, canary, progress
+        #: Where the router logs the mirrored bodies (the local gateway's sample log);
+        #: None for a router that keeps none (the Gateway API).
+        self.sample_log = _sample_log(router)
+        self.sampling = self.sample_log is not None
+        self.golden_kind = ""
         self.replicas = list(clients.replicas)
         self.plan = ShadowPlan.from_policy(policy.canary)
         self.notes: list[str] = []
@@ -174,7 +195,7 @@ class _Shadow:
                 in headers else None, headers["Content-Type"]))
             if pair is not None:
                 pairs.append(pair)
-        agreement, compared, _ = _compare(pairs, self.policy)
+        agreement, compared, self.golden_kind = _compare(pairs, self.policy)
         return agreement, compared
 
     def pair(self, sample: SampledRequest, *, live: bool = False
@@ -206,14 +227,17 @@ class _Shadow:
         return candidate, production
 
     def sampled_lines(self) -> list[bytes]:
+        if self.sample_log is None:
+            return []
         try:
-            return self.router.layout.sample_log.read_bytes().splitlines()
+            return self.sample_log.read_bytes().splitlines()
         except FileNotFoundError:
             return []
 
     def forget_samples(self) -> None:
         """The sample log holds production's inputs: never left behind."""
-        self.router.layout.sample_log.unlink(missing_ok=True)
+        if self.sample_log is not None:
+            self.sample_log.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- the window
 
@@ -241,7 +265,7 @@ class _Shadow:
                 elapsed = time.monotonic() - started
                 action = window_action(plan, elapsed_s=elapsed, mirrored=mirrored,
                                        sampled=sampled, live=live, problem=problem,
-                                       intervals=intervals)
+                                       intervals=intervals, sampling=self.sampling)
                 if action.kind == "hold":
                     continue
                 self.window_s = elapsed
@@ -306,7 +330,10 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
     """The shadow canary of ``candidate`` against production ``baseline``.
 
     Args:
-        router: The configured traffic router (the stack's local gateway).
+        router: The configured traffic router: the stack's local gateway (it samples
+            the mirrored bodies: agreement on live inputs), or the Gateway API route (its
+            RequestMirror carries the copy; no body is kept, so the agreement is the golden
+            rows' and the record says so).
         write: Puts the ``traffic`` document on the release's record and writes it (before
             every change of the router).
         announce: Receives the window's start and end (the Slack thread).
@@ -320,8 +347,7 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
         ``compared``, ``agreement``, ``golden_agreement``, ``verdicts``).
 
     Raises:
-        UsageError: no production version (nothing to mirror), or a router that cannot
-            sample the mirrored requests (exit 2).
+        UsageError: no production version (nothing to mirror), or no router (exit 2).
         InfrastructureError: the router did not take the mirror, stopped answering or got
             stuck (the mirror is returned to 0 where it answers), or the canary Triton
             could not load C (exit 1).
@@ -346,10 +372,14 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
         usable, screened = screen(found.requests)
         run.left_out.update(screened)
         chosen = pick(usable, run.plan.min_samples)
-        progress(f"shadow: comparing {len(chosen)} of {len(found.requests)} sampled live "
-                 "inputs on both versions"
-                 + (f" ({sum(screened.values())} left out: {dict(screened)})"
-                    if screened else ""))
+        if run.sampling:
+            progress(f"shadow: comparing {len(chosen)} of {len(found.requests)} sampled live "
+                     "inputs on both versions"
+                     + (f" ({sum(screened.values())} left out: {dict(screened)})"
+                        if screened else ""))
+        else:
+            progress(f"shadow: no live inputs to compare: {router.name} keeps no copy of the "
+                     "mirrored bodies; agreement is judged on the golden rows")
         pairs = [p for p in (run.pair(c, live=True) for c in chosen) if p is not None]
         if keep_loaded:  # the approval wait's watcher probes P and C side by side here
             server.load_model(model, config_json=to_json(both))
@@ -363,30 +393,45 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
                     found=found, cleanup=cleanup)
     result.seconds = time.monotonic() - started
     _publish(result, report_dir or _report_dir(settings, model, candidate), progress)
-    agreement = (result.load["agreement"], result.load["compared_rows"])
-    announce(f"shadow: {result.verdict}: agreement on live inputs "
-             + (f"{agreement[0]:.1%}" if agreement[0] is not None else "not measured")
-             + f" over {agreement[1]} rows (golden rows "
-             + (f"{golden[0]:.1%}" if golden[0] is not None else "not measured") + ")")
+    announce(f"shadow: {result.verdict}: {_agreement_said(result.load)}")
     return result
 
 
+def _agreement_said(summary: Mapping[str, Any]) -> str:
+    """The agreement line of the Slack thread and the progress (pure)."""
+    golden = summary["golden_agreement"]
+    golden_text = f"{golden:.1%}" if golden is not None else "not measured"
+    skipped = summary.get("not_compared") or {}
+    unseen = (f"; {skipped['requests']} mirrored requests not compared ({skipped['why']})"
+              if skipped.get("requests") else "")
+    if summary.get("agreement_source") == "golden rows":
+        return (f"agreement on live inputs not measured ({summary['router']} keeps no "
+                f"mirrored bodies); golden rows {golden_text} over "
+                f"{summary['golden_rows']} rows, judged{unseen}")
+    live = summary["agreement"]
+    return ("agreement on live inputs "
+            + (f"{live:.1%}" if live is not None else "not measured")
+            + f" over {summary['compared_rows']} rows (golden rows {golden_text}){unseen}")
+
+
 def _mirroring(model: str, baseline: int | None,
-               router: TrafficRouter | None) -> tuple[LocalGateway, int]:
+               router: TrafficRouter | None) -> tuple[TrafficRouter, int]:
     """The router a shadow mirrors through and the production version it mirrors, or the
-    refusal (exit 2): a shadow needs both, and a gateway that samples the mirrored bodies."""
+    refusal (exit 2): a shadow needs both. Either router mirrors (the local gateway's
+    ``mirror``, the Gateway API's RequestMirror with ``percent``/``fraction``); only the
+    local gateway also samples the mirrored bodies (:class:`_Shadow` ``sampling``)."""
     if baseline is None:
         raise UsageError(f"a shadow canary of {model} needs a production version to mirror "
                          "live requests from; there is none yet",
                          hint="release the first version with canary.traffic: replay",
                          key="canary.traffic")
-    if not isinstance(router, LocalGateway):
+    if router is None:
         raise UsageError(
-            "canary.traffic: shadow needs the stack's local gateway: it samples the mirrored "
-            "requests' bodies for the agreement on live inputs"
-            + ("" if router is None else f" ({router.name} cannot)"),
-            hint="run `modelship stack up` (it starts the gateway), or use canary.traffic: "
-            "replay", key="canary.traffic")
+            "canary.traffic: shadow needs a traffic router to mirror live requests to the "
+            "candidate, and none is configured",
+            hint="run `modelship stack up` (its gateway also samples the mirrored bodies for "
+            "the agreement on live inputs), or set MODELSHIP_K8S_ROUTE (Gateway API "
+            "RequestMirror), or use canary.traffic: replay", key="canary.traffic")
     return router, baseline
 
 
@@ -397,21 +442,34 @@ def _judge(run: _Shadow, policy: Policy, write: Callable[[dict[str, Any]], None]
     agreement on the replayed live inputs, written to the record's ``traffic.shadow``."""
     model, candidate, baseline = run.model, run.candidate, run.baseline
     agreement = _compare(pairs, policy)
+    if not run.sampling:  # no live bodies (the Gateway API): the golden rows' agreement
+        agreement = (golden[0], golden[1], run.golden_kind or agreement[2])
     judged, skipped = shadow_rules(policy.gates)
-    summary = {"mode": "shadow", "mirror_pct": run.plan.mirror_pct,
-               "window_s": round(run.window_s, 3), "events": run.events,
-               "sampled": len(found.requests),
-               "left_out": dict(found.left_out + run.left_out),
-               "compared_inputs": len(pairs), "compared_rows": agreement[1],
-               "agreement": agreement[0], "golden_agreement": golden[0],
-               "golden_rows": golden[1]}
+    summary: dict[str, Any] = {"mode": "shadow", "router": run.router.name,
+                               "agreement_source": "live inputs" if run.sampling else "golden rows",
+                               "mirror_pct": run.plan.mirror_pct,
+                               "window_s": round(run.window_s, 3), "events": run.events,
+                               "sampled": len(found.requests),
+                               "left_out": dict(found.left_out + run.left_out),
+                               "compared_inputs": len(pairs),
+                               "compared_rows": agreement[1] if run.sampling else 0,
+                               "agreement": agreement[0] if run.sampling else None,
+                               "golden_agreement": golden[0], "golden_rows": golden[1]}
     run.notes.append(
         f"shadow: {run.plan.mirror_pct:g} % of live requests mirrored to the candidate for "
-        f"{run.window_s:.0f} s; {len(found.requests)} bodies sampled, {len(pairs)} replayed on "
-        "both versions (the report's load and client-latency lines do not apply: the "
-        "candidate's answers never reached a client)")
+        f"{run.window_s:.0f} s; "
+        + (f"{len(found.requests)} bodies sampled, {len(pairs)} replayed on both versions"
+           if run.sampling else f"no bodies sampled ({run.router.name} keeps no copy of the "
+           "mirrored requests): the agreement judged is the golden rows'")
+        + " (the report's load and client-latency lines do not apply: the candidate's "
+        "answers never reached a client)")
     snapshot = run.snapshot(agreement, golden, summary)
     summary["mirrored"] = snapshot.candidate.requests
+    summary["not_compared"] = not_compared(snapshot.candidate.requests,
+                                           found if run.sampling else None)
+    if summary["not_compared"]["requests"]:
+        run.notes.append(f"shadow: {summary['not_compared']['requests']} mirrored requests "
+                         f"not compared: {summary['not_compared']['why']}")
     summary["production_requests"] = snapshot.baseline.requests if snapshot.baseline else 0
     report = evaluate(snapshot, judged, min_samples=policy.canary.min_samples)
     summary["verdicts"] = {r["rule"]: {"metric": r["metric"], "verdict": r["verdict"],

@@ -67,9 +67,9 @@ from modelship.triton.metrics import (
 from tasks.traffic_plan import router_problem
 
 __all__ = ["MAX_SAMPLE_BYTES", "MIN_INTERVALS", "ArmTotals", "SampledRequest", "ShadowPlan",
-           "WindowAction", "answer_problem", "arm_totals", "infer_target", "input_problem",
-           "parse_samples", "pick", "request_inputs", "screen", "shadow_intervals",
-           "shadow_rules", "versioned_uri", "window_action"]
+           "WindowAction", "answer_problem", "arm_totals", "http_logged", "infer_target",
+           "input_problem", "not_compared", "parse_samples", "pick", "request_inputs",
+           "screen", "shadow_intervals", "shadow_rules", "versioned_uri", "window_action"]
 
 WindowKind = Literal["hold", "end", "abort"]
 
@@ -133,16 +133,20 @@ class WindowAction:
 
 def window_action(plan: ShadowPlan, *, elapsed_s: float, mirrored: int, sampled: int,
                   live: TrafficSplit | None, problem: str | None = None,
-                  intervals: int = MIN_INTERVALS) -> WindowAction:
-    """What to do after one look at the window (pure; the rules are in the module doc)."""
+                  intervals: int = MIN_INTERVALS, sampling: bool = True) -> WindowAction:
+    """What to do after one look at the window (pure; the rules are in the module doc).
+    ``sampling``: the router keeps the mirrored bodies (the local gateway); without it
+    (the Gateway API) the window waits for no samples."""
     trouble = router_problem(plan.split, live, problem)
     if trouble is not None:
         return WindowAction("abort", f"{trouble} {elapsed_s:.0f} s into the shadow window; "
                             "mirror back to 0 (an infrastructure failure, not the candidate's)")
-    counts = (f"{mirrored} mirrored requests answered by the candidate, {sampled} bodies "
-              f"sampled, {intervals} metrics intervals after {elapsed_s:.0f} s")
+    bodies = f"{sampled} bodies sampled" if sampling else "no bodies sampled (the router " \
+        "keeps none)"
+    counts = (f"{mirrored} mirrored requests answered by the candidate, {bodies}, "
+              f"{intervals} metrics intervals after {elapsed_s:.0f} s")
     if elapsed_s >= plan.min_s and mirrored >= plan.min_samples \
-            and sampled >= plan.min_samples and intervals >= MIN_INTERVALS:
+            and (sampled >= plan.min_samples or not sampling) and intervals >= MIN_INTERVALS:
         return WindowAction("end", f"{counts}: enough ({plan.min_samples} each)")
     if elapsed_s >= plan.max_s:
         return WindowAction("end", f"{counts}: the ceiling ({plan.max_s:g} s) is reached "
@@ -359,6 +363,37 @@ def parse_samples(lines: Iterable[bytes], model: str) -> Sampled:
                 uri, body, int(length) if length.isdigit() else None,
                 str(doc.get("content_type") or "")))
     return found
+
+
+#: The reasons :func:`parse_samples` gives to a mirrored inference of the model whose body
+#: was logged but not kept (the line is still one mirrored HTTP request of the model).
+_BODY_REASONS = ("body not in memory", "body over the sample limit")
+
+
+def http_logged(found: Sampled) -> int:
+    """Mirrored HTTP inferences of the model the gateway logged (pure): the sampled ones
+    and those left out for their body; lines of other models, other paths or unreadable
+    ones are not counted."""
+    return len(found.requests) + sum(n for why, n in found.left_out.items()
+                                     if why.startswith(_BODY_REASONS))
+
+
+def not_compared(mirrored: int, found: Sampled | None) -> dict[str, Any]:
+    """The mirrored requests whose bodies no one could compare, and why (pure).
+
+    ``found`` None: the router keeps no bodies (the Gateway API): every mirrored request is
+    judged on Triton's counters only. Else the requests Triton counted on the candidate
+    beyond the HTTP inferences the gateway logged are gRPC requests (nginx logs the body
+    of HTTP requests only; both counts come from the same window, so a few requests in
+    flight at its edges can move it by a little)."""
+    if found is None:
+        return {"requests": mirrored, "why": "the Gateway API router keeps no copy of the "
+                "mirrored bodies: mirrored requests are judged on Triton's counters only "
+                "(latency, errors); agreement on the golden rows"}
+    grpc = max(0, mirrored - http_logged(found))
+    return {"requests": grpc, "why": "gRPC requests: mirrored and judged on Triton's "
+            "counters, but the gateway samples the bodies of HTTP requests only, so their "
+            "answers were not compared"}
 
 
 def pick(items: Sequence[Any], n: int) -> list[Any]:

@@ -36,11 +36,11 @@ from typing import Any, Literal
 from modelship.errors import InfrastructureError, ModelshipError
 from modelship.ledger import ReleaseRecord, now_iso
 from modelship.locks import list_locks
-from modelship.nginx import SplitScope
 from modelship.progress import Progress, quiet
 from modelship.settings import Settings
+from modelship.split_scope import SplitScope
 from modelship.storage import S3Storage
-from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter, TrafficSplit
+from modelship.traffic.port import PRODUCTION_ONLY, ScopeReporting, TrafficRouter, TrafficSplit
 from modelship.traffic.select import router_for
 from tasks.traffic_plan import StepEvent, router_problem
 
@@ -365,12 +365,22 @@ def configured_router(settings: Settings, progress: Progress = quiet, *,
 
 
 def live_traffic(router: TrafficRouter | None) -> dict[str, Any] | None:
-    """``status``'s ``traffic``: the live weights read back from the router; None when no
-    router is configured; ``error`` when it did not answer."""
+    """``status``'s ``traffic``: the live weights read back from the router, and ``scope``
+    (the requests they apply to, ``applies_to`` in words) when the router reports it; None
+    when no router is configured; ``error`` when it did not answer."""
     if router is None:
         return None
-    live, problem = read_live(router)
+    scope: dict[str, Any] | None = None
+    if isinstance(router, ScopeReporting):  # which requests the weights apply to
+        try:
+            live, scope = router.live_scoped()
+            problem = None
+        except Exception as exc:  # noqa: BLE001 - a router that does not answer is a finding
+            live, problem = None, _why(exc)
+    else:
+        live, problem = read_live(router)
     if live is None:
         return {"router": router.name, "live": None, "error": problem, "at": now_iso()}
     return {"router": router.name, "live": live.to_dict(), "at": now_iso(),
-            "production_only": live.is_production_only}
+            "production_only": live.is_production_only,
+            **({"scope": scope} if scope is not None else {})}

@@ -325,8 +325,11 @@ def _traffic_line(traffic: dict[str, Any]) -> str:
     if live is None:
         return f"traffic ({traffic['router']}): not read: {traffic.get('error')}"
     mirror = f", {live['mirror_pct']:g} % mirrored to the canary" if live["mirror_pct"] else ""
+    scope = traffic.get("scope")
+    applies = (f"; applies to {scope['applies_to']}"
+               if isinstance(scope, dict) and scope.get("applies_to") else "")
     return (f"traffic ({traffic['router']}): {live['production_pct']:g} % production, "
-            f"{live['canary_pct']:g} % canary{mirror}")
+            f"{live['canary_pct']:g} % canary{mirror}{applies}")
 
 
 def _reconcile_arguments(settings: Any, clients: Any, *, model: str | None,

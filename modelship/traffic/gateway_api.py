@@ -352,6 +352,16 @@ class GatewayApiRouter:
         self._check_served(route)
         return split_of(route, self.target)
 
+    def live_scoped(self) -> tuple[TrafficSplit, dict[str, Any]]:
+        """:meth:`live` and the requests it applies to: the route is one model's, so its
+        weights and mirror apply to every request its rules match (HTTP; gRPC clients go
+        through a GRPCRoute, which this router does not drive)."""
+        return self.live(), {"route": str(self.target), "grpc": False,
+                             "applies_to": f"requests matched by {self.target}'s rules that "
+                             f"reference Service {self.target.production.name}:"
+                             f"{self.target.production.port} (HTTP only; gRPC "
+                             "through a GRPCRoute is not split)"}
+
     def ping(self) -> None:
         """The route exists, we may read it, and its Gateway accepts it."""
         self.live()

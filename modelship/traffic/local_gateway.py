@@ -21,6 +21,7 @@ from typing import Any
 from modelship import nginx
 from modelship.errors import InfrastructureError
 from modelship.procinfo import process_start_ticks
+from modelship.split_scope import SplitScope, scope_report
 from modelship.traffic.port import TrafficSplit
 
 #: Seconds one call may take (the check, the reload and its confirmation).
@@ -28,7 +29,7 @@ CALL_TIMEOUT_S = 15.0
 
 
 def render(layout: nginx.GatewayLayout, split: TrafficSplit, generation: str,
-           scope: nginx.SplitScope | None = None) -> str:
+           scope: SplitScope | None = None) -> str:
     """The gateway's configuration for ``split`` over ``scope``'s requests (pure; shares
     to nginx's 0.01 %)."""
     return nginx.render_config(layout, split.canary_pct, split.mirror_pct, generation, scope)
@@ -48,7 +49,7 @@ class LocalGateway:
         pid: the nginx master's PID; ``start_ticks``: its start time, so a recycled PID is
             never signalled.
         timeout_s: bound of each call.
-        scope: the requests a split applies to (one model's; :class:`~modelship.nginx.
+        scope: the requests a split applies to (one model's; :class:`~modelship.split_scope.
             SplitScope`); None splits every request. A release scopes its router to its
             model, or another model's requests in the share would reach the canary Triton,
             which serves only the candidate.
@@ -58,7 +59,7 @@ class LocalGateway:
 
     def __init__(self, layout: nginx.GatewayLayout, *, pid: int, start_ticks: int | None,
                  timeout_s: float = CALL_TIMEOUT_S,
-                 scope: nginx.SplitScope | None = None) -> None:
+                 scope: SplitScope | None = None) -> None:
         self.layout = layout
         self.scope = scope
         self.pid = pid
@@ -68,7 +69,7 @@ class LocalGateway:
 
     @classmethod
     def from_state(cls, state: dict[str, Any], *, timeout_s: float = CALL_TIMEOUT_S,
-                   scope: nginx.SplitScope | None = None) -> LocalGateway:
+                   scope: SplitScope | None = None) -> LocalGateway:
         """The gateway of a stack, from its ``stack.json`` document.
 
         Raises:
@@ -116,13 +117,30 @@ class LocalGateway:
                 with the split they had, but nothing can change it: a dead gateway), or
                 the workers do not answer.
         """
+        self._settled()
+        canary, mirror, _ = nginx.read_live(self.layout, timeout_s=self.timeout_s)
+        return TrafficSplit(canary_pct=canary, mirror_pct=mirror)
+
+    def live_scoped(self) -> tuple[TrafficSplit, dict[str, Any]]:
+        """:meth:`live` and the requests it applies to (``scope_report``), from the same
+        answer of the running workers (the scope compiled into their configuration).
+
+        Raises:
+            InfrastructureError: as :meth:`live`.
+        """
+        self._settled()
+        canary, mirror, _, scope = nginx.read_live_scoped(self.layout,
+                                                          timeout_s=self.timeout_s)
+        return TrafficSplit(canary_pct=canary, mirror_pct=mirror), scope_report(scope)
+
+    def _settled(self) -> None:
+        """The master is alive and no retiring worker takes connections (at most
+        ``timeout_s``; see :meth:`live`)."""
         self._check_master()
         deadline = time.monotonic() + self.timeout_s
         while nginx.accepting_workers(self.pid) > nginx.WORKER_PROCESSES \
                 and time.monotonic() < deadline:
             time.sleep(0.02)
-        canary, mirror, _ = nginx.read_live(self.layout, timeout_s=self.timeout_s)
-        return TrafficSplit(canary_pct=canary, mirror_pct=mirror)
 
     # ------------------------------------------------------------------ internals
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from modelship.errors import UsageError
 
@@ -74,4 +74,14 @@ class TrafficRouter(Protocol):
 
     def live(self) -> TrafficSplit:
         """What the data plane does now, read back from it (never from a cache)."""
+        ...
+
+
+@runtime_checkable
+class ScopeReporting(Protocol):
+    """A router that also says which requests its live split applies to (``status``)."""
+
+    def live_scoped(self) -> tuple[TrafficSplit, dict[str, Any]]:
+        """:meth:`TrafficRouter.live` and its scope (``applies_to`` in words, and the
+        adapter's fields), from one read."""
         ...

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from modelship.errors import UsageError
-from modelship.nginx import SplitScope
 from modelship.settings import Settings
+from modelship.split_scope import SplitScope
 from modelship.traffic.gateway_api import build_gateway_api_router
 from modelship.traffic.local_gateway import LocalGateway
 from modelship.traffic.port import TrafficRouter

@@ -38,6 +38,7 @@ from modelship.clients import build_clients
 from modelship.errors import InfrastructureError
 from modelship.loadgen import LoadReport, LoadSpec, run_load, run_load_sync
 from modelship.settings import Settings
+from modelship.split_scope import SplitScope
 from modelship.stack import manager
 from modelship.stack.local_triton import mlp_classifier_onnx
 from modelship.stack.state import read_state
@@ -188,10 +189,14 @@ def test_a_split_scoped_to_one_model_leaves_other_models_requests_on_production(
     replicas = [_triton(r["http"]) for r in state["triton"]["replicas"]]
     for replica in replicas:
         replica.load_model(OTHER, config=json.dumps({**model_config(1), "name": OTHER}))
-    scoped = LocalGateway.from_state(state, scope=nginx.SplitScope(MODEL))
+    scoped = LocalGateway.from_state(state, scope=SplitScope(MODEL))
     try:
         scoped.set_weights(100)
         assert scoped.live() == TrafficSplit(canary_pct=100)
+        live, scope = scoped.live_scoped()  # status's read: the workers' own scope
+        assert live == TrafficSplit(canary_pct=100)
+        assert (scope["model"], scope["grpc"]) == (MODEL, False)
+        assert scope["applies_to"].startswith(f"{MODEL}'s HTTP requests")
         assert set(answers(http, "http")) == {"2"}  # gw over HTTP: the canary
         assert set(answers(grpc, "grpc")) == {"1"}  # gw over gRPC: production
         other = run_load_sync([http], OTHER, PAYLOAD, LoadSpec(

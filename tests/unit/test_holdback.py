@@ -11,10 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from modelship.errors import InfrastructureError
 from modelship.loadgen import RequestRecord
 from modelship.policy import BakePolicy, Policy
+from modelship.traffic.port import TrafficSplit
 from tasks import bake as baking
-from tasks.holdback import holdback_applies
+from tasks.holdback import holdback_applies, holdback_look, share_keeper
 
 POLICY = BakePolicy(duration_s=30.0, window_s=2.0, probe_rps=40.0, holdback_pct=33.0,
                     max_latency_increase_pct=25.0)
@@ -215,3 +217,123 @@ def test_a_holdback_too_thin_in_every_window_holds_the_bake_and_says_so(
     assert "no holdback to compare with" in verdict.reason
     assert "the holdback answered 6 probe requests" in verdict.reason
     assert len(verdict.latency["held"]) == len(report.windows) > 0
+
+
+# --------------------------------------------------------------------------------------
+# the share read back after every window (a gateway restarted, a hand changed it)
+
+HOLD = TrafficSplit(canary_pct=5.0)
+
+
+@pytest.mark.parametrize(("live", "problem", "restores", "kind", "said"), [
+    (TrafficSplit(canary_pct=5.0), None, 0, "ok", None),
+    (TrafficSplit(canary_pct=5.0), None, 1, "ok", None),            # held after a restore
+    (TrafficSplit(canary_pct=5.004), None, 0, "ok", None),          # the routers' precision
+    (TrafficSplit(), None, 0, "restore", "held 0 % to the canary, not the holdback's 5 %"),
+    (TrafficSplit(canary_pct=50.0), None, 0, "restore", "held 50 % to the canary"),
+    (TrafficSplit(5.0, 10.0), None, 0, "restore", "10 % mirrored"),  # a mirror added
+    (TrafficSplit(), None, 1, "fail", "after 1 restore already: something else steers"),
+    (None, "connection refused", 0, "fail", "did not answer (connection refused)"),
+    (None, "connection refused", 1, "fail", "a dead or stuck gateway"),
+])
+def test_the_holdback_share_read_back_after_a_window(
+        live: TrafficSplit | None, problem: str | None, restores: int, kind: str,
+        said: str | None) -> None:
+    look = holdback_look(HOLD, live, problem, window=3, restores=restores)
+    assert look.kind == kind, look
+    if said is None:
+        assert look.reason is None
+    else:
+        assert look.reason is not None and said in look.reason and "window 3" in look.reason
+    if kind == "restore":
+        assert "held (not judged" in (look.reason or "")
+
+
+class _Router:
+    """A router whose live split a test changes between windows ("another hand")."""
+
+    name = "fake-gateway"
+
+    def __init__(self, *, dead: bool = False, sticky: bool = False) -> None:
+        self.split = HOLD
+        self.dead, self.sticky = dead, sticky
+        self.sets: list[float] = []
+
+    def set_weights(self, pct: float) -> None:
+        self.sets.append(pct)
+        if not self.sticky:
+            self.split = TrafficSplit(pct, self.split.mirror_pct)
+
+    def mirror(self, pct: float) -> None:
+        if not self.sticky:
+            self.split = TrafficSplit(self.split.canary_pct, pct)
+
+    def live(self) -> TrafficSplit:
+        if self.dead:
+            raise InfrastructureError("the local gateway did not answer")
+        return self.split
+
+
+class _Canary:
+    name = "canary"
+
+    def __init__(self, serves: bool = True) -> None:
+        self.serves = serves
+
+    def is_model_ready(self, model: str, version: str) -> bool:
+        return self.serves and (model, version) == ("m", "1")
+
+
+def _keeping_watch(monkeypatch: pytest.MonkeyPatch, router: _Router, canary: _Canary,
+                   changes: dict[int, TrafficSplit]) -> baking.BakeReport:
+    """A holdback watch of an identical fleet whose router a test changes after the
+    windows in ``changes`` (as a restarted gateway or a hand would)."""
+    rng = np.random.default_rng(4)
+
+    def windows(replicas: Any, **kw: Any) -> tuple[baking.Window, baking.Window | None]:
+        i = kw["index"]
+        if i in changes:
+            router.split = changes[i]
+        return (_window(i, rng, level_ms=2.0, rate=100.0),
+                _window(i, rng, level_ms=2.0, rate=5.0))
+
+    monkeypatch.setattr(baking, "measure_windows", windows)
+    check = share_keeper(router, HOLD, canary, model="m", previous=1,  # type: ignore[arg-type]
+                    progress=lambda _: None)
+    return baking.watch([], model="m", version=2, payload={}, policy=FIVE, baseline=None,
+                        timeout_s=1.0, holdback=baking.Holdback(
+                            server=canary, version=1, check=check))  # type: ignore[arg-type]
+
+
+def test_a_share_lost_mid_bake_is_restored_once_and_its_window_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway restarted at production only after window 4: the bake restores the
+    share (the canary still serves v1), holds window 4 with the reason, judges the rest."""
+    router = _Router()
+    report = _keeping_watch(monkeypatch, router, _Canary(), {4: TrafficSplit()})
+    assert router.sets == [5.0] and router.split == HOLD
+    held = report.verdict.latency["held"]
+    assert list(held) == ["4"], held
+    assert "held 0 % to the canary" in held["4"] and "restored" in held["4"]
+    assert report.verdict.outcome == "passed", report.verdict.reason
+    assert report.windows and report.baseline is not None
+    assert report.baseline.windows[4].to_dict()["held_for"] == held["4"]
+
+
+@pytest.mark.parametrize(("router", "canary", "changes", "said"), [
+    (_Router(), _Canary(), {2: TrafficSplit(), 6: TrafficSplit(canary_pct=50.0)},
+     "something else steers the router"),
+    (_Router(dead=True), _Canary(), {}, "did not answer"),
+    (_Router(), _Canary(serves=False), {3: TrafficSplit()}, "no longer serves m v1"),
+    (_Router(sticky=True), _Canary(), {3: TrafficSplit()}, "the restore did not take"),
+])
+def test_a_share_that_cannot_be_kept_fails_the_bake_as_infrastructure(
+        monkeypatch: pytest.MonkeyPatch, router: _Router, canary: _Canary,
+        changes: dict[int, TrafficSplit], said: str) -> None:
+    """Changed twice, a dead gateway, a canary that lost v1 (restoring would fail live
+    requests), a restore that does not take: exit 1, and the message says the weights go
+    back to production (``holding`` around the bake does it on the way out)."""
+    with pytest.raises(InfrastructureError) as caught:
+        _keeping_watch(monkeypatch, router, canary, changes)
+    assert said in caught.value.message and caught.value.exit_code == 1
+    assert "the weights return to 100 % production" in caught.value.message

@@ -18,6 +18,7 @@ import pytest
 
 from modelship import nginx
 from modelship.errors import InfrastructureError, UsageError
+from modelship.split_scope import SplitScope
 from modelship.stack.state import status_document
 from modelship.traffic.local_gateway import LocalGateway, as_live, render
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficRouter, TrafficSplit
@@ -289,16 +290,16 @@ def test_a_reload_that_never_settles_still_answers_within_the_bound(
 # --------------------------------------------------------------------------------------
 # a split scoped to one model (another model's requests never reach the canary)
 
-SCOPED = nginx.SplitScope("fraud.v2")
+SCOPED = SplitScope("fraud.v2")
 # canary, mirror, scope -> the HTTP backend, the gRPC backend, whether gRPC is mirrored
 SCOPED_CASES = [
     (25, 0, SCOPED, "${modelship_http_route}", "production", False),
     (100, 0, SCOPED, "${modelship_http_route}", "production", False),
     (0, 50, SCOPED, "production", "production", False),
     (25, 100, SCOPED, "${modelship_http_route}", "production", False),
-    (25, 50, nginx.SplitScope("fraud.v2", grpc=True), "${modelship_http_route}",
+    (25, 50, SplitScope("fraud.v2", grpc=True), "${modelship_http_route}",
      "${modelship_route}", True),
-    (100, 0, nginx.SplitScope("fraud.v2", grpc=True), "${modelship_http_route}", "canary",
+    (100, 0, SplitScope("fraud.v2", grpc=True), "${modelship_http_route}", "canary",
      False),
     (0, 0, SCOPED, "production", "production", False),  # at rest: nothing to scope
 ]
@@ -307,7 +308,7 @@ SCOPED_CASES = [
 @pytest.mark.parametrize(("canary", "mirror", "scope", "http_to", "grpc_to", "grpc_copied"),
                          SCOPED_CASES)
 def test_a_scoped_split_routes_and_mirrors_only_its_models_requests(
-        tmp_path: Path, canary: float, mirror: float, scope: nginx.SplitScope, http_to: str,
+        tmp_path: Path, canary: float, mirror: float, scope: SplitScope, http_to: str,
         grpc_to: str, grpc_copied: bool) -> None:
     gw = layout(tmp_path)
     text = render(gw, TrafficSplit(canary_pct=canary, mirror_pct=mirror), "g", scope)
@@ -326,6 +327,14 @@ def test_a_scoped_split_routes_and_mirrors_only_its_models_requests(
     live = as_live(TrafficSplit(canary, mirror))
     assert nginx.parse_live(body.group(1)) == (live.canary_pct, live.mirror_pct, "g")
     assert json.loads(body.group(1))["scope"] == scope.to_dict()  # what the workers hold
+    assert nginx.parse_scope(body.group(1)) == scope  # what status reports
+
+
+def test_an_unscoped_split_reports_no_scope(tmp_path: Path) -> None:
+    text = render(layout(tmp_path), TrafficSplit(canary_pct=25.0), "g", None)
+    body = re.search(r"return 200 '(\{.*\})\\n';", text)
+    assert body is not None and nginx.parse_scope(body.group(1)) is None
+    assert nginx.parse_scope("not json") is None and nginx.parse_scope("[1]") is None
 
 
 @pytest.mark.parametrize(("uri", "scoped"), [
@@ -344,5 +353,21 @@ def test_the_scope_pattern_matches_its_models_paths_only(uri: str, scoped: bool)
 
 @pytest.mark.parametrize("name", ["a b", 'x"y', "m;n", "", "p{1}"])
 def test_a_model_name_nginx_could_misread_is_refused(name: str) -> None:
-    with pytest.raises(InfrastructureError, match="cannot scope a split"):
-        nginx.SplitScope(name)
+    """Such a name cannot be a Triton model: a usage error (exit 2), not infrastructure."""
+    with pytest.raises(UsageError, match="cannot be scoped to model") as caught:
+        SplitScope(name)
+    assert caught.value.exit_code == 2
+
+
+@pytest.mark.parametrize(("doc", "scope"), [
+    ({"model": "fraud.v2", "grpc": False}, SplitScope("fraud.v2")),
+    ({"model": "m", "grpc": True}, SplitScope("m", grpc=True)),
+    (None, None),                          # an unscoped split
+    ({"model": "a b", "grpc": True}, None),  # not a scope nginx could have rendered
+    ({"grpc": True}, None),
+    ("fraud", None),
+])
+def test_a_reported_scope_is_read_back(doc: object, scope: SplitScope | None) -> None:
+    assert SplitScope.from_dict(doc) == scope
+    if scope is not None:
+        assert SplitScope.from_dict(scope.to_dict()) == scope

@@ -14,9 +14,9 @@ import pytest
 
 from modelship.errors import GateFailed, InfrastructureError
 from modelship.ledger import ReleaseRecord
-from modelship.nginx import SplitScope
 from modelship.policy import CanaryPolicy, Policy
 from modelship.slack.notifier import NullNotifier
+from modelship.split_scope import SplitScope
 from modelship.traffic.port import PRODUCTION_ONLY
 from modelship.triton.metrics import COMPUTE_INFER_US, SUCCESS, VersionMetrics
 from tasks import live_traffic, progressive

@@ -16,9 +16,9 @@ import pytest
 
 from modelship.errors import ReleaseLocked
 from modelship.ledger import ReleaseRecord
-from modelship.nginx import SplitScope
 from modelship.policy import BakePolicy, CanaryPolicy, Policy
 from modelship.slack.notifier import NullNotifier
+from modelship.split_scope import SplitScope
 from tasks import canary_slot as slot_module
 from tasks import holdback, live_traffic, progressive, shadow
 from tasks.record import ReleaseJournal

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from modelship.ledger import ReleaseRecord
-from modelship.nginx import SplitScope
 from modelship.policy import CanaryPolicy, Policy
 from modelship.slack.notifier import NullNotifier
+from modelship.split_scope import SplitScope
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
 from tasks import live_traffic, progressive
 from tasks.record import ReleaseJournal
