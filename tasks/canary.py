@@ -139,6 +139,9 @@ __all__ = [  # the stage, and the pure parts' public names as they were imported
     "load_spec", "next_round_s", "plan_rules", "rows_agree", "run_canary",
     "sequential_config", "server_intervals", "shared_errors", "spend_alpha",
     "tail_reference_refusal", "watch_plan_factor", "watched", "with_sequential",
+    # the steps the shadow canary (tasks/shadow.py) shares with this one
+    "canary_clients", "candidate_inputs", "new_report_dir", "publish", "unload_canary",
+    "wait_ready",
 ]
 
 _READY_POLL_S = 0.2
@@ -217,7 +220,7 @@ class CanaryResult:
 # --------------------------------------------------------------------------- I/O steps
 
 
-def _wait_ready(server: TritonServer, model: str, versions: Sequence[int],
+def wait_ready(server: TritonServer, model: str, versions: Sequence[int],
                 deadline_s: float) -> None:
     end = time.monotonic() + deadline_s
     pending = [str(v) for v in versions]
@@ -235,7 +238,7 @@ def _wait_ready(server: TritonServer, model: str, versions: Sequence[int],
         time.sleep(_READY_POLL_S)
 
 
-def _unload(server: TritonServer, model: str, progress: Progress) -> str:
+def unload_canary(server: TritonServer, model: str, progress: Progress) -> str:
     """Unload the canary model and wait until no version of it is left; never raises.
 
     Waits through ``UNLOADING`` too (about a second here), so that the next canary of the
@@ -419,7 +422,7 @@ def _note_cleanup(exc: BaseException, cleanup: str) -> None:
             exc.message = f"{exc.message.rstrip('.')}; cleanup: {cleanup}"
 
 
-def _report_dir(settings: Settings, model: str, candidate: int) -> Path:
+def new_report_dir(settings: Settings, model: str, candidate: int) -> Path:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
     return Path(settings.home) / "reports" / f"canary-{safe}-v{candidate}-{stamp}"
@@ -482,7 +485,7 @@ class _CanaryRun:
         except BaseException as exc:
             if self.cleanup != "not loaded":
                 self.progress(f"unloading {plan.model} from the {self.where}")
-                self.cleanup = _unload(self.server, plan.model, self.progress)
+                self.cleanup = unload_canary(self.server, plan.model, self.progress)
             _note_cleanup(exc, self.cleanup)
             if isinstance(exc, ModelshipError) or not isinstance(exc, OSError | TimeoutError):
                 raise
@@ -505,12 +508,12 @@ class _CanaryRun:
                           "footprints")
             server.load_model(plan.model,
                               config_json=to_json(with_versions(config, [plan.baseline])))
-            _wait_ready(server, plan.model, [plan.baseline], self.settings.control_timeout_s)
+            wait_ready(server, plan.model, [plan.baseline], self.settings.control_timeout_s)
             self.baseline_text = _metrics_text(server, timeout_s, self.notes,
                                                f"with v{plan.baseline} loaded")
         server.load_model(plan.model, config_json=to_json(config))
         self.cleanup = "loaded"
-        _wait_ready(server, plan.model, plan.versions, self.settings.control_timeout_s)
+        wait_ready(server, plan.model, plan.versions, self.settings.control_timeout_s)
         if plan.on_gpu:
             self.both_text = _metrics_text(server, timeout_s, self.notes,
                                            "with every version loaded")
@@ -591,11 +594,11 @@ class _CanaryRun:
             return
         self.progress(f"unloading {model} from the {self.where}")
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="canary-unload") as pool:
-            unloading = pool.submit(_unload, self.server, model, self.progress)
+            unloading = pool.submit(unload_canary, self.server, model, self.progress)
             try:
                 while_unloading()
             finally:
-                self.cleanup = unloading.result()  # _unload never raises
+                self.cleanup = unloading.result()  # unload_canary never raises
         if self.cleanup != "unloaded":
             self.notes.append(f"cleanup: {self.cleanup}; unload {model} from the {self.where} "
                               "by hand")
@@ -663,7 +666,7 @@ class _CanaryRun:
         )
 
 
-def _canary_clients(clients: Clients, model: str, candidate: int,
+def canary_clients(clients: Clients, model: str, candidate: int,
                     baseline: int | None) -> tuple[TritonServer, S3Storage]:
     """The canary Triton and the repository, or a usage error saying what is missing."""
     server, storage = clients.canary, clients.storage
@@ -677,7 +680,7 @@ def _canary_clients(clients: Clients, model: str, candidate: int,
     return server, storage
 
 
-def _candidate_inputs(settings: Settings, clients: Clients, storage: S3Storage, *,
+def candidate_inputs(settings: Settings, clients: Clients, storage: S3Storage, *,
                       policy: Policy, model: str, candidate: int, baseline: int | None,
                       release: ReleaseCandidate | None = None
                       ) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
@@ -726,7 +729,7 @@ def _refuse_unjudged(report: GateReport, plan: CanaryPlan, cleanup: str) -> None
             cleanup=cleanup)
 
 
-def _publish(result: CanaryResult, out_dir: Path, progress: Progress, *,
+def publish(result: CanaryResult, out_dir: Path, progress: Progress, *,
              plotted: bool = False) -> None:
     """Write the report (markdown, PNG, JSON) and attach it to the Prefect run, if any
     (``plotted``: the PNG is drawn already, :func:`tasks.report.write_canary_report`)."""
@@ -791,8 +794,8 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     if (refusal := not_carried_out(policy, bake=False)) is not None:  # live traffic: not yet
         raise refusal
     started = time.monotonic()
-    server, storage = _canary_clients(clients, model, candidate, baseline)
-    config, payload, source = _candidate_inputs(settings, clients, storage, policy=policy,
+    server, storage = canary_clients(clients, model, candidate, baseline)
+    config, payload, source = candidate_inputs(settings, clients, storage, policy=policy,
                                                 model=model, candidate=candidate,
                                                 baseline=baseline, release=release)
     notes: list[str] = []
@@ -807,7 +810,7 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
     run = _CanaryRun(settings, server, plan, payload=payload, notes=[*notes, *plan.notes],
                      empty_text=empty_text, progress=progress)
     measured = run.measure(config)
-    out_dir = report_dir or _report_dir(settings, model, candidate)
+    out_dir = report_dir or new_report_dir(settings, model, candidate)
     gpu, snapshot, gate_report = run.release_and_judge(measured, source, keep_loaded,
                                                        plot=out_dir / PLOT_NAME)
     _refuse_unjudged(gate_report, plan, run.cleanup)
@@ -818,5 +821,5 @@ def run_canary(settings: Settings, clients: Clients, policy: Policy, *, model: s
                           gate_report=gate_report, load=load, cleanup=run.cleanup,
                           skipped_rules=list(plan.skipped), gpu=gpu)
     result.seconds = time.monotonic() - started
-    _publish(result, out_dir, progress, plotted=True)
+    publish(result, out_dir, progress, plotted=True)
     return result

@@ -75,13 +75,13 @@ from tasks.agreement import agreement_kind, rows_agree
 from tasks.canary import (
     KEPT_LOADED,
     CanaryResult,
-    _canary_clients,
-    _candidate_inputs,
-    _publish,
-    _report_dir,
-    _unload,
-    _wait_ready,
+    canary_clients,
+    candidate_inputs,
+    new_report_dir,
+    publish,
     run_canary,
+    unload_canary,
+    wait_ready,
 )
 from tasks.canary_slot import in_canary_slot
 from tasks.gates import evaluate
@@ -354,8 +354,8 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
     """
     router, baseline = _mirroring(model, baseline, router)
     started = time.monotonic()
-    server, storage = _canary_clients(clients, model, candidate, baseline)
-    config, payload, _ = _candidate_inputs(settings, clients, storage, policy=policy,
+    server, storage = canary_clients(clients, model, candidate, baseline)
+    config, payload, _ = candidate_inputs(settings, clients, storage, policy=policy,
                                            model=model, candidate=candidate,
                                            baseline=baseline, release=release)
     both, _ = render_for_servers(config, [server], timeout_s=settings.http_timeout_s)
@@ -365,7 +365,7 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
     try:
         progress(f"shadow: loading {model} v{candidate} alone on the canary {server.name}")
         server.load_model(model, config_json=to_json(with_versions(both, [candidate])))
-        _wait_ready(server, model, [candidate], settings.control_timeout_s)
+        wait_ready(server, model, [candidate], settings.control_timeout_s)
         golden = run.replay_golden(payload)
         traffic = run.window(write, announce)
         found = parse_samples(run.lines, model)
@@ -383,16 +383,16 @@ def run_shadow(settings: Settings, clients: Clients, policy: Policy, *, model: s
         pairs = [p for p in (run.pair(c, live=True) for c in chosen) if p is not None]
         if keep_loaded:  # the approval wait's watcher probes P and C side by side here
             server.load_model(model, config_json=to_json(both))
-            _wait_ready(server, model, [baseline, candidate], settings.control_timeout_s)
+            wait_ready(server, model, [baseline, candidate], settings.control_timeout_s)
         completed = True
     finally:
         run.forget_samples()
-        cleanup = KEPT_LOADED if keep_loaded and completed else _unload(server, model,
+        cleanup = KEPT_LOADED if keep_loaded and completed else unload_canary(server, model,
                                                                          progress)
     result = _judge(run, policy, write, traffic=traffic, golden=golden, pairs=pairs,
                     found=found, cleanup=cleanup)
     result.seconds = time.monotonic() - started
-    _publish(result, report_dir or _report_dir(settings, model, candidate), progress)
+    publish(result, report_dir or new_report_dir(settings, model, candidate), progress)
     announce(f"shadow: {result.verdict}: {_agreement_said(result.load)}")
     return result
 

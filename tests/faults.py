@@ -153,7 +153,7 @@ def _install(stage: str, act: Callable[[], None]) -> None:
     elif stage == "canary":
         import tasks.canary as canary
 
-        _after(canary, "_wait_ready", act)
+        _after(canary, "wait_ready", act)
     elif stage == "approval":
         import tasks.approve as approve
 
