@@ -42,11 +42,12 @@ SPLIT_PATH = "/modelship/split"
 RESOLUTION_PCT = 0.01
 #: Worker processes of the gateway (a 2-core machine shares them with the whole stack).
 WORKER_PROCESSES = 1
-#: The log of mirrored HTTP requests' bodies (shadow canaries sample real inputs from it),
-#: in the gateway's prefix.
+#: The log of mirrored requests' bodies, HTTP and gRPC (shadow canaries sample real inputs
+#: from it), in the gateway's prefix.
 SAMPLE_LOG = "mirror-samples.log"
-#: One JSON object per mirrored HTTP request (``escape=json``: a body's bytes >= 0x80 are
-#: written raw, below 0x20 as ``\u00XX``, so ``latin-1`` decoding gives the bytes back).
+#: One JSON object per mirrored request (a gRPC one has its method as ``uri``;
+#: ``escape=json``: a body's bytes >= 0x80 are written raw, below 0x20 as ``\u00XX``, so
+#: ``latin-1`` decoding gives the bytes back).
 #: ``$request_body`` is empty when the body did not fit in ``client_body_buffer_size``.
 SAMPLE_FORMAT = ('{"msec":"$msec","uri":"$request_uri","content_type":"$content_type",'
                  '"header_length":"$http_inference_header_content_length",'
@@ -238,10 +239,16 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
         if not scope.grpc:
             grpc_backend, grpc_mirror = "production", False
     mirror_on = "            mirror /_modelship_mirror;\n"
-    sampled = ""
+    sampled = grpc_sampled = ""
     if mirror > 0:  # the mirrored share's bodies, for the shadow canary's agreement
         only = f" if={copy}" if copy else ""
         sampled = (f"            access_log {layout.sample_log} modelship_sample{only};\n")
+        # gRPC's copies are drawn by the mirror alone (its scope is all or nothing); nginx
+        # reads a mirrored request's whole body first, so $request_body holds the gRPC
+        # frame (a ModelInferRequest), logged with the method as its URI
+        grpc_only = " if=$modelship_mirror" if 0 < mirror < 100 else ""
+        grpc_sampled = (f"            access_log {layout.sample_log} "
+                        f"modelship_sample{grpc_only};\n")
     live = json.dumps({"canary_pct": canary, "mirror_pct": mirror, "generation": generation,
                        "scope": scope.to_dict() if scope is not None else None},
                       sort_keys=True)
@@ -275,7 +282,7 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
         "    server {  # KServe gRPC (h2c)\n"
         f"        listen {layout.host}:{layout.grpc_port} http2;\n"
         "        location / {\n"
-        f"{mirror_on if grpc_mirror else ''}"
+        f"{mirror_on + grpc_sampled if grpc_mirror else ''}"
         f"            grpc_pass grpc://{grpc_backend}_grpc;\n"
         "            grpc_read_timeout 300s;\n"
         "        }\n"

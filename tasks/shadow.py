@@ -14,12 +14,14 @@ The run, in order (the decisions are :mod:`tasks.shadow_plan`'s, pure):
    an error, a signal). Every second: a tick, the router read back, the sampled bodies
    counted; :func:`tasks.shadow_plan.window_action` holds, ends, or aborts (a dead or
    stuck router: exit 1, the mirror back to 0).
-4. **Agreement on real inputs**: nginx logged each mirrored HTTP request's body
-   (:data:`modelship.nginx.SAMPLE_FORMAT`). Up to ``canary.min_samples`` of them, spread
-   over the window, are sent byte for byte to production (``/versions/P`` on a replica)
-   and to C (``/versions/C`` on the canary) and the answers compared
-   (:func:`tasks.agreement.rows_agree`). The log is deleted afterwards: it holds
-   production's inputs. The candidate's answers go nowhere but this comparison.
+4. **Agreement on real inputs**: nginx logged each mirrored request's body
+   (:data:`modelship.nginx.SAMPLE_FORMAT`; a gRPC ``ModelInfer`` frame is turned into the
+   KServe HTTP request with the same tensors, :func:`tasks.shadow_plan.grpc_as_http`).
+   Up to ``canary.min_samples`` of them, spread over the window, are sent byte for byte
+   to production (``/versions/P`` on a replica) and to C (``/versions/C`` on the canary)
+   and the answers compared (:func:`tasks.agreement.rows_agree`). The log is deleted
+   afterwards: it holds production's inputs. The candidate's answers go nowhere but this
+   comparison.
 5. **Judge** with the policy's gates (:func:`tasks.gates.evaluate`) on a
    :class:`~modelship.measurements.CanarySnapshot` built from Triton's counters
    (per-version, server-side: requests, failures, queue + compute µs; per-second
@@ -30,9 +32,10 @@ Why sample through nginx's log rather than a sampler process on the mirror's pat
 log is written by the gateway itself after the client's answer, nothing new runs or can
 die in front of the candidate, the mirrored copies keep going straight to the canary, and
 the sampled bodies are exactly the mirrored ones (both read one ``split_clients`` draw).
-Limits: HTTP only (gRPC requests are mirrored and counted by Triton, but their bodies are
-not sampled: the record's ``traffic.shadow.not_compared`` counts them and the report says
-so); a body larger than the gateway's buffer (1 MiB) is not sampled (counted).
+Limits: a body larger than the gateway's buffer (1 MiB) is not sampled (counted); a
+mirrored request whose body was not logged (gRPC streaming inference) is judged on Triton's
+counters only: the record's ``traffic.shadow.not_compared`` counts them and the report and
+the thread say so.
 
 **The Gateway API router** (Kubernetes) carries the mirror (an HTTPRoute ``RequestMirror``
 filter with ``percent``/``fraction``, Gateway API >= v1.3) but keeps no copy of the bodies:

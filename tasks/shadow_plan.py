@@ -66,10 +66,11 @@ from modelship.triton.metrics import (
 )
 from tasks.traffic_plan import router_problem
 
-__all__ = ["MAX_SAMPLE_BYTES", "MIN_INTERVALS", "ArmTotals", "SampledRequest", "ShadowPlan",
-           "WindowAction", "answer_problem", "arm_totals", "http_logged", "infer_target",
-           "input_problem", "not_compared", "parse_samples", "pick", "request_inputs",
-           "screen", "shadow_intervals", "shadow_rules", "versioned_uri", "window_action"]
+__all__ = ["GRPC_INFER", "MAX_SAMPLE_BYTES", "MIN_INTERVALS", "ArmTotals", "SampledRequest",
+           "ShadowPlan", "WindowAction", "answer_problem", "arm_totals", "grpc_as_http",
+           "infer_target", "input_problem", "logged_inferences", "not_compared", "parse_samples",
+           "pick", "request_inputs", "screen", "shadow_intervals", "shadow_rules",
+           "versioned_uri", "window_action"]
 
 WindowKind = Literal["hold", "end", "abort"]
 
@@ -85,6 +86,15 @@ MAX_SAMPLE_BYTES = 1 << 20
 #: Client-side metrics a shadow cannot measure: nobody receives the candidate's answers.
 CLIENT_ONLY: tuple[str, ...] = (*LATENCY_METRICS, "throughput_ratio")
 
+#: The KServe gRPC inference method, as the gateway logs a gRPC request's URI.
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+#: ``InferInputTensor.contents`` field per datatype (a gRPC client that sends typed
+#: contents rather than ``raw_input_contents``).
+_GRPC_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+                  "INT32": "int_contents", "INT64": "int64_contents",
+                  "UINT8": "uint_contents", "UINT16": "uint_contents",
+                  "UINT32": "uint_contents", "UINT64": "uint64_contents",
+                  "FP32": "fp32_contents", "FP64": "fp64_contents"}
 _INFER = re.compile(r"^/v2/models/(?P<model>[^/?]+)(?:/versions/(?P<version>[^/?]+))?"
                     r"/infer(?:\?.*)?$")
 _COMPUTE = (QUEUE_US, COMPUTE_INPUT_US, COMPUTE_INFER_US, COMPUTE_OUTPUT_US)
@@ -349,6 +359,16 @@ def parse_samples(lines: Iterable[bytes], model: str) -> Sampled:
         except (ValueError, KeyError, TypeError, UnicodeEncodeError):
             found.left_out["unreadable line"] += 1
             continue
+        if uri == GRPC_INFER:  # a mirrored gRPC inference: the model is inside the body
+            if not body:
+                found.left_out["body not in memory (larger than the gateway's buffer)"] += 1
+                continue
+            converted = grpc_as_http(body, model)
+            if isinstance(converted, str):
+                found.left_out[converted] += 1
+            else:
+                found.requests.append(converted)
+            continue
         target = infer_target(uri)
         if target is None:
             found.left_out["not an inference"] += 1
@@ -365,15 +385,66 @@ def parse_samples(lines: Iterable[bytes], model: str) -> Sampled:
     return found
 
 
+def grpc_as_http(body: bytes, model: str) -> SampledRequest | str:
+    """A mirrored KServe gRPC ``ModelInfer`` call, as the gateway logged its body (the
+    5-byte gRPC frame, then a ``ModelInferRequest`` protobuf), turned into the KServe HTTP
+    binary request with the same input tensors (pure), so it is replayed on both versions
+    like an HTTP sample; or why it is left out (``other model``, a compressed or
+    unreadable message). The inputs' bytes are carried as they are: ``raw_input_contents``
+    is the HTTP binary extension's layout, typed ``contents`` are packed little-endian."""
+    from google.protobuf.message import DecodeError
+    from tritonclient.grpc import service_pb2  # lazy: only a gRPC sample needs the protos
+
+    if len(body) < 5:
+        return "unreadable gRPC body (no gRPC frame)"
+    if body[0] != 0:
+        return "compressed gRPC message (not decoded)"
+    size = int.from_bytes(body[1:5], "big")
+    if size != len(body) - 5:
+        return "unreadable gRPC body (frame length)"
+    try:
+        request = service_pb2.ModelInferRequest.FromString(body[5:])
+    except DecodeError:
+        return "unreadable gRPC body (not a ModelInferRequest)"
+    if request.model_name != model:
+        return "other model"
+    raws = list(request.raw_input_contents)
+    if raws and len(raws) != len(request.inputs):
+        return "unreadable gRPC body (raw contents do not match the inputs)"
+    inputs: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for index, tensor in enumerate(request.inputs):
+        kind = tensor.datatype
+        if raws:
+            raw = raws[index]
+        elif kind in _GRPC_CONTENTS and kind in _DTYPES:
+            values = getattr(tensor.contents, _GRPC_CONTENTS[kind])
+            raw = np.asarray(list(values)).astype(_DTYPES[kind]).tobytes()
+        else:
+            return f"unreadable gRPC body (input {tensor.name!r}: {kind} without raw bytes)"
+        inputs.append({"name": tensor.name, "shape": [int(d) for d in tensor.shape],
+                       "datatype": kind, "parameters": {"binary_data_size": len(raw)}})
+        chunks.append(raw)
+    if not inputs:
+        return "unreadable gRPC body (no inputs)"
+    header: dict[str, Any] = {"inputs": inputs}
+    if request.outputs:
+        header["outputs"] = [{"name": o.name} for o in request.outputs]
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return SampledRequest(f"/v2/models/{model}/infer", head + b"".join(chunks), len(head),
+                          "application/octet-stream")
+
+
 #: The reasons :func:`parse_samples` gives to a mirrored inference of the model whose body
-#: was logged but not kept (the line is still one mirrored HTTP request of the model).
-_BODY_REASONS = ("body not in memory", "body over the sample limit")
+#: was logged but not kept (the line is still one mirrored inference of the model).
+_BODY_REASONS = ("body not in memory", "body over the sample limit", "compressed gRPC",
+                 "unreadable gRPC")
 
 
-def http_logged(found: Sampled) -> int:
-    """Mirrored HTTP inferences of the model the gateway logged (pure): the sampled ones
-    and those left out for their body; lines of other models, other paths or unreadable
-    ones are not counted."""
+def logged_inferences(found: Sampled) -> int:
+    """Mirrored inferences of the model (HTTP or gRPC) the gateway logged (pure): the
+    sampled ones and those left out for their body; lines of other models, other paths or
+    unreadable lines are not counted."""
     return len(found.requests) + sum(n for why, n in found.left_out.items()
                                      if why.startswith(_BODY_REASONS))
 
@@ -383,17 +454,17 @@ def not_compared(mirrored: int, found: Sampled | None) -> dict[str, Any]:
 
     ``found`` None: the router keeps no bodies (the Gateway API): every mirrored request is
     judged on Triton's counters only. Else the requests Triton counted on the candidate
-    beyond the HTTP inferences the gateway logged are gRPC requests (nginx logs the body
-    of HTTP requests only; both counts come from the same window, so a few requests in
-    flight at its edges can move it by a little)."""
+    beyond the inferences the gateway logged (HTTP and gRPC ``ModelInfer``: other gRPC
+    methods such as streaming inference are not logged); both counts come from the same
+    window, so a few requests in flight at its edges can move it by a little."""
     if found is None:
         return {"requests": mirrored, "why": "the Gateway API router keeps no copy of the "
                 "mirrored bodies: mirrored requests are judged on Triton's counters only "
                 "(latency, errors); agreement on the golden rows"}
-    grpc = max(0, mirrored - http_logged(found))
-    return {"requests": grpc, "why": "gRPC requests: mirrored and judged on Triton's "
-            "counters, but the gateway samples the bodies of HTTP requests only, so their "
-            "answers were not compared"}
+    unlogged = max(0, mirrored - logged_inferences(found))
+    return {"requests": unlogged, "why": "mirrored requests whose body the gateway did not "
+            "log (gRPC streaming inference, or requests at the window's edges): judged on "
+            "Triton's counters only"}
 
 
 def pick(items: Sequence[Any], n: int) -> list[Any]:

@@ -9,6 +9,7 @@ import pytest
 from modelship import nginx
 from modelship.errors import UsageError
 from modelship.policy import CanaryPolicy, ServerRatioRule, gate_rule
+from modelship.split_scope import SplitScope
 from modelship.traffic.port import TrafficSplit
 from modelship.triton.metrics import parse_metrics
 from tasks.shadow_plan import (
@@ -192,7 +193,7 @@ LAYOUT = nginx.GatewayLayout(http_port=1, grpc_port=2, admin_port=3,
 
 @pytest.mark.parametrize(("mirror", "logged"), [
     (0.0, None), (25.0, " if=$modelship_mirror;"), (100.0, ";")])
-def test_the_gateway_logs_the_mirrored_http_bodies_only_while_it_mirrors(
+def test_the_gateway_logs_the_mirrored_bodies_only_while_it_mirrors(
         mirror: float, logged: str | None) -> None:
     text = nginx.render_config(LAYOUT, 0.0, mirror, "g")
     line = f"access_log /p/{nginx.SAMPLE_LOG} modelship_sample"
@@ -200,7 +201,10 @@ def test_the_gateway_logs_the_mirrored_http_bodies_only_while_it_mirrors(
         assert line not in text
         return
     http, grpc = text.split("KServe gRPC")
-    assert line + logged in http and line not in grpc  # gRPC bodies are not sampled
+    assert line + logged in http and line + logged in grpc  # HTTP and gRPC bodies
+    # a scope without gRPC: gRPC is neither mirrored nor logged
+    scoped = nginx.render_config(LAYOUT, 0.0, mirror, "g", SplitScope("m"))
+    assert line not in scoped.split("KServe gRPC")[1].split("admin")[0]
     # the one chooser decides both the copy and the log: they are the same requests
     assert text.count("split_clients") == (1 if mirror < 100 else 0)
     assert "log_format modelship_sample escape=json" in text

@@ -20,12 +20,17 @@ from modelship.traffic.local_gateway import LocalGateway
 from modelship.traffic.port import TrafficSplit
 from tasks import shadow
 from tasks.shadow_plan import (
+    GRPC_INFER,
     ArmTotals,
     Sampled,
     SampledRequest,
     ShadowPlan,
-    http_logged,
+    grpc_as_http,
+    input_problem,
+    logged_inferences,
     not_compared,
+    parse_samples,
+    request_inputs,
     window_action,
 )
 from tests.fake_router import FakeRouter
@@ -52,12 +57,13 @@ def _sampled(n: int, left_out: dict[str, int]) -> Sampled:
 
 
 @pytest.mark.parametrize(("mirrored", "found", "requests", "why"), [
-    # the local gateway: what Triton counted beyond the logged HTTP inferences is gRPC
-    (120, _sampled(100, {}), 20, "gRPC requests"),
+    # the local gateway: what Triton counted beyond the logged inferences (HTTP and gRPC)
+    (120, _sampled(100, {}), 20, "did not log"),
     (120, _sampled(90, {"body not in memory (larger than the gateway's buffer)": 10,
-                        "other model": 50, "not an inference": 7}), 20, "gRPC requests"),
-    (100, _sampled(98, {"body over the sample limit (1048576 bytes)": 2}), 0, "gRPC"),
-    (95, _sampled(100, {}), 0, "gRPC"),  # requests in flight at the window's edge
+                        "other model": 50, "not an inference": 7}), 20, "did not log"),
+    (100, _sampled(96, {"body over the sample limit (1048576 bytes)": 2,
+                        "compressed gRPC message (not decoded)": 2}), 0, "did not log"),
+    (95, _sampled(100, {}), 0, "did not log"),  # requests in flight at the window's edge
     # the Gateway API: every mirrored request, judged on the counters only
     (300, None, 300, "the Gateway API router keeps no copy"),
 ])
@@ -68,8 +74,9 @@ def test_what_was_mirrored_but_not_compared_is_counted_with_why(
 
 
 def test_only_the_models_mirrored_inferences_count_as_logged() -> None:
-    assert http_logged(_sampled(3, {"other model": 9, "unreadable line": 2,
-                                    "body not in memory (x)": 4})) == 7
+    assert logged_inferences(_sampled(3, {"other model": 9, "unreadable line": 2,
+                                          "body not in memory (x)": 4,
+                                          "unreadable gRPC body (frame length)": 1})) == 8
 
 
 def test_a_shadow_needs_a_router_and_takes_either() -> None:
@@ -81,9 +88,9 @@ def test_a_shadow_needs_a_router_and_takes_either() -> None:
     hint = refused.value.hint or ""
     assert "modelship stack up" in hint and "MODELSHIP_K8S_ROUTE" in hint and "replay" in hint
     router = FakeRouter(name="gateway-api")
-    assert shadow._mirroring("m", 1, router) == (router, 1)  # type: ignore[arg-type]
+    assert shadow._mirroring("m", 1, router) == (router, 1)
     with pytest.raises(UsageError, match="needs a production version"):
-        shadow._mirroring("m", None, router)  # type: ignore[arg-type]
+        shadow._mirroring("m", None, router)
 
 
 def _run(router: Any) -> shadow._Shadow:
@@ -124,7 +131,7 @@ def test_through_the_gateway_api_the_golden_rows_agreement_is_judged_and_said(
     assert "300 mirrored requests not compared" in said
 
 
-def test_through_the_local_gateway_grpc_requests_are_said_mirrored_not_compared(
+def test_through_the_local_gateway_unlogged_requests_are_said_mirrored_not_compared(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     layout = nginx.GatewayLayout(1, 2, 3, (("a", "b"),), ("c", "d"), str(tmp_path),
                                  str(tmp_path / "e.log"))
@@ -143,9 +150,93 @@ def test_through_the_local_gateway_grpc_requests_are_said_mirrored_not_compared(
     summary = written[-1]["shadow"]
     assert summary["agreement_source"] == "live inputs" and summary["agreement"] == 1.0
     assert summary["not_compared"]["requests"] == 30
-    assert "gRPC requests" in summary["not_compared"]["why"]
-    assert any("30 mirrored requests not compared: gRPC" in n for n in result.snapshot.extra[
-        "notes"])  # the published report's notes
+    assert "did not log" in summary["not_compared"]["why"]
+    assert any("30 mirrored requests not compared: mirrored requests whose body" in n
+               for n in result.snapshot.extra["notes"])  # the published report's notes
     said = shadow._agreement_said(result.load)
     assert said.startswith("agreement on live inputs 100.0% over 12 rows (golden rows 100.0%)")
-    assert "30 mirrored requests not compared (gRPC requests" in said
+    assert "30 mirrored requests not compared (mirrored requests whose body" in said
+
+
+# --------------------------------------------------------------------------------------
+# gRPC bodies: the gateway logs a mirrored ModelInfer's frame; it is replayed over HTTP
+
+
+def _grpc_body(model: str, inputs: dict[str, np.ndarray], *, raw: bool = True,
+               outputs: tuple[str, ...] = ()) -> bytes:
+    """A ModelInfer call's body on the wire (the 5-byte gRPC frame and the protobuf)."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=model, model_version="")
+    for name, array in inputs.items():
+        tensor = request.inputs.add()
+        tensor.name, tensor.datatype = name, {"float32": "FP32", "int64": "INT64"}[
+            array.dtype.name]
+        tensor.shape.extend(array.shape)
+        if raw:
+            request.raw_input_contents.append(array.tobytes())
+        elif array.dtype.name == "float32":
+            tensor.contents.fp32_contents.extend(array.ravel().tolist())
+        else:
+            tensor.contents.int64_contents.extend(array.ravel().tolist())
+    for name in outputs:
+        request.outputs.add().name = name
+    message = request.SerializeToString()
+    return b"\0" + len(message).to_bytes(4, "big") + message
+
+
+X = np.arange(8, dtype=np.float32).reshape(2, 4) / 3
+IDS = np.array([[7], [-2]], dtype=np.int64)
+
+
+@pytest.mark.parametrize(("body", "inputs"), [
+    (_grpc_body("m", {"input": X}), {"input": X}),
+    (_grpc_body("m", {"input": X}, raw=False), {"input": X}),        # typed contents
+    (_grpc_body("m", {"input": X, "ids": IDS}, outputs=("probabilities",)),
+     {"input": X, "ids": IDS}),
+    (_grpc_body("m", {"input": X, "ids": IDS}, raw=False), {"input": X, "ids": IDS}),
+])
+def test_a_grpc_model_infer_becomes_the_same_http_request(
+        body: bytes, inputs: dict[str, np.ndarray]) -> None:
+    sample = grpc_as_http(body, "m")
+    assert isinstance(sample, SampledRequest), sample
+    assert sample.uri == "/v2/models/m/infer" and input_problem(sample) is None
+    decoded = request_inputs(sample)
+    assert decoded.keys() == inputs.keys()
+    for name, array in inputs.items():
+        assert decoded[name].dtype == array.dtype and decoded[name].shape == array.shape
+        assert np.array_equal(decoded[name], array)
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (_grpc_body("other", {"input": X}), "other model"),
+    (b"\1" + _grpc_body("m", {"input": X})[1:], "compressed gRPC message"),
+    (_grpc_body("m", {"input": X})[:-3], "frame length"),
+    (b"\0\0\0", "no gRPC frame"),
+    (b"\0\0\0\0\4\xff\xff\xff\xff", "not a ModelInferRequest"),
+    (_grpc_body("m", {}), "no inputs"),
+])
+def test_a_grpc_body_that_is_not_a_replayable_inference_is_left_out_with_why(
+        body: bytes, why: str) -> None:
+    said = grpc_as_http(body, "m")
+    assert isinstance(said, str) and why in said
+
+
+def test_the_sample_log_reads_grpc_lines_with_the_http_ones() -> None:
+    """Lines as nginx logs them (escape=json: latin-1 bytes back): a gRPC ModelInfer of
+    the model is sampled, another model's and an empty body are counted."""
+    import json
+
+    def line(uri: str, body: bytes) -> bytes:
+        return json.dumps({"uri": uri, "body": body.decode("latin-1"), "content_type":
+                           "application/grpc", "header_length": ""}).encode("latin-1")
+
+    found = parse_samples([line(GRPC_INFER, _grpc_body("m", {"input": X})),
+                           line(GRPC_INFER, _grpc_body("n", {"input": X})),
+                           line(GRPC_INFER, b""),
+                           line("/inference.GRPCInferenceService/ServerLive", b"")], "m")
+    assert len(found.requests) == 1
+    assert np.array_equal(request_inputs(found.requests[0])["input"], X)
+    assert found.left_out == Counter({"other model": 1, "not an inference": 1,
+                                      "body not in memory (larger than the gateway's "
+                                      "buffer)": 1})

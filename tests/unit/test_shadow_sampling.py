@@ -112,6 +112,37 @@ def test_the_log_holds_exactly_the_mirrored_bodies_and_clients_get_production(
     assert {r.header_length for r in found.requests} == {8}
 
 
+def test_the_log_holds_the_mirrored_grpc_bodies_as_replayable_requests(
+        gateway: tuple[nginx.GatewayLayout, _Backend, _Backend]) -> None:
+    """gRPC through the real nginx, mirroring 50 %: nginx reads a mirrored request's whole
+    body before the copy, so the log holds the ModelInfer frame; each logged one decodes
+    to the very tensor a client sent (the backends' gRPC ports are closed here: the calls
+    fail, the log lines are written all the same)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from tasks.shadow_plan import request_inputs
+
+    layout = gateway[0]
+    sent = [np.full((1, 4), i, dtype=np.float32) for i in range(40)]
+    client = grpcclient.InferenceServerClient(layout.grpc_address)
+    try:
+        for array in sent:
+            tensor = grpcclient.InferInput("input", [1, 4], "FP32")
+            tensor.set_data_from_numpy(array)
+            with contextlib.suppress(grpcclient.InferenceServerException):
+                client.infer("m", [tensor], client_timeout=10)
+    finally:
+        client.close()
+    found = parse_samples(layout.sample_log.read_bytes().splitlines(), "m")
+    assert not found.left_out, found.left_out
+    got = [request_inputs(r)["input"] for r in found.requests]
+    assert 5 <= len(got) <= 35, len(got)  # about half of 40: the mirror's own draw
+    values = sorted(float(a[0, 0]) for a in got)
+    assert len(set(values)) == len(values) and set(values) <= {float(i) for i in range(40)}
+    assert all(a.shape == (1, 4) and (a == a[0, 0]).all() for a in got)
+
+
 class _Gateway(FakeRouter):
     """A fake router with a local gateway's sample log, whose mirror is taken away (a
     stuck gateway, someone else's change) after ``lasts`` reads."""
