@@ -32,7 +32,9 @@ it is held, never judged. What the bake does then:
   previous version, else live requests sent there would fail) and the bake goes on;
 - it changes **again**, the router does not answer (a dead gateway), the restore does not
   take, or the canary no longer serves the previous version: the bake fails as
-  infrastructure (exit 1) and the weights return to 100 % production on the way out.
+  infrastructure (exit 1) and the weights return to 100 % production on the way out; the
+  release, not past its point of no return, is then undone (the previous version serves
+  again) like any failure during the bake.
 """
 
 from __future__ import annotations
