@@ -82,3 +82,27 @@ def when_serving(settings: Settings, model: str, done: threading.Event, version:
             return True
         time.sleep(0.05)
     return False
+
+
+def answered(urls: list[str], model: str) -> int:
+    """Inferences of ``model`` the replicas answered (Triton's success counts, every
+    version), asked over KServe HTTP (``/v2/models/M/stats``)."""
+    total = 0
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/v2/models/{model}/stats", timeout=5) as answer:
+            stats = json.loads(answer.read())
+        for entry in stats.get("model_stats") or []:
+            total += int(entry.get("inference_stats", {}).get("success", {}).get("count", 0))
+    return total
+
+
+def when_flowing(settings: Settings, model: str, process: subprocess.Popen[str], *,
+                 requests: int = 40, timeout_s: float = 120) -> None:
+    """Wait until the live clients' requests reach the replicas: ``modelship load`` starts
+    in seconds, more on a loaded machine, so a release started at once could see none."""
+    urls = replica_urls(settings)
+    before, deadline = answered(urls, model), time.monotonic() + timeout_s
+    while answered(urls, model) < before + requests:
+        assert process.poll() is None, process.communicate(timeout=30)
+        assert time.monotonic() < deadline, f"no live requests after {timeout_s:g} s"
+        time.sleep(0.25)

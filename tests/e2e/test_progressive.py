@@ -133,6 +133,7 @@ def test_a_surge_during_a_holdback_bake_does_not_roll_back_an_identical_version(
             surges.append(_organic(stack_settings, 10 * ORGANIC_RPS, 30))
 
     try:
+        live_clients.when_flowing(stack_settings, MODEL, background)
         with beside(surge_once_serving) as surging:
             code, record = _promote(stack_settings, policy, same)
         surging.result()
@@ -153,6 +154,8 @@ def test_a_surge_during_a_holdback_bake_does_not_roll_back_an_identical_version(
     assert control["kind"] == "holdback"
     assert len(control["windows"]) == len(bake["windows"]) >= 5
     assert not bake["latency"]["held"] and bake["latency"]["judged"] == len(bake["windows"])
+    # the share was read back after every window and found as set (never restored)
+    assert not any("held_for" in w for w in control["windows"])
     # Live (not probe) requests per second. Organic alone is ORGANIC_RPS in all, so a
     # fleet window above 3x that, and a holdback window above all of it, took the surge.
     # (Not max > 3 * min: CI's surge began before the first window, and every one had it.)
@@ -178,7 +181,7 @@ def test_a_slow_candidate_is_stepped_back_at_the_first_step(
     slow = models.register_onnx(uri, MODEL, slow_onnx_graph(width=512, layers=64))
     live = _organic(stack_settings, 100.0, 120)
     try:
-        time.sleep(1.0)
+        live_clients.when_flowing(stack_settings, MODEL, live)  # the first step sees them
         started = time.monotonic()
         code, record = _promote(stack_settings, policy, slow)
         took = time.monotonic() - started
