@@ -39,13 +39,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: The stage points a fault can be injected at, in release order (see :func:`_install`).
-STAGES = ("check", "stage", "canary", "approval", "swap", "bake", "record")
+#: The stage points a fault can be injected at, in release order (see :func:`_install`;
+#: ``progressive``: a progressive canary's first step, in place of the replay canary).
+STAGES = ("check", "stage", "canary", "progressive", "approval", "swap", "bake", "record")
 #: Faults delivered to the CLI process itself.
 CLI_SIGNALS: dict[str, signal.Signals] = {
     "sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
 #: Faults of a stack dependency: the component name in ``stack.json``.
-DEPENDENCIES = {"mlflow": "mlflow", "s3": "seaweedfs", "prefect": "prefect"}
+DEPENDENCIES = {"mlflow": "mlflow", "s3": "seaweedfs", "prefect": "prefect",
+                "gateway": "gateway"}
+#: Stages whose fault point lies inside a deadline of the release (the swap's phases) or
+#: holds what other releases wait for (the canary slot, in the progressive canary): a
+#: gated dependency fault (``FAULT_GATE``) waits for its go at the stage's start instead,
+#: before the function named here (module, attribute) is called, and does its fault at the
+#: point without waiting again.
+GATE_AT_START = {"swap": ("tasks.fleet", "swap_unlocked"),
+                 "progressive": ("tasks.progressive", "canary_and_router")}
 #: Statuses of a fleet-changing record after which its ``to_version`` serves.
 SERVES_TO = frozenset({"released", "noop"})
 #: Statuses of a record that has not ended (a live run, a dead one, or one to finish).
@@ -91,11 +100,13 @@ def wait_at_gate(gate: Path, *, wait_s: float = GATE_WAIT_S) -> None:
         time.sleep(0.05)
 
 
-def _act(fault: str, stage: str, mark: Path) -> None:
-    """Do the fault now, after saying so in ``mark`` (a dependency's, once ``FAULT_GATE``
-    says go, when it is set)."""
-    if fault in DEPENDENCIES and os.environ.get("FAULT_GATE"):
-        wait_at_gate(Path(os.environ["FAULT_GATE"]))
+def _act(fault: str, stage: str, mark: Path, gate: Path | None = None) -> None:
+    """Do the fault now, after saying so in ``mark`` (a dependency's once ``gate`` says
+    go, when there is one). With ``FAULT_RESUME`` set, a killed dependency's run stays at
+    its point (``RESUME.killed`` written) until ``RESUME`` exists: the test restarts the
+    component while the release waits there, then lets it go on."""
+    if fault in DEPENDENCIES and gate is not None:
+        wait_at_gate(gate)
     entry: dict[str, Any] = {"fault": fault, "stage": stage, "at": time.time(),
                              "thread": threading.current_thread().name}
     if fault in DEPENDENCIES:
@@ -103,6 +114,12 @@ def _act(fault: str, stage: str, mark: Path) -> None:
                                          DEPENDENCIES[fault])
         with mark.open("a") as handle:
             handle.write(json.dumps(entry) + "\n")
+        if os.environ.get("FAULT_RESUME"):
+            resume = Path(os.environ["FAULT_RESUME"])
+            Path(f"{resume}.killed").write_text(str(os.getpid()))
+            end = time.monotonic() + GATE_WAIT_S
+            while not resume.exists() and time.monotonic() < end:
+                time.sleep(0.05)
         return
     with mark.open("a") as handle:
         handle.write(json.dumps(entry) + "\n")
@@ -136,6 +153,8 @@ def _install(stage: str, act: Callable[[], None]) -> None:
     - ``stage``: the version's first file is uploaded (a content-addressed blob), its
       manifest is not (half-published);
     - ``canary``: the candidate and the baseline are loaded on the canary;
+    - ``progressive``: a progressive canary set its first step's weight (the candidate on
+      the canary Triton takes that share of the model's live requests);
     - ``approval``: the request is recorded and posted, and the run waits (1 s into it);
     - ``swap``: batching paused on both replicas, one switched, the other's switch in
       flight (held until the fault is done);
@@ -154,6 +173,10 @@ def _install(stage: str, act: Callable[[], None]) -> None:
         import tasks.canary as canary
 
         _after(canary, "wait_ready", act)
+    elif stage == "progressive":
+        import tasks.progressive as progressive
+
+        _after(progressive, "_set_weight", act)
     elif stage == "approval":
         import tasks.approve as approve
 
@@ -203,7 +226,18 @@ def cli_main() -> None:
         if fault not in CLI_SIGNALS and fault not in DEPENDENCIES:
             raise SystemExit(f"unknown FAULT {fault!r}")
         mark = Path(os.environ["FAULT_MARK"])
-        _install(stage, lambda: _act(fault, stage, mark))
+        gate = Path(os.environ["FAULT_GATE"]) if fault in DEPENDENCIES \
+            and os.environ.get("FAULT_GATE") else None
+        if gate is not None and stage in GATE_AT_START:
+            import importlib
+
+            module, name = GATE_AT_START[stage]
+            at_start = gate
+            _after(importlib.import_module(module), name,
+                   lambda: wait_at_gate(at_start), before=True)
+            gate = None  # waited for at the start: the fault acts at its point at once
+        at_point = gate
+        _install(stage, lambda: _act(fault, stage, mark, at_point))
     from modelship.cli import main as cli_main
 
     cli_main()
@@ -228,7 +262,8 @@ CLI_PRELOAD = ("modelship.cli", "flows.promote", "flows.standalone", "tasks.chec
                "matplotlib.figure", "matplotlib.backends.backend_agg")
 #: Variables a zygote's run may add: read when it runs (by :func:`cli_main`, and the
 #: check cache's switch by the settings), not at import.
-FAULT_ENV = ("FAULT", "FAULT_STAGE", "FAULT_MARK", "FAULT_GATE", "MODELSHIP_CHECK_CACHE")
+FAULT_ENV = ("FAULT", "FAULT_STAGE", "FAULT_MARK", "FAULT_GATE", "FAULT_RESUME",
+             "MODELSHIP_CHECK_CACHE")
 
 
 def cli_defaults() -> None:
@@ -268,7 +303,7 @@ def cli_zygote(env: Mapping[str, str], cwd: Path, *, late: Sequence[str] = ()
 @dataclass(frozen=True)
 class Fault:
     """One fault at one stage: ``sigkill``/``sigterm``/``sigint`` of the CLI, or the
-    SIGKILL of a dependency (``mlflow``, ``s3``, ``prefect``)."""
+    SIGKILL of a dependency (``mlflow``, ``s3``, ``prefect``, ``gateway``)."""
 
     kind: str
     stage: str
@@ -309,16 +344,19 @@ class FaultedRun:
 
 def run_faulted(fault: Fault, *args: str, env: Mapping[str, str], cwd: Path,
                 workdir: Path, timeout_s: float, zygote: Any = None,
-                gate: Path | None = None) -> FaultedRun:
+                gate: Path | None = None, resume: Path | None = None) -> FaultedRun:
     """Run ``modelship ARGS...`` with ``fault`` at its stage (``env``: the CLI's
     environment, as :func:`tests.conftest.cli_env` builds it): a ``python -m
     tests.faults`` process, or a run of ``zygote`` (:func:`cli_zygote`, started with
     ``env``). ``gate``: a dependency's fault waits at its point for that file
-    (:func:`wait_at_gate`)."""
+    (:func:`wait_at_gate`); ``resume``: a killed dependency's run waits at its point for
+    that file (:func:`_act`)."""
     mark = workdir / f"fault-{fault.id}-{time.monotonic_ns()}.jsonl"
     marks = {"FAULT": fault.kind, "FAULT_STAGE": fault.stage, "FAULT_MARK": str(mark)}
     if gate is not None:
         marks["FAULT_GATE"] = str(gate)
+    if resume is not None:
+        marks["FAULT_RESUME"] = str(resume)
     if fault.stage == "check":  # a cached pass would skip the check, and its fault point
         marks["MODELSHIP_CHECK_CACHE"] = "0"
     started = time.monotonic()

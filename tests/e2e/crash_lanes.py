@@ -9,11 +9,14 @@ models touch different objects (the model on the replicas, its pin, aliases, led
 release lock and leftovers on the canary; the canary slot is taken in turn, a dead holder's
 taken over at once), so a cell of one lane cannot change what a cell of another asserts.
 
-A cell that kills a component (MLflow, S3, Prefect) would, so it takes the stack alone
-(:class:`Turns`): from its fault point (the faulted run waits there,
-:func:`tests.faults.wait_at_gate`, until the other lanes' cells have ended), or from its
-start where a wait at the point would change the fault (S3 down mid-swap: the swap's
-deadline runs), until its next command has converged.
+A cell that kills a component (MLflow, S3, Prefect, the gateway) would, so it takes the
+stack alone (:class:`Turns`): from its fault point (the faulted run waits there,
+:func:`tests.faults.wait_at_gate`, until the other lanes' cells have ended), or from the
+start of its stage where a wait at the point would change the fault (S3 down mid-swap: the
+swap's deadline runs; the gateway during a progressive step: the canary slot is held),
+until the component is back (``modelship stack up``); then its turn is shared again
+(:meth:`Hold.go_shared`): what is left of the cell (the faulted run's record, ``status``,
+the next command) touches its own model only.
 """
 
 from __future__ import annotations
@@ -80,6 +83,16 @@ class Hold:
             self.held = False
             self.turns.take(alone=True)
             self.alone = self.held = True
+
+    def go_shared(self) -> None:
+        """Turn an alone turn shared again (the killed component is back: what the cell
+        does next touches its own model only). Waits, as any shared turn, while another
+        cell waits to be alone."""
+        if self.alone:
+            self.turns.give(alone=True)
+            self.held = False
+            self.turns.take(alone=False)
+            self.alone, self.held = False, True
 
     def release(self) -> None:
         if self.held:

@@ -5,13 +5,15 @@ issue 18 item 6):
 
 - **faults**: SIGKILL, SIGTERM and SIGINT of the CLI, delivered by the process to itself at
   the stage's point, so the product's own handlers run exactly there; the SIGKILL of
-  MLflow, S3 (SeaweedFS) or Prefect, whole process group, at the stage's point, with the
-  release going on without it and ``modelship stack up`` restarting it once the CLI ended
+  MLflow, S3 (SeaweedFS), Prefect or the gateway (nginx), whole process group, at the
+  stage's point, with the release going on without it and ``modelship stack up``
+  restarting it once the CLI ended (the gateway: while the run still waits at its point)
   (``tests/faults.py`` injects; nothing in the product knows a test);
 - **stages**: check (the trial model answered), stage (the first blob uploaded, the
-  manifest not), canary (candidate and baseline loaded), the approval wait, swap (one
-  replica switched, batching paused, the other in flight), bake (the fleet serves the
-  candidate) and record (the bake passed).
+  manifest not), canary (candidate and baseline loaded), progressive (``canary.traffic:
+  progressive``: the first step's weight set, 5 % of the model's live requests on the
+  candidate), the approval wait, swap (one replica switched, batching paused, the other in
+  flight), bake (the fleet serves the candidate) and record (the bake passed).
 
 After each fault: the faulted run ended as it must (SIGKILL: killed, its record still
 ``running`` in the stage, and what it leaves for the next command really left: the trial
@@ -32,7 +34,7 @@ killed run's lock is taken over (the promote that finds it says so), not unlocke
 an approval request is closed ``interrupted``, so a late click is refused; a
 half-published version is published once by the rerun, manifest last.
 
-**Which cells.** 6 faults x 7 stages is 42 cells; these 16 are the ones whose code paths
+**Which cells.** 7 faults x 8 stages is 56 cells; these 18 are the ones whose code paths
 differ:
 
 - SIGKILL (no handler runs; the next command finds a dead run) at every kill point of the
@@ -67,47 +69,58 @@ differ:
   passes its bake but cannot record it, item 5).
 - Prefect (the flow run's bookkeeping) down at the bake (items 1 and 6): the release must
   end on its own, and no lock may be wedged once Prefect is back.
+- A progressive step (issue 20 item 5; :func:`_check_split`): SIGTERM there (the run's own
+  way out returns the weights to 100 % production, 128 + 15), and the gateway killed and
+  restarted under the live run (it comes back at production only; the run's next look
+  finds the split it set gone, aborts with exit 1 and returns the weights to production).
+  Both times the weights read back from the gateway are production only, ``status`` shows
+  exactly those (and, while the gateway is dead, that it did not answer), and the record
+  says production with its step events. SIGKILL there (the split left, the next command
+  restores it) is tests/e2e/test_progressive.py's.
 
 The next command is mostly a plain ``rollback``, which must first finish or undo the dead
 or incomplete run (issue 18 item 2) and is the cheapest; ``promote`` reruns the release
 after the killed staging, and finishes the releases stopped at or past their record (a
 no-op on the fleet that must repair the aliases and tags).
 
-**Cost** (each cell prints where its time goes, and each CLI run its own timeline from
-its record: start-up, every stage, the time between stages, the exit). The whole file runs
-on the worker's session stack (``tests/stack_fixtures.py``), in three lanes side by side
+**Cost** (each cell prints where its time goes, and each CLI run its own timeline from its
+record: start-up, every stage, the time between stages, the exit). The whole file runs on
+the worker's session stack (``tests/stack_fixtures.py``), in four lanes side by side
 (:data:`LANES`, ``tests/e2e/crash_lanes.py``): a cell's time is mostly waiting (Triton
-loads, windows, a dependency's bounded timeouts), so the lanes' cells overlap. Each lane
-is one model whose versions take turns: each cell promotes the version that does not serve,
+loads, windows, a dependency's bounded timeouts), so the lanes' cells overlap. Each lane is
+one model whose versions take turns: each cell promotes the version that does not serve,
 from the state the cell before it in the lane settled in. Cells of different models touch
-different objects, so one lane's cell cannot change what another's asserts; the cells
-that kill a component (lane s) take the stack alone from their fault point (the faulted
-run waits there, :func:`tests.faults.wait_at_gate`; S3 mid-swap from its start) until
-their next command has converged, and the component comes back through ``modelship stack
-up`` before the cell goes on (same ports, same data). The matrix leaves the stack with
-every component running (:func:`_heal`) and its models converged, for the tests after it.
-Nothing is released for setup in lane a: the first cell half-publishes the model's first
-release and its rerun releases it, the second cell's release (killed at its record) is the
-second; lanes b and s spend one each, beside the others. The policy is the smallest that
-still runs every stage: one threshold gate (the canary stops after its first window,
-0.5 s, of at least 100 requests), a 1-s bake of one window on errors alone (a 1-s
-reference is below two windows, so no latency rule), and a 30-s swap deadline (a replica
-that cannot load, S3 down, is given up on then, not after the default 60 s; 8 s in the
-cell that kills S3 mid-swap, alone on the stack, where a healthy switch has done its part
-before the fault). Every ``modelship`` run is a fork of one CLI zygote
+different objects, so one lane's cell cannot change what another's asserts; the cells that
+kill a component (spread over the lanes, never two in a row in one lane) take the stack
+alone from their fault point (the faulted run waits there,
+:func:`tests.faults.wait_at_gate`; S3 mid-swap and the gateway mid-step from their stage's
+start, :data:`tests.faults.GATE_AT_START`) until the component is back through ``modelship
+stack up`` (same ports, same data); the rest of the cell (the faulted run's record,
+``status``, the next command) shares the stack again: it touches its own model only. The
+matrix leaves the stack with every component running (:func:`_heal`) and its models
+converged, for the tests after it. Each lane spends one or two setup releases before its
+first cell (a killed one needs a release, a rollback one a version that served before),
+beside the others. The policy is the smallest that still runs every stage: one threshold gate (the
+canary stops after its first window, 0.5 s, of at least 100 requests), a 1-s bake of one
+window on errors alone (a 1-s reference is below two windows, so no latency rule), and a
+30-s swap deadline (a replica that cannot load, S3 down, is given up on then, not after the
+default 60 s; 8 s in the cell that kills S3 mid-swap, alone on the stack from the swap's
+start, where a healthy switch has done its part before the fault). The progressive cells
+hold their first step (``step_min_s`` 120) until the fault, which comes right after its
+weight is set. Every ``modelship`` run is a fork of one CLI zygote
 (:func:`tests.faults.cli_zygote`, ``tests/zygote.py``; the lanes' runs side by side): a
 process that imported the CLI, the flows and what their stages import late (Prefect,
-MLflow, GX, ONNX: 10-30 s a run) once, while the session stack came up (the stack's home
-is the one variable its runs add: read when a command runs, never at import); the child
-is a real process running ``modelship.cli.main`` (its own pid, signals, exit code and
-output). The console script itself runs one ``status``, one ``rollback`` and one
-``promote`` rerun of the file (their exit code and JSON are the contract; :data:`LANES`
-names the cells, the cheapest of each command). ``status`` is read by the CLI in the first
-cell of each fault kind and otherwise in this process through the function the CLI calls
-(:func:`tasks.status.status_report`; exit 1 unless ``consistent``); ``stack up`` runs
-only after a component was killed. What remains is the product's: every faulted run
-starts the Prefect flow run, resolves, checks (GX, export, trial load; a check-stage fault
-never takes a cached check, the others may) and, from the canary on, runs a canary.
+MLflow, GX, ONNX: 10-30 s a run) once, while the session stack came up (the stack's home is
+the one variable its runs add: read when a command runs, never at import); the child is a
+real process running ``modelship.cli.main`` (its own pid, signals, exit code and output).
+The console script itself runs one ``status``, one ``rollback`` and one ``promote`` rerun
+of the file (their exit code and JSON are the contract; :data:`LANES` names the cells, the
+cheapest of each command). ``status`` is read by the CLI in the first cell of each fault
+kind and otherwise in this process through the function the CLI calls
+(:func:`tasks.status.status_report`; exit 1 unless ``consistent``); ``stack up`` runs only
+after a component was killed. What remains is the product's: every faulted run starts the
+Prefect flow run, resolves, checks (GX, export, trial load; a check-stage fault never takes
+a cached check, the others may) and, from the canary on, runs a canary.
 """
 
 from __future__ import annotations
@@ -118,7 +131,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -127,10 +140,12 @@ from typing import Any
 import pytest
 
 from modelship.clients import build_clients
+from modelship.ledger import Ledger
 from modelship.locks import list_locks
 from modelship.settings import Settings
 from modelship.stack.process import is_alive
 from modelship.stack.state import process_records, read_state
+from modelship.traffic.select import router_for
 from tasks.status import status_report
 from tests import models
 from tests.conftest import ROOT, cli_env, run_cli
@@ -173,8 +188,22 @@ POLICY: dict[str, Any] = {
 }
 #: The swap deadline of the cell that kills S3 mid-swap: both the failing switch and the
 #: abort wait it out (S3 down, a load hangs), and the first replica's switch, healthy,
-#: is done before the fault (a tiny model's switch takes 1-3 s on a loaded machine).
+#: is done before the fault (a tiny model's switch takes 1-3 s on a loaded machine, the
+#: cell alone on the stack from the swap's start).
 S3_SWAP_DEADLINE_S = 8.0
+#: The progressive cells' canary (issue 20 item 5): live weights in steps through the
+#: session stack's gateway; the first step is held (nothing decides it before the fault,
+#: which comes right after its weight is set), so the fault finds the candidate at 5 %.
+PROGRESSIVE: dict[str, Any] = {
+    "canary": {"traffic": "progressive", "steps": [5.0, 25.0, 50.0], "step_min_s": 120.0,
+               "step_max_s": 240.0},
+    "gates": [
+        {"name": "error_rate", "metric": "error_rate", "test": "exact_rate",
+         "max_rate": 0.01},
+        {"name": "latency_p50", "metric": "latency_p50_ms", "test": "mann_whitney",
+         "max_increase_pct": 25.0},
+    ],
+}
 #: The variable a zygote's run adds: the stack's home (read when a command runs).
 HOME = "MODELSHIP_HOME"
 MANIFEST = "/release.json"
@@ -183,9 +212,10 @@ APPROVAL = ("--require-approval", "--approvers", "U0FAULTAPPROVER")
 FAULTED_TIMEOUT_S = 300.0
 #: The ledger's name of each fault point's stage.
 RECORD_STAGE = {"check": "check", "stage": "stage", "canary": "canary",
-                "approval": "approve", "swap": "swap", "bake": "bake", "record": "record"}
+                "progressive": "canary", "approval": "approve", "swap": "swap",
+                "bake": "bake", "record": "record"}
 #: Stages a run holds the model's release lock in (a SIGKILL there leaves it held).
-LOCKED = frozenset({"canary", "approval", "swap", "bake", "record"})
+LOCKED = frozenset({"canary", "progressive", "approval", "swap", "bake", "record"})
 
 
 @dataclass(frozen=True)
@@ -197,70 +227,85 @@ class Cell:
     #: Commands of this cell run by the console script itself ("status", the next command)
     console: frozenset[str] = frozenset()
     swap_deadline_s: float = POLICY["swap"]["deadline_s"]
-    #: A cell that kills a component takes the stack alone (tests/e2e/crash_lanes.py) from
-    #: its fault point; this one from its start (a wait at the point would change it).
-    alone_from_start: bool = False
+    #: The killed component is restarted (``modelship stack up``) while the faulted run
+    #: still waits at its fault point, which then goes on against the restarted one.
+    restart_at_point: bool = False
 
     @property
     def id(self) -> str:
         return f"{self.fault.id}-then-{self.next_command}"
 
     @property
-    def policy(self) -> dict[str, Any]:
-        return {**POLICY, "swap": {**POLICY["swap"], "deadline_s": self.swap_deadline_s}}
+    def progressive(self) -> bool:
+        return self.fault.stage == "progressive"
 
+    @property
+    def policy(self) -> dict[str, Any]:
+        policy = {**POLICY, **PROGRESSIVE} if self.progressive else POLICY
+        return {**policy, "swap": {**POLICY["swap"], "deadline_s": self.swap_deadline_s}}
+
+    @property
+    def policy_name(self) -> str:
+        return f"{'progressive-' if self.progressive else ''}swap-{self.swap_deadline_s:g}s"
 
     @property
     def gated(self) -> bool:
-        """Its faulted run waits at the fault point until the cell has the stack alone."""
-        return self.fault.component is not None and not self.alone_from_start
+        """A cell that kills a component: its faulted run waits at the fault point (or at
+        its stage's start, :data:`tests.faults.GATE_AT_START`) until the cell has the stack
+        alone."""
+        return self.fault.component is not None
 
 
 def _cell(kind: str, stage: str, next_command: str, *, console: tuple[str, ...] = (),
           swap_deadline_s: float = POLICY["swap"]["deadline_s"],
-          alone_from_start: bool = False) -> Cell:
+          restart_at_point: bool = False) -> Cell:
     return Cell(Fault(kind, stage), next_command, frozenset(console), swap_deadline_s,
-                alone_from_start)
+                restart_at_point)
 
 
 #: The cells in lanes, one model per lane, the lanes side by side on the worker's session
 #: stack (tests/e2e/crash_lanes.py), each lane's cells in order: each starts from what the
-#: one before it left. Each lane starts with promote cells, so that on a fresh model it
-#: spends as few setup releases as it can (:func:`_start`: a none, b and s one each), and
-#: the rollbacks after them have a version that served before. The cells that kill a
-#: component are lane s's: each takes the stack alone from its fault point (S3 mid-swap
-#: from its start), and lane s's other stages (its setup release, every faulted run up to
-#: its point) run beside lanes a and b. The console script runs once per command in the
-#: file, in lane a, where it costs least: a ``status`` and a ``promote`` that finishes a
-#: release killed past its point of no return (a no-op on the fleet: no check, no canary),
-#: and a ``rollback``.
+#: one before it left. The cells that kill a component (K) take the stack alone from their
+#: fault point (S3 mid-swap and the gateway mid-step from their stage's start) until the
+#: component is back, and every other cell waits meanwhile, so where they sit decides the
+#: file's time: four of them open the four lanes, so that they reach their points together
+#: (one wait for the stack, while nothing else runs: not one per kill while the other lanes'
+#: cells end), are alone one after the other, and their ends run side by side with the
+#: other lanes' cells (a turn shared again waits until no cell waits to be alone); the
+#: fifth, the shortest alone (the gateway, restarted in seconds), ends its lane, where the
+#: other lanes end theirs anyway. Each lane carries about the same work besides (a
+#: rollback cell first spends two setup releases, a promote cell one: :func:`_start`). The
+#: console script runs once per command in the file, in lane a: a ``status`` and a
+#: ``promote`` that finishes a release killed past its point of no return (a no-op on the
+#: fleet: no check, no canary), and a ``rollback``.
 LANES = {
-    # a: the model's first release, half-published; its rerun is the first release and
-    # the next cell's the second (no release spent on setup)
     "a": [
+        _cell("prefect", "bake", "rollback"),  # K
+        # a version not staged yet (its own bytes, :func:`_own_bytes`), half-published
         _cell("sigkill", "stage", "promote"),
         _cell("sigkill", "record", "promote", console=("status", "promote")),
         _cell("sigkill", "check", "rollback", console=("rollback",)),
-        _cell("sigkill", "swap", "rollback"),
-        _cell("sigkill", "bake", "rollback"),
-        _cell("sigterm", "bake", "rollback"),
     ],
-    # b: one setup release, then the rerun releases
     "b": [
+        _cell("s3", "swap", "rollback", swap_deadline_s=S3_SWAP_DEADLINE_S),  # K
         _cell("sigterm", "record", "promote"),
         _cell("sigkill", "canary", "rollback"),
         _cell("sigkill", "approval", "rollback"),
-        _cell("sigterm", "check", "rollback"),
-        _cell("sigterm", "approval", "rollback"),
-        _cell("sigint", "swap", "rollback"),
+        _cell("sigterm", "bake", "rollback"),
     ],
-    # s: the components killed; one setup release, then the reruns release
-    "s": [
-        _cell("mlflow", "record", "promote"),
-        _cell("s3", "bake", "promote"),
-        _cell("s3", "swap", "rollback", swap_deadline_s=S3_SWAP_DEADLINE_S,
-              alone_from_start=True),
-        _cell("prefect", "bake", "rollback"),
+    "c": [
+        _cell("mlflow", "record", "promote"),  # K
+        _cell("sigkill", "swap", "rollback"),
+        _cell("sigterm", "approval", "rollback"),
+        _cell("sigterm", "check", "rollback"),
+        # K: the gateway killed while the candidate has 5 %, restarted under the live run
+        _cell("gateway", "progressive", "rollback", restart_at_point=True),
+    ],
+    "d": [
+        _cell("s3", "bake", "promote"),  # K
+        _cell("sigint", "swap", "rollback"),
+        _cell("sigterm", "progressive", "rollback"),
+        _cell("sigkill", "bake", "rollback"),
     ],
 }
 CELLS = [cell for cells in LANES.values() for cell in cells]
@@ -327,7 +372,7 @@ class Matrix:
     released: list[int]  # the versions released so far, in order
     settled: Observation | None = None  # what the last cell that passed ended in
     zygote: Bound | None = None  # runs of `modelship` (None: every run a process)
-    policies: dict[float, Path] = field(default_factory=dict)  # by swap deadline
+    policies: dict[str, Path] = field(default_factory=dict)  # by Cell.policy_name
     turns: Turns = field(default_factory=Turns)  # the stack, shared by the lanes
     said: list[str] = field(default_factory=list)  # lines for the current cell's output
 
@@ -345,12 +390,11 @@ class Matrix:
 
     def policy(self, cell: Cell | None = None) -> Path:
         """The policy file of ``cell`` (None: of a setup release, :data:`POLICY`)."""
-        policy = POLICY if cell is None else cell.policy
-        deadline = float(policy["swap"]["deadline_s"])
-        if deadline not in self.policies:
-            self.policies[deadline] = models.write_policy(
-                self.workdir / f"policy-swap-{deadline:g}s.yaml", policy)
-        return self.policies[deadline]
+        policy, name = (POLICY, "setup") if cell is None else (cell.policy, cell.policy_name)
+        if name not in self.policies:
+            self.policies[name] = models.write_policy(
+                self.workdir / f"policy-{name}.yaml", policy)
+        return self.policies[name]
 
     def locks(self) -> list[dict[str, Any]]:
         """The model's held locks (its release lock, a canary slot held for it), as
@@ -407,6 +451,37 @@ class Matrix:
                 clients.close()
         return (0 if doc["consistent"] else 1), doc
 
+    def live_split(self) -> dict[str, float]:
+        """The gateway's live weights of the model, read back from it."""
+        router = router_for(self.settings)
+        assert router is not None, "the session stack runs a gateway"
+        return router.live().to_dict()
+
+    def status_traffic(self) -> dict[str, Any] | None:
+        """``status``'s ``traffic`` (the live weights it shows), read as the CLI reads it:
+        through the configured router (:func:`tasks.status.status_report`)."""
+        with IN_PROCESS:
+            clients = build_clients(self.settings)
+            try:
+                doc = status_report(self.settings, clients, model=self.model,
+                                    router=router_for(self.settings))
+            finally:
+                clients.close()
+        traffic: dict[str, Any] | None = doc["traffic"]
+        return traffic
+
+    def traffic_record(self, release_id: str) -> dict[str, Any]:
+        """The release's ``traffic`` document in the ledger (its split and step events)."""
+        with IN_PROCESS:
+            clients = build_clients(self.settings)
+            try:
+                assert clients.storage is not None
+                record = next(r for r in Ledger(clients.storage).records(self.model)
+                              if r.id == release_id)
+            finally:
+                clients.close()
+        return dict(record.traffic)
+
     def promote(self, version: int, *extra: str, cell: Cell | None = None) -> list[str]:
         return ["promote", self.model, "--version", str(version), "--policy",
                 str(self.policy(cell)), "--json", *extra]
@@ -432,13 +507,13 @@ def _own_bytes(*, seed: int) -> Any:
 
 def _setup_graphs() -> list[Any]:
     """Two versions' ONNX graphs for each lane (:func:`_own_bytes`), MLflow's ONNX flavor
-    imported. Lane a, whose staging cell must upload a blob, has bytes of its own; the
-    other lanes share theirs, so the check of one lane's version is the other's cached."""
+    imported. The lanes share them, so the check of one lane's version is the others'
+    cached; the staging cell, which must upload a blob, stages a version of its own
+    (:func:`_converge`: a version is staged once)."""
     import mlflow.onnx  # noqa: F401 - imported here, beside the stack's start
 
     shared = [_own_bytes(seed=seed) for seed in (0, 7)]
-    return [[_own_bytes(seed=seed) for seed in (0, 7)] if lane == "a" else shared
-            for lane in LANES]
+    return [shared for _ in LANES]
 
 
 def _fresh_name(tracking_uri: str, base: str) -> str:
@@ -604,6 +679,33 @@ def _check_record_truth(obs: Observation, release_id: str, run: FaultedRun) -> N
         assert obs.serving == record.from_version, (record, run.describe(), obs.summary())
 
 
+def _check_split(matrix: Matrix, cell: Cell, run: FaultedRun, faulted: str) -> None:
+    """A progressive release stopped during its first step (issue 20 item 5): the weights
+    it set (5 % of the model's live requests on the candidate) are back at 100 %
+    production, read back from the gateway itself, ``status`` shows exactly those live
+    weights, and the record says production with its step events. SIGTERM: the run's own
+    way out returned them and the run ended 128 + 15. The gateway killed and restarted
+    under the live run (it comes back at production only, not the split it died with): the
+    run's next look found the split it set gone, aborted as an infrastructure failure
+    (exit 1) and returned the weights to production. (SIGKILL, where the next command finds
+    the split and returns it: tests/e2e/test_progressive.py.)"""
+    live = matrix.live_split()
+    assert live["canary_pct"] == 0.0 and live["production_pct"] == 100.0, live
+    shown = matrix.status_traffic()
+    assert shown is not None and shown["live"] == live and shown["production_only"], shown
+    traffic = matrix.traffic_record(faulted)
+    events = [(e["action"], e["from_weight_pct"], e["weight_pct"])
+              for e in traffic.get("events", [])]
+    assert events[:1] == [("advance", 0.0, 5.0)], traffic
+    assert traffic["split"]["canary_pct"] == 0.0, traffic
+    if cell.fault.component is None:
+        assert run.result.returncode == 128 + signal.SIGTERM, run.describe()
+        assert events == [("advance", 0.0, 5.0)], traffic  # stopped, not decided
+    else:
+        assert run.result.returncode == 1, run.describe()
+        assert events[-1][0] == "abort", traffic
+
+
 def _check_found(cell: Cell, end: Observation, faulted: str, new: list[Any]) -> None:
     """The next command found the run the fault stopped, and ended it truly: a killed
     run is ``interrupted`` (undone) or, killed past its point of no return (the record
@@ -672,30 +774,51 @@ def test_a_fault_at_a_stage_converges_on_the_next_command(matrix: Lanes[Cell],
         raise outcome.error
 
 
-def _faulted_run(matrix: Matrix, cell: Cell, hold: Hold, args: list[str],
-                 clock: Clock) -> FaultedRun:
+def _when(path: Path, running: Future[FaultedRun]) -> bool:
+    """Wait until ``path`` exists (True) or the faulted run ended first (False)."""
+    while not path.exists() and not running.done():
+        time.sleep(0.05)
+    return path.exists()
+
+
+def _faulted_run(matrix: Matrix, cell: Cell, hold: Hold, args: list[str], clock: Clock,
+                 ups: list[subprocess.CompletedProcess[str]]) -> FaultedRun:
     """The faulted promote. A gated one (:attr:`Cell.gated`) runs beside the other lanes up
-    to its fault point, waits there until this cell has the stack alone, then kills."""
+    to its fault point (or its stage's start), waits there until this cell has the stack
+    alone, then kills. With :attr:`Cell.restart_at_point`, the run stays at its point once
+    the component is dead: ``status`` is read then (the dead gateway is shown as not
+    answering, never as weights it cannot know), the component comes back through
+    ``modelship stack up`` (appended to ``ups``), and the run goes on against it."""
     kwargs: dict[str, Any] = {"env": cli_env(matrix.home), "cwd": ROOT,
                               "workdir": matrix.workdir, "timeout_s": FAULTED_TIMEOUT_S,
                               "zygote": matrix.zygote}
     if not cell.gated:
         return run_faulted(cell.fault, *args, **kwargs)
     gate = matrix.workdir / f"gate-{cell.id}-{time.monotonic_ns()}"
+    resume = Path(f"{gate}.resume") if cell.restart_at_point else None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="faulted") as pool:
-        running = pool.submit(run_faulted, cell.fault, *args, gate=gate, **kwargs)
-        while not Path(f"{gate}.ready").exists() and not running.done():
-            time.sleep(0.05)
-        if Path(f"{gate}.ready").exists():  # at its fault point (else it ended before)
-            clock.lap("faulted promote, to its fault point")
+        running = pool.submit(run_faulted, cell.fault, *args, gate=gate, resume=resume,
+                              **kwargs)
+        if _when(Path(f"{gate}.ready"), running):  # at its gate (else it ended before)
+            clock.lap("faulted promote, to its gate")
             hold.go_alone()
             clock.lap("waiting for the stack alone")
             gate.touch()
+            if resume is not None and _when(Path(f"{resume}.killed"), running):
+                try:
+                    clock.lap("faulted promote, to its fault point")
+                    traffic = matrix.status_traffic()
+                    assert traffic is not None and traffic["live"] is None \
+                        and traffic.get("error"), traffic
+                    ups.append(matrix.cli("stack", "up", "--json", timeout=300))
+                    clock.lap("status, stack up (the run at its point)")
+                finally:
+                    resume.touch()
         return running.result()
 
 
 def _run_cell(matrix: Matrix, cell: Cell, clock: Clock) -> None:
-    hold = Hold(matrix.turns, alone=cell.alone_from_start)
+    hold = Hold(matrix.turns, alone=False)
     try:
         clock.lap("waiting for the stack alone" if hold.alone else "waiting for a turn")
         _converge(matrix, cell, clock, hold)
@@ -718,23 +841,27 @@ def _converge(matrix: Matrix, cell: Cell, clock: Clock, hold: Hold) -> None:
     clock.lap("start")
 
     extra = APPROVAL if cell.fault.stage == "approval" else ()
-    up = None
+    ups: list[subprocess.CompletedProcess[str]] = []
     launched = time.time()
     try:
         run = _faulted_run(matrix, cell, hold, matrix.promote(candidate, *extra, cell=cell),
-                           clock)
+                           clock, ups)
     finally:  # the killed dependency comes back, whatever the run did
         ended = time.time()
         clock.lap("faulted promote")
-        if cell.fault.component is not None:
+        if cell.fault.component is not None and not ups:
             hold.go_alone()  # (already, unless the run ended before its fault point)
-            up = matrix.cli("stack", "up", "--json", timeout=300)
+            ups.append(matrix.cli("stack", "up", "--json", timeout=300))
             clock.lap("stack up")
     assert [i["stage"] for i in run.injected] == [cell.fault.stage], run.describe()
-    if up is not None:
+    for up in ups:
         doc = json_document(up.stdout) or {}
         assert up.returncode == 0, (up.stdout[-2000:], up.stderr[-3000:])
         assert cell.fault.component in doc.get("startup", {}).get("restarted", []), doc
+        assert not dead_components(matrix.home), dead_components(matrix.home)
+        # the component is back: the rest of the cell touches its own model only
+        hold.go_shared()
+        clock.lap("waiting for a shared turn")
 
     # the faulted run: ended as it must; its record (if it ended) says what serves
     mid = matrix.observe()
@@ -746,6 +873,8 @@ def _converge(matrix: Matrix, cell: Cell, clock: Clock, hold: Hold) -> None:
     if cell.fault.stage == "stage":  # a blob uploaded, no manifest: no such version yet
         keys = matrix.version_keys(candidate)
         assert not [k for k in keys if k.endswith(MANIFEST)], keys
+    if cell.progressive:
+        _check_split(matrix, cell, run, faulted)
     clock.lap("observe")
     # status is true: non-zero exactly while something disagrees (the CLI once per fault
     # kind, once in the file by its console script; the function it calls otherwise)

@@ -69,6 +69,38 @@ def test_two_lanes_turning_alone_at_once_take_turns() -> None:
     assert turns.state() == (0, False, 0)
 
 
+def test_an_alone_turn_turned_shared_again_lets_the_other_lanes_go_on() -> None:
+    """A cell whose killed component is back shares the stack again; it waits, as any
+    shared turn, behind a cell that waits to be alone."""
+    turns = Turns()
+    killer = Hold(turns, alone=False)
+    killer.go_alone()
+    assert turns.state() == (0, True, 0)
+    others: list[Hold] = []
+    sharer = threading.Thread(target=lambda: others.append(Hold(turns, alone=False)))
+    sharer.start()
+    time.sleep(0.1)
+    assert not others  # the stack is the killer's alone
+    killer.go_shared()
+    sharer.join(5)
+    assert others and turns.state() == (2, False, 0)
+    # behind a cell waiting to be alone, a turn going shared waits too
+    second = Hold(turns, alone=False)
+    waiting = threading.Thread(target=second.go_alone)
+    waiting.start()
+    assert _soon(lambda: turns.state() == (2, False, 1))
+    others[0].release()
+    killer.release()
+    waiting.join(5)
+    assert turns.state() == (0, True, 0)
+    back = threading.Thread(target=second.go_shared)
+    back.start()
+    back.join(5)
+    assert turns.state() == (1, False, 0) and second.held and not second.alone
+    second.release()
+    assert turns.state() == (0, False, 0)
+
+
 def test_giving_back_a_turn_not_held_is_an_error() -> None:
     with pytest.raises(AssertionError):
         Turns().give(alone=False)
