@@ -140,7 +140,7 @@ def test_a_dead_replica_before_the_swap_refuses_it_without_a_control_call(bench:
 
 def test_the_fake_serves_the_old_version_while_a_reload_builds_the_new(bench: Bench) -> None:
     """The semantics the bench's figures rest on (DESIGN §4, measured on Triton 2.51)."""
-    bench.fleet.reset(MODEL, P, load_s=1.0)
+    bench.fleet.reset(MODEL, P, load_s=3.0)
     endpoint = TritonEndpoint(**bench.fleet.endpoints[0])
     server = TritonServer(endpoint, timeout_s=5.0, control_timeout_s=10.0)
     inference = TritonInference(endpoint.http, timeout_s=5.0)
@@ -149,6 +149,10 @@ def test_the_fake_serves_the_old_version_while_a_reload_builds_the_new(bench: Be
                               kwargs={"config_json": to_json(fake_model_config(
                                   MODEL, versions=[C]))})
     try:
+        # both clients built and connected first: the request "during" the reload must
+        # not pay an import on a busy machine (the reload lasts 3 s, not forever)
+        server.warm()
+        assert inference.infer(MODEL, feed, outputs=["label"]).model_version == str(P)
         loader.start()
         give_up = time.monotonic() + 5.0
         while not [c for c in bench.fleet.calls() if c["call"] == "load"]:

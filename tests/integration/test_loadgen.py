@@ -233,7 +233,9 @@ def test_stability_rule_reports_unstable_when_time_runs_out(
     assert report.stable is False and report.to_dict()["stable"] is False
     assert len(report.windows) < 3
     assert report.requests > 0 and report.errors == 0
-    assert time.monotonic() - started < 3.0
+    # it ended when its time ran out: within the budget plus one request's timeout (not
+    # a tighter wall bound: starting the loop and the channel is slow on a busy machine)
+    assert time.monotonic() - started < spec.max_duration_s + spec.timeout_s
 
 
 def test_stop_event_ends_a_run_early(server: LocalTriton, payload: dict[str, np.ndarray]) -> None:
@@ -247,7 +249,7 @@ def test_stop_event_ends_a_run_early(server: LocalTriton, payload: dict[str, np.
         return time.monotonic() - started, report.stopped
 
     elapsed_s, stopped = asyncio.run(scenario())
-    assert stopped and elapsed_s < 3.0
+    assert stopped and elapsed_s < 20.0 / 3  # at the stop (0.7 s), far before the 20-s run
 
 
 def test_raw_grpc_answers_match_tritonclient(

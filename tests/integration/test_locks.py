@@ -195,17 +195,21 @@ def test_queued_canary_slots_never_overlap(storage: S3Storage) -> None:
     slot = _model("slot")
     spans: dict[str, tuple[float, float]] = {}
     lines: list[str] = []
+    holding = threading.Event()
 
     def canary(name: str, hold_s: float) -> None:
         with canary_slot(storage, model=name, owner=name, slot=slot, wait_s=30,
                          progress=lines.append):
             start = time.time()
+            holding.set()
             time.sleep(hold_s)
             spans[name] = (start, time.time())
 
     first = threading.Thread(target=canary, args=("model-a", 2.0))
     first.start()
-    time.sleep(0.5)
+    # a holds the slot before b asks (not a fixed sleep: taking it is an S3 write, slow
+    # on a busy machine; b asking first would only swap the roles)
+    assert holding.wait(30), "model-a never took the slot"
     canary("model-b", 0.2)
     first.join(10)
     assert spans["model-a"][1] <= spans["model-b"][0], spans  # b began after a ended

@@ -151,7 +151,9 @@ def test_a_killed_replica_is_restarted_alone_and_serves_production_before_up_ret
     regions = shm_regions([victim.pid, *group_members(victim.pid)])
     assert regions, "a serving Triton maps its backend's shm regions"
     os.kill(victim.pid, signal.SIGKILL)
-    time.sleep(0.5)
+    end = time.monotonic() + 30  # dead before `up` looks (a fixed 0.5 s was a guess)
+    while is_alive(victim) and time.monotonic() < end:
+        time.sleep(0.05)
 
     state, report = manager.up(settings, replicas=1, on_ready=hook)
     assert report.restarted == ["triton-0"]
