@@ -101,7 +101,8 @@ def test_approve_from_the_web_view_resumes_the_run(stack_settings: Settings,
 
         base = str(settings.slack_api_url).removesuffix("api/")
         browser.get(base)
-        wait = WebDriverWait(browser, 15,
+        # bounds of waits that end at the event (a loaded machine renders slowly)
+        wait = WebDriverWait(browser, 45,
                              ignored_exceptions=(StaleElementReferenceException,))
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
                                              f'.message[data-ts="{posted.ts}"] button.primary'))
@@ -123,7 +124,7 @@ def test_approve_from_the_web_view_resumes_the_run(stack_settings: Settings,
         _click(browser, posted.ts, "button.primary")
         wait.until(lambda d: d.find_element(By.ID, "status").get_attribute("data-result")
                    == "accepted")
-        thread.join(10)
+        thread.join(30)  # the paused run sees the resume at its next 1-s poll
         assert box.get("result", {}).get("user") == "U0ALICE", box
         wait.until(lambda d: "Approved by @alice" in _message(d, posted.ts).text)
         wait.until(lambda d: not _message(d, posted.ts).find_elements(By.CSS_SELECTOR,
