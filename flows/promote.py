@@ -71,7 +71,7 @@ from tasks.prefect_tasks import (
 )
 from tasks.progressive import live_canary, replay_policy
 from tasks.record import ReleaseJournal
-from tasks.traffic_plan import not_carried_out
+from tasks.traffic_plan import ProgressivePlan, not_carried_out, step_loads
 
 if TYPE_CHECKING:  # annotation only: the canary imports the load generator
     from tasks.canary import CanaryResult
@@ -477,7 +477,9 @@ def release_plan(settings: Settings, clients: Clients, policy: Policy,
                    "dry_run": g.dry_run} for g in policy.gates],
         "canary": {"traffic": canary.traffic,
                    **({"steps": list(canary.progressive_steps),
-                       "step_bounds_s": list(canary.step_bounds_s)}
+                       "step_bounds_s": list(canary.step_bounds_s),
+                       "step_loads": step_loads(ProgressivePlan.from_policy(
+                           canary, replicas=len(clients.replicas)))}
                       if canary.traffic == "progressive" else {}),
                    "samples_per_version": samples, "warmup_s": canary.warmup_s,
                    "max_duration_s": canary.max_duration_s,

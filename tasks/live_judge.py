@@ -32,6 +32,15 @@ live judge is the canary's only test):
 One e-process runs over the whole canary (every step's looks): Ville's inequality holds
 over all looks, so evidence from an early step is not thrown away at the next one.
 
+**Per-server load** (:func:`tasks.traffic_plan.latency_judged`). A look taken at a step
+where the canary server carries more than a replica's load is not a latency look
+(``update(..., latency=False)``): its µs are kept (``last``) but neither counted above nor
+below, nor in the dependence; its requests and failures count for the error rule as at
+every step. So the latency e-process only moves at steps of fair load: a slow candidate
+breaches there, and a good one is never failed on latency because its server was busier.
+Leaving looks out at steps the executor fixes in advance (not on what they showed) keeps
+the e-process valid: it is the same test on a subsequence chosen before each look.
+
 **Dependence between looks** (:func:`look_inflation`). The Bernoulli mixture is valid when
 the looks' indicators are independent given the past. Live traffic is not: a server that
 is slow for a few seconds (a noisy neighbour, CPU contention, a burst queued on one side)
@@ -210,6 +219,7 @@ class LiveJudge:
         self.rules = rules
         self.looks = 0
         self.judged = 0       # looks where both arms answered
+        self.load_skipped = 0  # ... at a step above equal per-server load (not judged)
         self.above = 0        # ... with C above r × P
         self.log_ratios: list[float] = []   # each judged look: log(C µs / P µs)
         self.c_requests = self.c_failures = 0
@@ -221,7 +231,10 @@ class LiveJudge:
     def ratio(self) -> float:
         return 1.0 + self.rules.latency.tolerance / 100.0
 
-    def update(self, candidate: ArmLook, production: ArmLook) -> LiveDecision:
+    def update(self, candidate: ArmLook, production: ArmLook, *,
+               latency: bool = True) -> LiveDecision:
+        """Ingest one look of each arm; ``latency=False`` at a step where the canary server
+        carries more than a replica's load: the look counts for errors only."""
         self.looks += 1
         self.last = (candidate, production)
         self.c_requests += candidate.requests + candidate.failures
@@ -230,11 +243,14 @@ class LiveJudge:
         self.p_failures += production.failures
         if candidate.server_us is not None and production.server_us is not None \
                 and production.server_us > 0:
-            self.judged += 1
-            above = candidate.server_us > self.ratio * production.server_us
-            self.above += int(above)
-            self.log_ratios.append(math.log(max(candidate.server_us, 1e-9)
-                                            / production.server_us))
+            if not latency:
+                self.load_skipped += 1
+            else:
+                self.judged += 1
+                above = candidate.server_us > self.ratio * production.server_us
+                self.above += int(above)
+                self.log_ratios.append(math.log(max(candidate.server_us, 1e-9)
+                                                / production.server_us))
         self.decision = self._decide()
         return self.decision
 
@@ -252,6 +268,7 @@ class LiveJudge:
         evidence = {
             "latency": {"rule": lat.name, "tolerance_pct": lat.tolerance,
                         "looks_above": self.above, "looks_judged": self.judged,
+                        "looks_not_judged_for_load": self.load_skipped,
                         "inflation": None if math.isinf(inflation) else round(inflation, 3),
                         "e_regression": _e(lat_reg), "e_fine": _e(lat_fine)},
             "errors": {"rule": err.name, "budget": budget, "candidate": [self.c_failures,
@@ -261,7 +278,9 @@ class LiveJudge:
             "last": None if self.last is None else {"candidate": self.last[0].to_dict(),
                                                     "production": self.last[1].to_dict()}}
         shown = (f"{self.above} of {self.judged} looks with the candidate's server-side µs "
-                 f"per request above ×{self.ratio:.2f} production's")
+                 f"per request above ×{self.ratio:.2f} production's"
+                 + (f" ({self.load_skipped} more not judged: the canary server above a "
+                    "replica's load)" if self.load_skipped else ""))
         errors = (f"candidate {self.c_failures}/{self.c_requests} failed, production "
                   f"{self.p_failures}/{self.p_requests}, budget {budget:.3%}")
 

@@ -13,6 +13,9 @@ error of the judge) returns the router to 100 % production.
 progressive``: the candidate alone on the canary Triton, the steps through the configured
 router, the judge on the per-version server-side metrics of the live requests each version
 served (:mod:`tasks.live_judge`), then the verdict (a pass goes on to the atomic swap).
+Latency is judged only at steps where the canary server carries at most a replica's load
+(:func:`tasks.traffic_plan.latency_judged`, with the fleet's replica count); errors at every
+step. The plan's per-step loads are in the canary stage's details before the first step.
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ from tasks.traffic_plan import (
     StepEvent,
     StepLook,
     TrafficAction,
+    load_words,
     next_action,
     step_event,
+    step_loads,
 )
 from tasks.traffic_state import read_live, return_to_production, traffic_intent, with_event
 
@@ -190,11 +195,15 @@ def _production_on_the_way_out(run: Progressive, traffic: dict[str, Any],
 
 class LiveEvidence:
     """The judge's I/O: at each look, what the candidate served on the canary Triton and
-    production on the replicas since the previous look (one scrape of each server)."""
+    production on the replicas since the previous look (one scrape of each server).
+    ``latency(step)``: whether the step's looks count for latency (the plan's per-server
+    load rule); every step's count for errors."""
 
     def __init__(self, canary: TritonServer, replicas: list[TritonServer], *, model: str,
-                 candidate: int, production: int, judge: LiveJudge, timeout_s: float) -> None:
+                 candidate: int, production: int, judge: LiveJudge, timeout_s: float,
+                 latency: Callable[[int], bool] = lambda _step: True) -> None:
         self.canary, self.replicas, self.model = canary, replicas, model
+        self.latency = latency
         self.candidate, self.production = candidate, production
         self.live, self.timeout_s = judge, timeout_s
         self.before = self._scrape()
@@ -214,7 +223,7 @@ class LiveEvidence:
         c = arm_look(self.before[0], after[0], model=self.model, version=self.candidate)
         p = arm_look(self.before[1], after[1], model=self.model, version=self.production)
         self.before = after
-        return self.live.update(c, p).status
+        return self.live.update(c, p, latency=self.latency(step)).status
 
 
 def live_canary(settings: Settings, clients: Clients, policy: Policy,
@@ -236,7 +245,8 @@ def live_canary(settings: Settings, clients: Clients, policy: Policy,
     model, version = record.model, int(record.to_version or 0)
     server, router = canary_and_router(settings, clients, what="canary.traffic: progressive",
                                        model=model, progress=progress)
-    plan = ProgressivePlan.from_policy(policy.canary)
+    plan = ProgressivePlan.from_policy(policy.canary, replicas=len(clients.replicas))
+    loads = step_loads(plan)
     judge = LiveJudge(LiveRules.from_policy(policy))
 
     def write(doc: dict[str, Any]) -> None:
@@ -246,7 +256,11 @@ def live_canary(settings: Settings, clients: Clients, policy: Policy,
     with journal.stage("canary") as entry:
         entry.details.update(mode="progressive", router=router.name,
                              steps=list(plan.steps), step_min_s=plan.min_s,
-                             step_max_s=plan.max_s)
+                             step_max_s=plan.max_s, step_loads=loads)
+        for i in range(len(plan.steps)):
+            progress(f"progressive: {plan.name(i)}: {load_words(plan.load(i))}")
+        if loads["warning"]:
+            progress(f"progressive: {loads['warning']}")
         with canary_slot(clients.storage, model=model, progress=progress,
                          owner=f"progressive canary of {model} v{version}",
                          wait_s=CANARY_SLOT_WAIT_S), \
@@ -254,7 +268,8 @@ def live_canary(settings: Settings, clients: Clients, policy: Policy,
                                   config_pbtxt=release.config_pbtxt, progress=progress):
             evidence = LiveEvidence(server, list(clients.replicas), model=model,
                                      candidate=version, production=serving, judge=judge,
-                                     timeout_s=settings.http_timeout_s)
+                                     timeout_s=settings.http_timeout_s,
+                                     latency=plan.latency_judged)
             try:
                 result = run_progressive(Progressive(
                     plan, router, evidence, write, look_s=LOOK_S, progress=progress,

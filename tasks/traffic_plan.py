@@ -30,6 +30,22 @@ The transitions (:func:`next_action`):
 
 Every path out of the canary (``step_back``, ``swap``, ``abort``) leaves the router at
 :data:`~modelship.traffic.port.PRODUCTION_ONLY`.
+
+**Per-server load** (:func:`server_load`). The one canary Triton serves the candidate's
+share ``w`` of the model's live requests alone; each of the ``N`` replicas serves
+``(1 - w)/N``. So the canary server carries ``w·N/(1 - w)`` times a replica's load: with
+2 replicas, 0.1× at 5 %, 0.67× at 25 %, **2×** at 50 %. A server's latency grows with its
+load, without bound as it nears saturation (queueing time ~ 1/(1 - utilisation)), so at a
+step above equal load a good model can look slower only because its server is busier: the
+complaint about real traffic ("a good model rolled back because the morning traffic
+arrived"). The rule (:func:`latency_judged`): **latency is judged only at steps where the
+canary server carries at most a replica's load**; errors are judged at every step (they
+do not depend on load). No multiplier of the gap would be conservative past equal load
+(the canary may be past saturation while the replicas are at 60 %), so none is used: a
+slow candidate is stepped back at the first step of fair load, where its looks count
+(one e-process over every judged look); a plan with no step of fair load cannot show the
+candidate within the latency tolerance, so it ends inconclusive (exit 6, no swap), and
+the plan (``--dry-run``, the canary stage's details) says so before any step.
 """
 
 from __future__ import annotations
@@ -41,9 +57,10 @@ from modelship.errors import UsageError
 from modelship.policy import CanaryPolicy, Policy
 from modelship.traffic.port import PRODUCTION_ONLY, TrafficSplit
 
-__all__ = ["NOT_STARTED", "SAME_PCT", "ActionKind", "Outcome", "ProgressivePlan", "Status",
-           "StepEvent", "StepLook", "TrafficAction", "expected_split", "next_action",
-           "not_carried_out", "router_problem", "same_split", "step_event"]
+__all__ = ["EQUAL_LOAD", "NOT_STARTED", "SAME_PCT", "ActionKind", "Outcome", "ProgressivePlan",
+           "Status", "StepEvent", "StepLook", "TrafficAction", "expected_split",
+           "latency_judged", "load_words", "next_action", "not_carried_out",
+           "router_problem", "same_split", "server_load", "step_event", "step_loads"]
 
 ActionKind = Literal["advance", "hold", "step_back", "swap", "abort"]
 #: The sequential judge's decision (``tasks.sequential.Status``, the same four words; not
@@ -60,6 +77,40 @@ SAME_PCT = 0.01
 
 _EXIT = {"failed": 4, "inconclusive": 6, "infrastructure": 1}
 
+#: The canary server's load relative to a replica's up to which latency is judged (equal
+#: load; the routers' 0.01-point precision is far inside the tolerance below).
+EQUAL_LOAD = 1.0
+_LOAD_SLACK = 1e-6
+
+
+def server_load(weight_pct: float, replicas: int) -> float | None:
+    """The canary server's per-server load relative to one replica's (pure): the canary
+    serves ``w`` of the model's live requests alone, each of the ``replicas`` serves
+    ``(1 - w)/replicas``, so ``w·N/(1 - w)``. None when ``replicas`` is unknown (< 1);
+    ``inf`` at 100 %; 0 at 0 %."""
+    if replicas < 1:
+        return None
+    w = weight_pct / 100.0
+    if w >= 1.0:
+        return float("inf")
+    return max(w, 0.0) * replicas / (1.0 - w)
+
+
+def latency_judged(load: float | None) -> bool:
+    """Whether latency is judged at a step whose canary server carries ``load`` times a
+    replica's load (pure): at most :data:`EQUAL_LOAD`; an unknown load is judged (the
+    behaviour without the replicas' count)."""
+    return load is None or load <= EQUAL_LOAD + _LOAD_SLACK
+
+
+def load_words(load: float | None) -> str:
+    """``canary server at 2.00× a replica's load: latency not judged`` (pure)."""
+    if load is None:
+        return "canary server's load unknown: latency judged"
+    judged = "latency judged" if latency_judged(load) else \
+        "latency NOT judged (above equal load; errors still are)"
+    return f"canary server at {load:.2f}× a replica's load: {judged}"
+
 
 @dataclass(frozen=True)
 class ProgressivePlan:
@@ -69,16 +120,28 @@ class ProgressivePlan:
         steps: The candidate's share at each step, in %, strictly increasing, in (0, 100).
         min_s: The least time a step's weight is live before it may advance.
         max_s: A step's ceiling (see the module docstring).
+        replicas: The production replicas sharing the rest of the live requests (0:
+            unknown; then every step's latency is judged).
     """
 
     steps: tuple[float, ...]
     min_s: float
     max_s: float
+    replicas: int = 0
 
     @classmethod
-    def from_policy(cls, canary: CanaryPolicy) -> ProgressivePlan:
+    def from_policy(cls, canary: CanaryPolicy, replicas: int = 0) -> ProgressivePlan:
         low, high = canary.step_bounds_s
-        return cls(canary.progressive_steps, low, high)
+        return cls(canary.progressive_steps, low, high, replicas)
+
+    def load(self, step: int) -> float | None:
+        """The canary server's load relative to a replica's at ``step``
+        (:func:`server_load`); 0 when nothing is live."""
+        return server_load(self.weight(step), self.replicas)
+
+    def latency_judged(self, step: int) -> bool:
+        """Whether the judge counts ``step``'s looks for latency (:func:`latency_judged`)."""
+        return latency_judged(self.load(step))
 
     def weight(self, step: int) -> float:
         """The candidate's share at ``step`` (0 when nothing is live)."""
@@ -138,6 +201,27 @@ class TrafficAction:
     def ends(self) -> bool:
         """Whether the progressive canary is over (the router is back to production)."""
         return self.kind in ("step_back", "swap", "abort")
+
+
+def step_loads(plan: ProgressivePlan) -> dict[str, Any]:
+    """The plan's per-server load, step by step, for ``--dry-run`` and the canary stage's
+    details (pure; JSON as it is): each step's weight, the canary server's load relative to
+    a replica's, whether latency is judged there and whether it is above equal load; and a
+    warning when no step is of fair load (the canary then cannot pass on latency)."""
+    steps = []
+    for i, weight in enumerate(plan.steps):
+        load = plan.load(i)
+        steps.append({"weight_pct": weight,
+                      "load_ratio": None if load is None else round(load, 4),
+                      "latency_judged": latency_judged(load),
+                      "above_equal_load": not latency_judged(load)})
+    warning = None
+    if plan.steps and not any(s["latency_judged"] for s in steps):
+        warning = (f"no step leaves the canary server at or below a replica's load (with "
+                   f"{plan.replicas} replicas): latency is judged at no step, so the canary "
+                   "ends inconclusive (no swap); add a step of at most "
+                   f"{100.0 / (1 + plan.replicas):.3g} %")
+    return {"replicas": plan.replicas, "steps": steps, "warning": warning}
 
 
 def expected_split(plan: ProgressivePlan, step: int) -> TrafficSplit:
@@ -233,6 +317,9 @@ class StepEvent:
         elapsed_s: The age of the step it acted on.
         live: What the router read back before it (None: it did not answer).
         outcome, exit_code, reason: As in :class:`TrafficAction`.
+        load_ratio: The canary server's load relative to a replica's after it (0 when
+            nothing is live; None: the replicas' count unknown).
+        latency_judged: Whether the judge counts latency at the step after it.
     """
 
     at: str
@@ -247,6 +334,8 @@ class StepEvent:
     outcome: Outcome
     exit_code: int | None
     reason: str
+    load_ratio: float | None = None
+    latency_judged: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {"at": self.at, "action": self.action, "step": self.step,
@@ -254,7 +343,9 @@ class StepEvent:
                 "from_weight_pct": self.from_weight_pct, "decision": self.decision,
                 "elapsed_s": round(self.elapsed_s, 3),
                 "live": None if self.live is None else self.live.to_dict(),
-                "outcome": self.outcome, "exit_code": self.exit_code, "reason": self.reason}
+                "outcome": self.outcome, "exit_code": self.exit_code, "reason": self.reason,
+                "load_ratio": None if self.load_ratio is None else round(self.load_ratio, 4),
+                "latency_judged": self.latency_judged}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepEvent:
@@ -267,12 +358,14 @@ class StepEvent:
                        canary_pct=float(live["canary_pct"]),
                        mirror_pct=float(live["mirror_pct"])),
                    outcome=data["outcome"], exit_code=data.get("exit_code"),
-                   reason=data["reason"])
+                   reason=data["reason"], load_ratio=data.get("load_ratio"),
+                   latency_judged=bool(data.get("latency_judged", True)))
 
     def line(self) -> str:
         """One line for the Slack thread and the progress output."""
+        load = "" if self.step == NOT_STARTED else f" [{load_words(self.load_ratio)}]"
         return (f"progressive: {self.action} {self.from_weight_pct:g} % -> "
-                f"{self.weight_pct:g} %: {self.reason}")
+                f"{self.weight_pct:g} %: {self.reason}{load}")
 
 
 def step_event(plan: ProgressivePlan, look: StepLook, action: TrafficAction, *,
@@ -282,7 +375,9 @@ def step_event(plan: ProgressivePlan, look: StepLook, action: TrafficAction, *,
                      weight_pct=action.split.canary_pct, from_step=look.step,
                      from_weight_pct=plan.weight(look.step), decision=look.decision,
                      elapsed_s=look.elapsed_s, live=look.live, outcome=action.outcome,
-                     exit_code=action.exit_code, reason=action.reason)
+                     exit_code=action.exit_code, reason=action.reason,
+                     load_ratio=plan.load(action.step),
+                     latency_judged=plan.latency_judged(action.step))
 
 
 def not_carried_out(policy: Policy, *, bake: bool = True) -> UsageError | None:

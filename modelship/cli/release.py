@@ -48,6 +48,16 @@ def render_record(record: dict[str, Any]) -> str:
             lines.append(f"  gate {gate['rule']}: {gate['metric']} {limit}"
                          + (" (dry run)" if gate.get("dry_run") else ""))
         lines.append(f"  canary: {plan['canary']['expected_s']}")
+        loads = plan["canary"].get("step_loads") or {}
+        for step in loads.get("steps", []):
+            ratio = step["load_ratio"]
+            lines.append(f"  step {step['weight_pct']:g} %: canary server at "
+                         + ("? (replicas unknown)" if ratio is None else f"{ratio:.2f}×")
+                         + " a replica's load; latency "
+                         + ("judged" if step["latency_judged"]
+                            else "NOT judged (above equal load; errors still are)"))
+        if loads.get("warning"):
+            lines.append(f"  WARNING: {loads['warning']}")
         lines.append(f"  replicas touched: {', '.join(plan['replicas'])}")
         bake = plan.get("bake") or {}
         if bake.get("effective_tolerance"):

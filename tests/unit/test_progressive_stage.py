@@ -133,3 +133,45 @@ def test_the_release_error_names_the_judges_evidence(monkeypatch: pytest.MonkeyP
     assert isinstance(exc, GateFailed)
     assert "breach at step 1/3 (5 %)" in exc.message
     assert "latency_p50: slower on live traffic" in exc.message
+
+
+class _BusierCanary(_Counters):
+    """An identical model whose server answers slower as its per-server load grows past a
+    replica's: at each scrape the candidate's µs per request is production's × the
+    canary server's load (from the router's live weight, 2 replicas) when above 1."""
+
+    def __init__(self, router: FakeRouter, p_us: float, per_look: int) -> None:
+        super().__init__(c_us=p_us, p_us=p_us, per_look=per_look)
+        self.router, self.c_total = router, 0.0
+
+    def scrape(self, servers: Any, timeout_s: float) -> tuple[dict[str, Any], dict[str, str]]:
+        out, failed = super().scrape(servers, timeout_s)
+        w = self.router.split.canary_pct / 100.0
+        load = w * 2 / (1 - w)
+        n = out["canary"][(MODEL, "2")].counters[SUCCESS]
+        self.c_total += self.per_look * self.p_us * max(1.0, load) if n else 0.0
+        out["canary"] = {(MODEL, "2"): VersionMetrics(counters={
+            SUCCESS: n, COMPUTE_INFER_US: self.c_total})}
+        return out, failed
+
+
+def test_the_plan_and_each_step_say_the_canary_servers_load_and_latency_is_judged_at_fair_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps 5 -> 25 -> 50 % with 2 replicas: 0.11×, 0.67×, 2× a replica's load. The plan
+    is on the canary stage before the first step; each event says its step's load and
+    whether latency is judged there; at 50 % the candidate's 2×-slower looks (its server
+    is twice as busy) count for errors only, and it is handed to the swap."""
+    router = FakeRouter()
+    record, exc = _run(monkeypatch, router, _BusierCanary(router, 1500.0, per_look=2000))
+    assert exc is None, exc
+    events = record.traffic["events"]
+    assert [(e["weight_pct"], e["load_ratio"], e["latency_judged"]) for e in events] == [
+        (5.0, 0.1053, True), (25.0, 0.6667, True), (50.0, 2.0, False), (0.0, 0.0, True)]
+    canary = next(s for s in record.stages if s.name == "canary")
+    loads = canary.details["step_loads"]
+    assert loads["replicas"] == 2 and loads["warning"] is None
+    assert [s["above_equal_load"] for s in loads["steps"]] == [False, False, True]
+    latency = canary.details["judge"]["latency"]
+    assert latency["looks_not_judged_for_load"] >= 1   # the 50 % step's looks
+    assert latency["looks_above"] == 0                 # none of them counted as slower
+    assert record.gates["verdict"] == "passed"

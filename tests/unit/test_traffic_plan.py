@@ -167,7 +167,8 @@ def test_the_step_event_is_json_and_round_trips() -> None:
                    "step": NOT_STARTED, "weight_pct": 0.0, "from_step": 2,
                    "from_weight_pct": 25.0, "decision": "failed", "elapsed_s": 12.346,
                    "live": {"production_pct": 75.0, "canary_pct": 25.0, "mirror_pct": 0.0},
-                   "outcome": "failed", "exit_code": 4, "reason": action.reason}
+                   "outcome": "failed", "exit_code": 4, "reason": action.reason,
+                   "load_ratio": None, "latency_judged": True}  # PLAN: replicas unknown
     back = StepEvent.from_dict(doc)
     assert back.to_dict() == doc
     assert back.line().startswith("progressive: step_back 25 % -> 0 %: breach at step 3/4")
