@@ -128,7 +128,7 @@ def _render_status(doc: dict[str, Any]) -> str:
     lines = [table(["replica", "ready", "batching", "as pinned", "error"], rows),
              doc["summary"], "; ".join(said)]
     if doc.get("traffic"):
-        lines.append(_traffic_line(doc["traffic"]))
+        lines.append(_traffic_line(doc["traffic"], replicas=len(doc.get("replicas") or [])))
     if doc.get("in_progress"):
         lines.append(f"in progress: {doc['in_progress']}")
     lines.extend(f"DISAGREES ({d['kind']}): {d['detail']}\n  repair: {d['repair']}"
@@ -319,8 +319,11 @@ def reconcile(model: Annotated[str | None, typer.Argument(
         exit_code=lambda last: last))
 
 
-def _traffic_line(traffic: dict[str, Any]) -> str:
-    """The live weights as the router reads them back (status), or why they were not."""
+def _traffic_line(traffic: dict[str, Any], replicas: int = 0) -> str:
+    """The live weights as the router reads them back (status), or why they were not; with
+    a canary share live and ``replicas`` known, the canary server's load relative to one
+    replica's (:func:`tasks.traffic_plan.server_load`: a progressive step's latency is
+    judged only at equal load or below)."""
     live = traffic.get("live")
     if live is None:
         return f"traffic ({traffic['router']}): not read: {traffic.get('error')}"
@@ -328,8 +331,15 @@ def _traffic_line(traffic: dict[str, Any]) -> str:
     scope = traffic.get("scope")
     applies = (f"; applies to {scope['applies_to']}"
                if isinstance(scope, dict) and scope.get("applies_to") else "")
+    load = ""
+    if live["canary_pct"] > 0 and replicas > 0:
+        from tasks.traffic_plan import latency_judged, server_load  # lazy: CLI start-up
+
+        ratio = server_load(live["canary_pct"], replicas)
+        above = "" if latency_judged(ratio) else " (above equal load)"
+        load = f"; canary server at {ratio:.2f}× a replica's load{above}"
     return (f"traffic ({traffic['router']}): {live['production_pct']:g} % production, "
-            f"{live['canary_pct']:g} % canary{mirror}{applies}")
+            f"{live['canary_pct']:g} % canary{mirror}{load}{applies}")
 
 
 def _reconcile_arguments(settings: Any, clients: Any, *, model: str | None,

@@ -48,6 +48,24 @@ def test_status_shows_the_live_weights(traffic: dict[str, Any], line: str) -> No
     assert line in _render_status({**STATUS, "traffic": traffic}).splitlines()
 
 
+@pytest.mark.parametrize(("canary_pct", "replicas", "says"), [
+    (50.0, 2, "50 % canary; canary server at 2.00× a replica's load (above equal load)"),
+    (25.0, 2, "25 % canary; canary server at 0.67× a replica's load"),
+    (50.0, 1, "50 % canary; canary server at 1.00× a replica's load"),
+])
+def test_status_says_the_canary_servers_load_relative_to_a_replica(
+        canary_pct: float, replicas: int, says: str) -> None:
+    traffic = {"router": "local-gateway", "live": {"production_pct": 100.0 - canary_pct,
+                                                   "canary_pct": canary_pct,
+                                                   "mirror_pct": 0.0}}
+    assert _traffic_line(traffic, replicas=replicas).endswith(says)
+    assert ("above equal load" in _traffic_line(traffic, replicas=replicas)) \
+        is ("above" in says)
+    shown = _render_status({**STATUS, "replicas": [{"name": f"r{i}"} for i in range(replicas)],
+                            "traffic": traffic})
+    assert says in shown, shown
+
+
 def test_status_without_a_router_says_nothing_about_traffic() -> None:
     assert "traffic" not in _render_status({**STATUS, "traffic": None})
 
