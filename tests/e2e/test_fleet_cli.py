@@ -1,19 +1,40 @@
-"""`modelship stage | swap | status | rollback | load` through the console script, on the
-session's stack."""
+"""`modelship stage | swap | status | rollback | reconcile | history | load | canary` on the
+session's stack.
+
+Every command runs through exactly the function the console script runs
+(:func:`modelship.cli.main`), in this process (:func:`tests.inprocess.run_inprocess`): the
+same arguments, exit code, JSON document on stdout and stderr, without a console script's
+start-up (10-25 s of imports under load) for each of the ~45 commands. The console script
+itself (:func:`tests.conftest.run_cli`) stays where only a process shows the contract:
+``reconcile --watch`` (one JSON line per round until SIGINT, then exit 0), ``status``'s
+table with exit 1 (a report's own exit code through the script's exit, not an error's), and
+``status`` with S3 hung in a fresh process (whose imports must not count against the
+deadline: session 22's CI failure). The error documents' way out of the console script
+is pinned by tests/integration/test_exits.py (``swap``, ``rollback``, ``history``,
+``locks``), a successful ``--json`` document's by tests/e2e/test_promote.py and
+tests/integration/test_artifact_gate.py.
+
+The versions are registered and staged once, and deployed first once (module fixtures);
+every test that changes the fleet starts by putting v1 there, so none depends on the order.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from model_registry.client import point_mlflow_at
 from modelship.clients import build_clients
-from modelship.jsonable import jsonable
 from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.locks import release_lock
 from modelship.settings import Settings
@@ -24,61 +45,77 @@ from modelship.triton.model_config import (
     with_versions,
     without_dynamic_batching,
 )
-from tasks.status import status_report
 from tests import models
 from tests.conftest import run_cli, start_cli
+from tests.inprocess import ProcessState, process_state, run_inprocess
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "cli-fleet"
 
+#: How long a read that status gave up on may still take to end (its retries' budget,
+#: modelship.faults.RetryPolicy.budget_s 20 s, plus one request), on a loaded machine.
+READS_END_S = 60.0
 
-def _json(*args: str, settings: Settings, code: int = 0) -> Any:
-    done = run_cli(*args, "--json", home=settings.home)
-    assert done.returncode == code, done.stderr[-3000:]
+
+def _json(*args: str, settings: Settings, code: int = 0,
+          env: dict[str, str] | None = None) -> Any:
+    """``modelship ARGS --json``, in-process: its JSON document, once its exit code is ``code``."""
+    done = run_inprocess(*args, "--json", home=settings.home, env=env)
+    assert done.returncode == code, (done.stdout[-3000:], done.stderr[-3000:])
     return json.loads(done.stdout)
 
 
-def _status_now(settings: Settings, code: int) -> Any:
-    """What ``modelship status MODEL --json`` answers, and its exit code (0 when consistent,
-    else 1), read in this process through the function the CLI calls: for the checks
-    between steps (a CLI start costs seconds). The CLI's own status answers, exit codes
-    and table are tested below (``_status``, ``test_status_*``)."""
-    clients = build_clients(settings)
-    try:
-        doc = jsonable(status_report(settings, clients, model=MODEL))
-    finally:
-        clients.close()
+def _status(settings: Settings, code: int, env: dict[str, str] | None = None) -> Any:
+    """``modelship status MODEL --json``: exit 0 when consistent, else 1."""
+    doc = _json("status", MODEL, settings=settings, code=code, env=env)
     assert (0 if doc["consistent"] else 1) == code, doc
     return doc
+
+
+def _serving(settings: Settings, version: int) -> dict[str, Any]:
+    """``version`` on the whole fleet, whatever an earlier test left there."""
+    return dict(_json("swap", MODEL, "--to", str(version), "--force", settings=settings))
 
 
 @pytest.fixture(scope="module")
 def versions(stack_settings: Settings) -> tuple[int, int]:
     uri = str(stack_settings.mlflow_tracking_uri)
-    v1 = models.register_sklearn(uri, MODEL, seed=0)
-    v2 = models.register_sklearn(uri, MODEL, seed=1)
+    # two seeds: two models whose answers differ (the canary test's agreement)
+    v1 = models.register_sklearn(uri, MODEL, seed=0, reuse=True)
+    v2 = models.register_sklearn(uri, MODEL, seed=1, reuse=True)
     for version in (v1, v2):
         staged = _json("stage", MODEL, "--version", str(version), settings=stack_settings)
         assert staged["staged"]["manifest_key"].endswith(f"{MODEL}/{version}/release.json")
     return v1, v2
 
 
-def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
-                                            versions: tuple[int, int]) -> None:
-    v1, v2 = versions
+@pytest.fixture(scope="module")
+def first_deploy(stack_settings: Settings, versions: tuple[int, int]) -> dict[str, Any]:
+    """The model's first deploy, before any test changes the fleet: a swap with no canary
+    on record is refused (exit 3), then v1 is forced onto the empty fleet."""
+    v1, _ = versions
     refused = _json("swap", MODEL, "--to", str(v1), settings=stack_settings, code=3)
-    assert refused["error"] == "EvidenceMissing" and "promote" in refused["hint"]
     first = _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    return {"refused": refused, "first": first}
+
+
+def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
+                                            versions: tuple[int, int],
+                                            first_deploy: dict[str, Any]) -> None:
+    v1, v2 = versions
+    refused, first = first_deploy["refused"], first_deploy["first"]
+    assert refused["error"] == "EvidenceMissing" and "promote" in refused["hint"]
     assert first["kind"] == "first_deploy" and not first["aborted"]
     assert first["evidence"]["basis"] == "forced"
-    status = _json("status", MODEL, settings=stack_settings)
+    _serving(stack_settings, v1)
+    status = _status(stack_settings, 0)
     assert status["consistent"] and status["production_version"] == v1
     assert [r["ready_versions"] for r in status["replicas"]] == [[v1], [v1]]
 
     plan = _json("swap", MODEL, "--to", str(v2), "--dry-run", "--force", settings=stack_settings)
     assert plan["dry_run"] and plan["kind"] == "swap" and plan["plan"]
-    assert _status_now(stack_settings, 0)["production_version"] == v1
+    assert _status(stack_settings, 0)["production_version"] == v1
 
     swapped = _json("swap", MODEL, "--to", str(v2), "--force", settings=stack_settings)
     assert swapped["kind"] == "swap" and swapped["from_version"] == v1
@@ -86,7 +123,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
                                                       "resume_batching"]
     assert set(swapped["timeline"]) == {"triton-0", "triton-1"}
     assert swapped["skew_ms"] is not None
-    status = _status_now(stack_settings, 0)
+    status = _status(stack_settings, 0)
     assert status["consistent"] and status["production_version"] == v2
     assert len({r["config_digest"] for r in status["replicas"]}) == 1
 
@@ -98,7 +135,7 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
         locked = _json("swap", MODEL, "--to", str(v1), settings=stack_settings, code=1)
     assert locked["error"] == "ReleaseLocked" and "another release" in locked["message"]
     assert "modelship locks" in locked["hint"]
-    assert _status_now(stack_settings, 0)["production_version"] == v2
+    assert _status(stack_settings, 0)["production_version"] == v2
 
     clients = build_clients(stack_settings)
     assert clients.registry is not None
@@ -106,14 +143,19 @@ def test_swap_status_noop_lock_and_rollback(stack_settings: Settings,
     rolled = _json("rollback", MODEL, settings=stack_settings)
     assert rolled["from_version"] == v2 and rolled["to_version"] == v1
     assert rolled["aliases"]["production"] == v1 and rolled["aliases"]["previous"] == v2
-    status = _status_now(stack_settings, 0)
+    status = _status(stack_settings, 0)
     assert status["production_version"] == v1 and status["aliases"]["production"] == v1
     history = _json("history", MODEL, settings=stack_settings)["releases"]
     assert history[0]["kind"] == "rollback" and history[0]["status"] == "released"
-    assert [r["status"] for r in history[1:4]] == ["noop", "released", "released"]
+    # the refused lock wrote nothing: the no-op, then the forced swap
+    assert [r["id"] for r in history[1:3]] == [again["release_id"], swapped["release_id"]]
+    assert [r["status"] for r in history[1:3]] == ["noop", "released"]
     forced_swap = history[2]
     assert forced_swap["kind"] == "swap" and forced_swap["to_version"] == v2
     assert forced_swap["forced"] and not history[1]["forced"]
+    deployed = [r for r in history if r["id"] == first["release_id"]]
+    assert [(r["status"], r["to_version"], r["forced"]) for r in deployed] \
+        == [("released", v1, True)]
     assert status["last_release"]["id"] == history[0]["id"]
 
 
@@ -131,11 +173,12 @@ def _mix(settings: Settings, version: int) -> str:
 
 
 def test_a_mixed_fleet_is_repaired_by_reconcile_and_by_swap(
-        stack_settings: Settings, versions: tuple[int, int]) -> None:
+        stack_settings: Settings, versions: tuple[int, int],
+        first_deploy: dict[str, Any]) -> None:
     v1, v2 = versions
-    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    _serving(stack_settings, v1)
     odd = _mix(stack_settings, v2)
-    mixed = _json("status", MODEL, settings=stack_settings, code=1)
+    mixed = _status(stack_settings, 1)
     assert not mixed["consistent"] and mixed["production_version"] is None
     assert [r["ready_versions"] for r in mixed["replicas"]] == [[v1], [v2]]
 
@@ -143,16 +186,17 @@ def test_a_mixed_fleet_is_repaired_by_reconcile_and_by_swap(
     assert plan["dry_run"] and plan["changed"] == 0
     assert [r["replica"] for r in plan["models"][0]["replicas"] if r["action"] == "load"] \
         == [odd]
-    assert _status_now(stack_settings, 1)["replicas"][1][
+    assert _status(stack_settings, 1)["replicas"][1][
         "ready_versions"] == [v2]  # a dry run changes nothing
     repaired = _json("reconcile", MODEL, settings=stack_settings)
     assert repaired["ok"] and repaired["changed"] == 1
     loaded = [r for r in repaired["models"][0]["replicas"] if r["action"] == "load"]
     assert [r["replica"] for r in loaded] == [odd]
-    status = _status_now(stack_settings, 0)
+    status = _status(stack_settings, 0)
     assert status["consistent"] and status["production_version"] == v1
 
-    # --watch: one JSON document per round until interrupted; a converged fleet is left alone.
+    # --watch through the console script: one JSON document per round until interrupted
+    # (SIGINT), then exit 0; a converged fleet is left alone.
     watching = start_cli("reconcile", MODEL, "--watch", "--interval", "1", "--json",
                          home=stack_settings.home)
     try:
@@ -173,7 +217,7 @@ def test_a_mixed_fleet_is_repaired_by_reconcile_and_by_swap(
     assert any("mixed" in line for line in planned["plan"])
     converged = _json("swap", MODEL, "--to", str(v2), "--force", settings=stack_settings)
     assert converged["kind"] == "converge" and not converged["aborted"]
-    status = _status_now(stack_settings, 0)
+    status = _status(stack_settings, 0)
     assert status["consistent"] and status["production_version"] == v2
     assert status["aliases"]["production"] == v2
 
@@ -185,13 +229,14 @@ def test_swap_to_an_unstaged_version_says_how_to_stage_it(stack_settings: Settin
 
 
 def test_load_reports_the_design_schema(stack_settings: Settings,
-                                        versions: tuple[int, int]) -> None:
+                                        versions: tuple[int, int],
+                                        first_deploy: dict[str, Any]) -> None:
     v1, _ = versions
     report = _json("load", MODEL, "--version", str(v1), "--concurrency", "4", "--duration", "2",
                    "--canary", settings=stack_settings, code=1)  # not loaded on the canary
     assert report["requests"] > 0 and report["errors"] == report["requests"]
     assert report["error_texts"]
-    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    _serving(stack_settings, v1)
     report = _json("load", MODEL, "--concurrency", "4", "--duration", "2",
                    settings=stack_settings)
     assert set(report) >= {"requests", "errors", "throughput_rps", "latency_ms"}
@@ -201,12 +246,11 @@ def test_load_reports_the_design_schema(stack_settings: Settings,
 
 
 def test_canary_cli_judges_against_production_and_writes_the_report(
-        stack_settings: Settings, versions: tuple[int, int], tmp_path: Any) -> None:
-    from pathlib import Path
-
+        stack_settings: Settings, versions: tuple[int, int], first_deploy: dict[str, Any],
+        tmp_path: Path) -> None:
     v1, v2 = versions
-    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
-    policy = models.write_policy(Path(tmp_path) / "canary.yaml", {
+    _serving(stack_settings, v1)
+    policy = models.write_policy(tmp_path / "canary.yaml", {
         "canary": {"warmup_s": 1.0, "window_s": 2.0, "max_duration_s": 12.0,
                    "min_samples": 300},
         "gates": [
@@ -215,8 +259,8 @@ def test_canary_cli_judges_against_production_and_writes_the_report(
             {"name": "p99", "metric": "latency_p99_ms", "test": "quantile",
              "max_increase_pct": 50.0, "min_effect_ms": 2.0, "dry_run": True},
         ]})
-    done = run_cli("canary", MODEL, "--version", str(v2), "--policy", str(policy), "--json",
-                   home=stack_settings.home)
+    done = run_inprocess("canary", MODEL, "--version", str(v2), "--policy", str(policy),
+                         "--json", home=stack_settings.home)
     report = json.loads(done.stdout)
     assert report["baseline"] == v1 and report["candidate"] == v2
     codes = {"passed": 0, "failed": 4, "inconclusive": 6}
@@ -232,8 +276,8 @@ def test_canary_cli_judges_against_production_and_writes_the_report(
     if rules["agreement"]["value"] < 0.999:
         assert report["verdict"] == "failed" and done.returncode == 4
 
-    same = run_cli("canary", MODEL, "--version", str(v1), "--json", home=stack_settings.home)
-    assert same.returncode == 0 and json.loads(same.stdout)["verdict"] == "noop"
+    same = _json("canary", MODEL, "--version", str(v1), settings=stack_settings)
+    assert same["verdict"] == "noop"
 
 
 def test_status_of_a_model_never_deployed_is_not_an_error(stack_settings: Settings) -> None:
@@ -242,14 +286,8 @@ def test_status_of_a_model_never_deployed_is_not_an_error(stack_settings: Settin
     doc = _json("status", "cli-never-deployed", settings=stack_settings, code=0)
     assert (doc["served"], doc["production_version"]) == (False, None)
     assert doc["replicas"] and all(not r["ready_versions"] for r in doc["replicas"])
-    shown = run_cli("status", "cli-never-deployed", home=stack_settings.home)
+    shown = run_inprocess("status", "cli-never-deployed", home=stack_settings.home)
     assert shown.returncode == 0 and "modelship promote cli-never-deployed" in shown.stdout
-
-
-def _status(settings: Settings, code: int, env: dict[str, str] | None = None) -> Any:
-    done = run_cli("status", MODEL, "--json", home=settings.home, env=env)
-    assert done.returncode == code, (done.stdout[-3000:], done.stderr[-3000:])
-    return json.loads(done.stdout)
 
 
 def _pause_batching_everywhere(settings: Settings) -> None:
@@ -265,10 +303,11 @@ def _pause_batching_everywhere(settings: Settings) -> None:
 
 
 def test_status_compares_the_fleet_with_the_pin_the_alias_and_the_ledger(
-        stack_settings: Settings, versions: tuple[int, int]) -> None:
+        stack_settings: Settings, versions: tuple[int, int],
+        first_deploy: dict[str, Any]) -> None:
     """Each disagreement is exit 1 with its repair; after the repair, exit 0."""
     v1, _ = versions
-    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    _serving(stack_settings, v1)
     good = _status(stack_settings, 0)
     assert good["consistent"] and good["disagreements"] == [] and good["next"] is None
     assert good["pin"]["version"] == v1 and good["pin"]["dynamic_batching"]
@@ -281,20 +320,21 @@ def test_status_compares_the_fleet_with_the_pin_the_alias_and_the_ledger(
     assert [d["kind"] for d in paused["disagreements"]] == ["config_drift"]  # ... unlike this
     assert "dynamic batching off" in paused["disagreements"][0]["detail"]
     assert paused["next"].startswith(f"`modelship reconcile {MODEL}`")
+    # the table, through the console script: exit 1 for a report that found a disagreement
     shown = run_cli("status", MODEL, home=stack_settings.home)
     assert shown.returncode == 1 and f"next: `modelship reconcile {MODEL}`" in shown.stdout
     assert _json("reconcile", MODEL, settings=stack_settings)["changed"] == 2
-    assert _status_now(stack_settings, 0)["consistent"]
+    assert _status(stack_settings, 0)["consistent"]
 
     clients = build_clients(stack_settings)
     assert clients.registry is not None and clients.storage is not None
     try:
         clients.registry.set_alias(MODEL, "production", versions[1])
-        moved = _status_now(stack_settings, 1)
+        moved = _status(stack_settings, 1)
         assert [d["kind"] for d in moved["disagreements"]] == ["alias"]
         assert moved["next"].startswith(f"`modelship swap {MODEL} --to {v1}`")
         assert _json("swap", MODEL, "--to", str(v1), settings=stack_settings)["repaired"]
-        assert _status_now(stack_settings, 0)["aliases"]["production"] == v1
+        assert _status(stack_settings, 0)["aliases"]["production"] == v1
 
         # A release whose process is gone, still `running` in the ledger.
         gone = subprocess.Popen(["true"])
@@ -303,12 +343,12 @@ def test_status_compares_the_fleet_with_the_pin_the_alias_and_the_ledger(
         dead.holder["pid"] = gone.pid
         dead.stages.append(StageEntry("check", now_iso()))
         Ledger(clients.storage).write(dead)
-        found = _status_now(stack_settings, 1)
+        found = _status(stack_settings, 1)
         assert [d["kind"] for d in found["disagreements"]] == ["dead_release"]
         assert found["record"]["id"] == dead.id and found["record"]["process"] == "dead"
         assert found["next"].startswith(f"`modelship reconcile {MODEL}`")
         _json("reconcile", MODEL, settings=stack_settings)
-        assert _status_now(stack_settings, 0)["record"]["status"] == "interrupted"
+        assert _status(stack_settings, 0)["record"]["status"] == "interrupted"
     finally:
         clients.registry.set_alias(MODEL, "production", v1)
         clients.close()
@@ -320,6 +360,29 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _reads_ended(before: ProcessState) -> None:
+    """Wait until every read status gave up on has ended, then put back what it changed.
+
+    A read that missed status's deadline goes on in its daemon thread, retrying; in the
+    console script the process's exit ends it, in this process it outlives the command, and
+    each MLflow try points MLflow's process-wide URIs and HTTP variables at the server that
+    did not answer. No later test in this worker may inherit them.
+    """
+    end = time.monotonic() + READS_END_S
+    for thread in threading.enumerate():
+        if thread.name.startswith("status-"):
+            thread.join(max(0.0, end - time.monotonic()))
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("status-")]
+    assert not alive, f"reads still running {READS_END_S:g} s after status ended: {alive}"
+    tracking, registry = before.mlflow_uris
+    if tracking is not None:
+        assert tracking == registry, before.mlflow_uris  # point_mlflow_at sets both
+        point_mlflow_at(tracking)
+    os.environ.clear()
+    os.environ.update(before.environ)
+    assert process_state().mlflow_uris == before.mlflow_uris
+
+
 DEPENDENCIES = [
     ("mlflow", "MLFLOW_TRACKING_URI", "http://127.0.0.1:{port}"),
     ("s3", "MODELSHIP_S3_ENDPOINT", "http://127.0.0.1:{port}"),
@@ -329,13 +392,15 @@ DEPENDENCIES = [
 
 @pytest.mark.parametrize(("source", "variable", "url"), DEPENDENCIES)
 def test_status_answers_with_one_dependency_down_and_says_which(
-        stack_settings: Settings, versions: tuple[int, int], source: str, variable: str,
-        url: str) -> None:
+        stack_settings: Settings, versions: tuple[int, int], first_deploy: dict[str, Any],
+        source: str, variable: str, url: str) -> None:
     """A stopped server refuses connections: the replicas are still compared with what
     did answer, the note names the one that did not, and nothing else is wrong (exit 0)."""
     v1, _ = versions
-    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    _serving(stack_settings, v1)
+    before = process_state()
     doc = _status(stack_settings, 0, env={variable: url.format(port=_closed_port())})
+    _reads_ended(before)
     assert [u["source"] for u in doc["unreachable"]] == [source]
     assert doc["consistent"] and doc["production_version"] == v1
     assert [r["ready_versions"] for r in doc["replicas"]] == [[v1], [v1]]
@@ -343,25 +408,39 @@ def test_status_answers_with_one_dependency_down_and_says_which(
                for n in doc["notes"])
 
 
-@pytest.mark.parametrize(("source", "variable", "url"), DEPENDENCIES)
+#: S3 hung through the console script, the case CI failed on in session 22: in a fresh process
+#: every client's imports (MLflow's took ~4 s, more under load) happen inside the command and
+#: must not count against the deadline, or MLflow is blamed for S3's silence. The others
+#: in-process, timing status alone.
+HANGS = [(*DEPENDENCIES[0], run_inprocess), (*DEPENDENCIES[1], run_cli),
+         (*DEPENDENCIES[2], run_inprocess)]
+
+
+@pytest.mark.parametrize(("source", "variable", "url", "run"), HANGS,
+                         ids=["mlflow", "s3-console-script", "prefect"])
 def test_status_ends_within_its_deadline_when_a_dependency_hangs(
-        stack_settings: Settings, versions: tuple[int, int], source: str, variable: str,
-        url: str) -> None:
+        stack_settings: Settings, versions: tuple[int, int], first_deploy: dict[str, Any],
+        source: str, variable: str, url: str,
+        run: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     """A server that accepts connections and never answers is reported unreachable once
     the read's deadline (2 x MODELSHIP_HTTP_TIMEOUT_S) has passed; the rest is compared."""
     v1, _ = versions
-    _json("swap", MODEL, "--to", str(v1), "--force", settings=stack_settings)
+    _serving(stack_settings, v1)
+    before = process_state()
     with socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
         hung.listen(16)  # connections complete in the backlog; nothing ever answers
         env = {variable: url.format(port=hung.getsockname()[1]),
                "MODELSHIP_HTTP_TIMEOUT_S": "3"}
         began = time.monotonic()
-        doc = _status(stack_settings, 0, env=env)
+        done = run("status", MODEL, "--json", home=stack_settings.home, env=env)
         elapsed = time.monotonic() - began
+    _reads_ended(before)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    doc = json.loads(done.stdout)
     assert [u["source"] for u in doc["unreachable"]] == [source]
     assert doc["production_version"] == v1
-    # The deadline (6 s here), started once the clients are built, plus the CLI's start-up
-    # and imports (10-20 s on a loaded machine); far below what retrying clients took
-    # against a hung server (minutes, in issue 18).
-    assert elapsed < 60, elapsed
+    # The deadline (6 s here) plus the command's own work; through the console script also
+    # its start-up and imports (10-20 s on a loaded machine). Far below what retrying
+    # clients took against a hung server (minutes, in issue 18).
+    assert elapsed < (60 if run is run_cli else 30), elapsed
