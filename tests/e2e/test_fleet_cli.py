@@ -27,13 +27,13 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from model_registry.client import point_mlflow_at
 from modelship.clients import build_clients
 from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.locks import release_lock
@@ -47,7 +47,7 @@ from modelship.triton.model_config import (
 )
 from tests import models
 from tests.conftest import run_cli, start_cli
-from tests.inprocess import ProcessState, process_state, run_inprocess
+from tests.inprocess import process_state, run_inprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -360,26 +360,36 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _reads_ended(before: ProcessState) -> None:
-    """Wait until every read status gave up on has ended, then put back what it changed.
+@contextmanager
+def _abandoned_reads_end() -> Iterator[None]:
+    """After the block, wait until every read status gave up on has ended, then put back
+    what those reads changed in this process.
 
     A read that missed status's deadline goes on in its daemon thread, retrying; in the
-    console script the process's exit ends it, in this process it outlives the command, and
-    each MLflow try points MLflow's process-wide URIs and HTTP variables at the server that
-    did not answer. No later test in this worker may inherit them.
+    console script the process's exit ends it, here it outlives the command, and each
+    MLflow try points MLflow's process-wide URIs (and their variables) at the server that
+    did not answer, forgetting the active experiment. No later test in this worker may
+    inherit that.
     """
-    end = time.monotonic() + READS_END_S
-    for thread in threading.enumerate():
-        if thread.name.startswith("status-"):
-            thread.join(max(0.0, end - time.monotonic()))
+    import mlflow  # imported already: the versions were registered in this process
+    from mlflow.tracking import fluent
+
+    before, experiment = process_state(), fluent._active_experiment_id
+    try:
+        yield
+    finally:
+        end = time.monotonic() + READS_END_S
+        for thread in threading.enumerate():
+            if thread.name.startswith("status-"):
+                thread.join(max(0.0, end - time.monotonic()))
+        if process_state().mlflow_uris != before.mlflow_uris:
+            mlflow.set_tracking_uri(before.mlflow_uris[0])
+            mlflow.set_registry_uri(before.mlflow_uris[1])
+        fluent._active_experiment_id = experiment
+        os.environ.clear()
+        os.environ.update(before.environ)
     alive = [t.name for t in threading.enumerate() if t.name.startswith("status-")]
     assert not alive, f"reads still running {READS_END_S:g} s after status ended: {alive}"
-    tracking, registry = before.mlflow_uris
-    if tracking is not None:
-        assert tracking == registry, before.mlflow_uris  # point_mlflow_at sets both
-        point_mlflow_at(tracking)
-    os.environ.clear()
-    os.environ.update(before.environ)
     assert process_state().mlflow_uris == before.mlflow_uris
 
 
@@ -398,9 +408,8 @@ def test_status_answers_with_one_dependency_down_and_says_which(
     did answer, the note names the one that did not, and nothing else is wrong (exit 0)."""
     v1, _ = versions
     _serving(stack_settings, v1)
-    before = process_state()
-    doc = _status(stack_settings, 0, env={variable: url.format(port=_closed_port())})
-    _reads_ended(before)
+    with _abandoned_reads_end():
+        doc = _status(stack_settings, 0, env={variable: url.format(port=_closed_port())})
     assert [u["source"] for u in doc["unreachable"]] == [source]
     assert doc["consistent"] and doc["production_version"] == v1
     assert [r["ready_versions"] for r in doc["replicas"]] == [[v1], [v1]]
@@ -426,8 +435,7 @@ def test_status_ends_within_its_deadline_when_a_dependency_hangs(
     the read's deadline (2 x MODELSHIP_HTTP_TIMEOUT_S) has passed; the rest is compared."""
     v1, _ = versions
     _serving(stack_settings, v1)
-    before = process_state()
-    with socket.socket() as hung:
+    with _abandoned_reads_end(), socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
         hung.listen(16)  # connections complete in the backlog; nothing ever answers
         env = {variable: url.format(port=hung.getsockname()[1]),
@@ -435,7 +443,6 @@ def test_status_ends_within_its_deadline_when_a_dependency_hangs(
         began = time.monotonic()
         done = run("status", MODEL, "--json", home=stack_settings.home, env=env)
         elapsed = time.monotonic() - began
-    _reads_ended(before)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     doc = json.loads(done.stdout)
     assert [u["source"] for u in doc["unreachable"]] == [source]
