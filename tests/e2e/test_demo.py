@@ -1,7 +1,11 @@
 """`modelship demo --json`: the main job end to end on the session's stack; the Prefect UI
 pages it links to, in a real headless Chromium; then `stack down && stack up`, twice, with
 everything the demo left still there (ports, keys, data, links), and a new version of the
-demo's model trained and released through the restarted stack in between.
+demo's model released through the restarted stack in between.
+
+The demo runs with its own policy (policies/demo-fraud.yaml, what `make demo` releases
+with) and only the durations of its load and watches shortened (:data:`FASTER`): every
+rule, test, threshold and stage stays, and the demo's code path is the same.
 """
 
 from __future__ import annotations
@@ -14,41 +18,108 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+import yaml
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 
 from modelship.clients import build_clients
 from modelship.jsonable import jsonable
+from modelship.policy import load_policy
 from modelship.settings import Settings
 from modelship.stack import manager
-from tests.conftest import mlflow_pointers_hidden, run_cli, stack_settings_at
+from tests.conftest import ROOT, mlflow_pointers_hidden, run_cli, stack_settings_at
 from tests.e2e.test_approvals_browser import browser  # noqa: F401 - the Chromium fixture
 from tests.inprocess import run_inprocess
 from tests.integration.test_prefect_deployments import POLICY as WORKER_RUN_POLICY
-from tests.models import write_policy
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "demo-fraud"
-#: The release through the restarted stack: every stage runs (check, stage, canary, swap,
-#: bake, record), with the short windows of the worker-run releases; what it proves is that
-#: the restarted servers carry a release, not the gates' power.
-RESTART_POLICY = WORKER_RUN_POLICY
+#: What `make demo` releases with.
+SHIPPED_POLICY = ROOT / "policies" / f"{MODEL}.yaml"
+#: What this file changes in it: how long the load and the watches last, never what is
+#: judged. The canary: 1-s windows that count as stable at once (a busy machine otherwise
+#: holds the stability round to its cap; the round is tested in test_canary), and the error
+#: rule sized to catch +1 % instead of +0.1 % (`effect`: 300 requests instead of 10,264; the
+#: budget, the test and the verdict are the shipped ones; the p99 rule's own floor, 3,100
+#: requests per version, still sizes v2's canary). The bake: 2 s after the swap against a
+#: 3-s reference, in 1-s windows (shipped: 10 s against 6 s, in 2-s windows).
+FASTER: dict[str, Any] = {
+    "canary": {"window_s": 1.0, "stability_pct": 100.0},
+    "gates": {"error_rate": {"effect": 0.01}},
+    "bake": {"duration_s": 2.0, "window_s": 1.0, "baseline_s": 3.0},
+}
+#: The policy sections a check's result depends on (tasks/check_cache.POLICY_SECTIONS):
+#: the release through the restarted stack takes the demo's, so that its check of the
+#: demo's bytes is the demo's cached one.
+CHECKED_SECTIONS = ("export", "validation", "triton")
 #: What stack.json must keep across a restart besides the endpoints: every credential and
 #: key that data or a link recorded before depends on.
 KEPT_KEYS = ("access_key", "secret_key", "slack_token", "slack_signing_secret",
              "manifest_signing_key", "mlflow_webhook_secret", "mlflow_webhook_key", "gateway")
 
 
-def _demo(home: Path) -> dict[str, Any]:
-    done = run_cli("demo", "--json", home=home, timeout=900)
+def faster(shipped: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """The policy document ``shipped`` with ``changes`` applied: a section's keys set, a
+    gate's keys set by the gate's name (pure). A change to a section or a gate that the
+    shipped policy does not have is refused, so a renamed one cannot go unnoticed."""
+    doc = json.loads(json.dumps(shipped))  # a deep copy
+    for section, keys in changes.items():
+        if section == "gates":
+            gates = {gate["name"]: gate for gate in doc["gates"]}
+            for name, gate_keys in keys.items():
+                gates[name].update(gate_keys)  # KeyError: no such gate
+        else:
+            assert section in doc, section
+            doc[section].update(keys)
+    return dict(doc)
+
+
+def test_faster_changes_durations_only() -> None:
+    shipped = yaml.safe_load(SHIPPED_POLICY.read_text())
+    doc = faster(shipped, FASTER)
+    by_name = {g["name"]: g for g in shipped["gates"]}
+    assert {g["name"]: g for g in doc["gates"]} == {
+        **by_name, "error_rate": {**by_name["error_rate"], "effect": 0.01}}
+    assert doc["canary"] == {**shipped["canary"], "window_s": 1.0, "stability_pct": 100.0}
+    assert {k: v for k, v in doc.items() if k not in FASTER} == \
+        {k: v for k, v in shipped.items() if k not in FASTER}
+    assert [g["name"] for g in doc["gates"]] == [g["name"] for g in shipped["gates"]]
+    with pytest.raises(KeyError):
+        faster(shipped, {"gates": {"no-such-gate": {"effect": 1.0}}})
+
+
+@pytest.fixture(scope="module")
+def demo_policies(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A policies folder with the demo model's shipped policy, :data:`FASTER` (validated),
+    and ``restart.yaml``: the release through the restarted stack, every stage with the
+    short windows and the error rule of the worker-run releases (what it proves is that
+    the restarted servers carry a release, not the gates' power; an identical candidate
+    would fail a latency rule at its α now and then), 1-s windows stable at once, and the
+    demo's :data:`CHECKED_SECTIONS`."""
+    folder = tmp_path_factory.mktemp("demo-policies")
+    shipped = yaml.safe_load(SHIPPED_POLICY.read_text())
+    path = folder / f"{MODEL}.yaml"
+    path.write_text(yaml.safe_dump(faster(shipped, FASTER)))
+    restart = {**faster(WORKER_RUN_POLICY, {"canary": FASTER["canary"]}),
+               **{key: shipped[key] for key in CHECKED_SECTIONS if key in shipped}}
+    (folder / "restart.yaml").write_text(yaml.safe_dump(restart))
+    load_policy(SHIPPED_POLICY)  # what `make demo` reads is valid too
+    for written in (path, folder / "restart.yaml"):
+        load_policy(written)
+    return folder
+
+
+def _demo(home: Path, policies: Path) -> dict[str, Any]:
+    done = run_cli("demo", "--json", home=home, timeout=900,
+                   env={"MODELSHIP_POLICIES_DIR": str(policies)})
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout))  # exactly one JSON document, nothing else on stdout
 
 
 @pytest.fixture(scope="module")
-def first_demo(stack_settings: Settings) -> dict[str, Any]:
-    return _demo(stack_settings.home)
+def first_demo(stack_settings: Settings, demo_policies: Path) -> dict[str, Any]:
+    return _demo(stack_settings.home, demo_policies)
 
 
 def test_demo_releases_v1_then_v2_through_the_promote_flow(stack_settings: Settings,
@@ -64,7 +135,8 @@ def test_demo_releases_v1_then_v2_through_the_promote_flow(stack_settings: Setti
     agreement = next(r for r in second["gates"]["results"] if r["rule"] == "agreement")
     assert agreement["verdict"] != "failed", agreement
     assert agreement["value"] is None or agreement["value"] >= 0.9, agreement
-    status = json.loads(run_cli("status", MODEL, "--json", home=stack_settings.home).stdout)
+    # `modelship status` through the console script's own function, in this process
+    status = json.loads(run_inprocess("status", MODEL, "--json", home=stack_settings.home).stdout)
     assert status["consistent"]
     if second["status"] == "released":
         assert status["production_version"] == second["to_version"] == \
@@ -212,17 +284,40 @@ def _links_open(settings: Settings, demo: dict[str, Any]) -> None:
                     f"{record['holder']['flow_run_id']}") == 200
 
 
-def _release_a_new_version(settings: Settings, tmp_path: Path) -> dict[str, Any]:
-    """Train and register the demo model's next version (the demo's own code) and release
-    it with ``modelship promote`` (in-process) through the stack."""
-    from modelship.cli.demo import train_and_register
+def _release_a_new_version(settings: Settings, policies: Path, production: int,
+                           workdir: Path) -> dict[str, Any]:
+    """Log the demo model's next version through the restarted MLflow (a new run of the
+    demo's experiment: the artifacts and golden rows of the version in production, copied)
+    and release it with ``modelship promote`` (in-process) through the stack
+    (``restart.yaml`` of :func:`demo_policies`). Every stage runs (check, stage, canary,
+    swap, bake, record); the check finds the demo's passed check of the same bytes in the
+    stack's check cache (tasks/check_cache.py: what MLflow writes per run is not part of
+    the key; the cache is kept in the home across the restart), so the export and the
+    trial load are not paid twice: what this proves is that the restarted servers take a
+    new version and carry its release, not the check (the demo checks fresh bytes)."""
+    import mlflow
 
+    from model_registry.client import point_mlflow_at
+    from model_registry.golden import GOLDEN_ARTIFACT
+
+    uri = str(settings.mlflow_tracking_uri)
     with mlflow_pointers_hidden():
-        version = train_and_register(str(settings.mlflow_tracking_uri), name=MODEL,
-                                     strength=0.1, seed=1)
-    policy = write_policy(tmp_path / "restart-policy.yaml", RESTART_POLICY)
-    done = run_inprocess("promote", MODEL, "--version", str(version), "--policy", str(policy),
-                         "--json", home=settings.home)
+        point_mlflow_at(uri)
+        client = mlflow.MlflowClient()
+        served = client.get_model_version(MODEL, str(production))
+        model_dir = mlflow.artifacts.download_artifacts(
+            f"models:/{MODEL}/{production}", dst_path=str(workdir / "model"))
+        (Path(model_dir) / "registered_model_meta").unlink(missing_ok=True)  # MLflow's own
+        golden = client.download_artifacts(served.run_id, GOLDEN_ARTIFACT,
+                                           str(workdir / "golden"))
+        experiment = client.get_experiment_by_name("modelship-demo")
+        assert experiment is not None
+        with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
+            mlflow.log_artifacts(model_dir, artifact_path="model")
+            mlflow.log_artifact(golden, artifact_path="golden")
+        version = int(mlflow.register_model(f"runs:/{run.info.run_id}/model", MODEL).version)
+    done = run_inprocess("promote", MODEL, "--version", str(version), "--policy",
+                         str(policies / "restart.yaml"), "--json", home=settings.home)
     assert done.returncode == 0, done.stderr[-3000:]
     record = dict(json.loads(done.stdout))
     assert record["to_version"] == version
@@ -230,7 +325,8 @@ def _release_a_new_version(settings: Settings, tmp_path: Path) -> dict[str, Any]
 
 
 def test_the_stack_restarts_with_its_data_and_a_release_runs_through_it(
-        stack_settings: Settings, first_demo: dict[str, Any], tmp_path: Path) -> None:
+        stack_settings: Settings, first_demo: dict[str, Any], demo_policies: Path,
+        tmp_path: Path) -> None:
     home = stack_settings.home
     before, keys = _snapshot(stack_settings), _kept(home)
     assert before["production"] is not None and before["registered"] and before["staged"]
@@ -242,7 +338,8 @@ def test_the_stack_restarts_with_its_data_and_a_release_runs_through_it(
     # the links the demo printed still open ...
     _links_open(stack_settings, first_demo)
     # ... and a new version is released through the restarted stack.
-    again = _release_a_new_version(stack_settings, tmp_path)
+    again = _release_a_new_version(stack_settings, demo_policies, before["production"],
+                                   tmp_path)
     assert again["status"] == "released"
     assert again["from_version"] == before["production"]
     grown = _snapshot(stack_settings)
