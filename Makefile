@@ -82,9 +82,9 @@ lint: install
 	$(BIN)/lint-imports --no-cache  # the layer contracts in pyproject.toml (README "Layers")
 
 # The whole suite on both cores (pytest-xdist). Each test file is one unit of work (its module
-# fixtures stay in one process) and each worker starts its own session stack; the fault
-# matrix is cut into two halves, one per worker, and the units go out heaviest first, so
-# the two workers end together (tests/conftest.py: its scheduler, FILE_SECONDS, SPLIT).
+# fixtures stay in one process) and each worker starts its own session stack; the units
+# go out heaviest first, so the two workers end together (tests/conftest.py: its
+# scheduler, FILE_SECONDS, SPLIT).
 # --durations=25 prints where the time went.
 # The canary's latency tests run alone: they measure latency, and the other worker's
 # promotions make it bursty (lag-1 autocorrelation 0.59 measured), so the block test, which

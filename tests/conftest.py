@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -100,9 +101,9 @@ pytest_plugins = ["tests.stack_fixtures"]
 #: A file missing here is estimated from its number of tests (:data:`SECONDS_PER_TEST`).
 #: Refresh from a run's ``--durations=0`` when a file's weight changes a lot.
 FILE_SECONDS = {
-    "tests/e2e/test_crash.py": 340, "tests/e2e/test_promote.py": 300,
-    "tests/e2e/test_fleet_cli.py": 300, "tests/e2e/test_demo.py": 200,
-    "tests/integration/test_prefect_deployments.py": 170, "tests/e2e/test_bake_traffic.py": 160,
+    "tests/e2e/test_crash.py": 380, "tests/e2e/test_promote.py": 230,
+    "tests/e2e/test_fleet_cli.py": 160, "tests/e2e/test_demo.py": 150,
+    "tests/integration/test_prefect_deployments.py": 110, "tests/e2e/test_bake_traffic.py": 150,
     "tests/e2e/test_progressive.py": 125, "tests/e2e/test_nightly.py": 90,
     "tests/integration/test_artifact_gate.py": 80, "tests/integration/test_stack_heal.py": 80,
     "tests/integration/test_approvals_flow.py": 75, "tests/e2e/test_shadow.py": 75,
@@ -194,8 +195,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
 def leftover_stack_homes(basetemp: Path) -> list[Path]:
     """The stack homes (a ``stack.json`` there) that the workers' fixtures and tests made:
     ``<basetemp>/popen-gwN/<tmp dir>/.modelship``, where ``mktemp`` and ``tmp_path`` put
-    them (a stack.json deeper down is a test's own fixture data, not a stack)."""
-    return sorted(path.parent for path in basetemp.glob("popen-gw*/*/.modelship/stack.json"))
+    them (a stack.json deeper down is a test's own fixture data, not a stack; so is one that
+    is not a JSON object: the product writes its stack.json whole, tests corrupt theirs)."""
+    return sorted(path.parent for path in basetemp.glob("popen-gw*/*/.modelship/stack.json")
+                  if _json_object(path))
+
+
+def _json_object(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

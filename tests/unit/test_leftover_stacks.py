@@ -18,4 +18,7 @@ def test_the_stack_homes_under_the_workers_temp_directories_are_found(tmp_path: 
                   tmp_path / "popen-gw0" / "test_x0" / "deep" / ".modelship"):  # test data
         other.mkdir(parents=True)
         (other / "stack.json").write_text("{}")
+    corrupt = tmp_path / "popen-gw1" / "test_corrupt0" / ".modelship"  # a test's own data
+    corrupt.mkdir(parents=True)
+    (corrupt / "stack.json").write_text("{not json")
     assert leftover_stack_homes(tmp_path) == sorted(homes)
