@@ -222,7 +222,23 @@ def up(
         raise UsageError(f"--replicas must be at least 1, got {replicas}",
                          hint="pass --replicas 1 or more (the canary comes on top)")
     with home_lock(settings, progress):
-        return _up_locked(settings, replicas, base_port, progress, on_ready)
+        try:
+            return _up_locked(settings, replicas, base_port, progress, on_ready)
+        except StackError as exc:
+            if base_port is not None or not port_taken(exc):
+                raise
+            # Free ports are picked, released, then bound by the server: another process
+            # (a second stack starting at the same moment) can bind one in between.
+            progress(f"{exc.details.get('component', 'a server')} found a port taken by "
+                     "another process while starting; starting again on new ports")
+            return _up_locked(settings, replicas, base_port, progress, on_ready)
+
+
+def port_taken(exc: StackError) -> bool:
+    """Whether a startup failed because another process held one of the ports (the
+    server's own words in its log tail, or readiness answered by a stranger). Pure."""
+    text = exc.message.lower()
+    return "already in use" in text or "another process listens on port" in text
 
 
 def _up_locked(settings: Settings, replicas: int, base_port: int | None, progress: Progress,

@@ -168,6 +168,7 @@ def wait_ready(
 ) -> float:
     """Poll ``check`` until it passes; fail fast if the process dies. Returns seconds waited."""
     started = time.monotonic()
+    strangers: list[int] = []
     while True:
         if proc is not None and proc.poll() is not None:
             raise StackError(
@@ -179,13 +180,20 @@ def wait_ready(
             )
         try:
             if check():
-                return time.monotonic() - started
+                # The answer may come from another process on a port this one has not
+                # bound yet (two stacks that picked the same free port at once): ready
+                # only once no stranger listens on its ports; it binds them, or exits.
+                strangers = foreign_listeners(record)
+                if not strangers:
+                    return time.monotonic() - started
         except Exception:  # noqa: BLE001 - any failure of a probe just means "not yet"
             pass
         if time.monotonic() - started > deadline_s:
+            taken = (f" (another process listens on port(s) {', '.join(map(str, strangers))}"
+                     ")" if strangers else "")
             raise StackError(
-                f"{record.name} was not ready after {deadline_s:.0f} s; see {record.log}:\n"
-                f"{log_tail(record.log)}",
+                f"{record.name} was not ready after {deadline_s:.0f} s{taken}; see "
+                f"{record.log}:\n{log_tail(record.log)}",
                 hint=f"read {record.log}; the machine may be overloaded: retry "
                 "`modelship stack up`, or give it longer with MODELSHIP_STACK_READY_TIMEOUT_S "
                 f"(now {deadline_s:.0f})",
@@ -193,6 +201,54 @@ def wait_ready(
                 log=record.log,
             )
         time.sleep(interval_s)
+
+
+def listening_sockets(proc_net: Path = Path("/proc/net")) -> dict[int, set[int]]:
+    """Port -> the inodes of the TCP sockets listening on it (``/proc/net/tcp`` and
+    ``tcp6``; empty where there is no such file)."""
+    found: dict[int, set[int]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = (proc_net / name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A":  # TCP_LISTEN
+                port = int(fields[1].rsplit(":", 1)[1], 16)
+                found.setdefault(port, set()).add(int(fields[9]))
+    return found
+
+
+def group_sockets(pgid: int, proc: Path = Path("/proc")) -> set[int]:
+    """The inodes of the sockets the processes of group ``pgid`` hold open."""
+    inodes: set[int] = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # the group is the 3rd field after the parenthesised command (which may hold
+            # spaces or parentheses of its own)
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+        except (OSError, ValueError, IndexError):
+            continue  # it ended meanwhile, or is not ours to read
+    return inodes
+
+
+def foreign_listeners(record: ProcessRecord, *, proc: Path = Path("/proc")) -> list[int]:
+    """The recorded ports on which a process outside the record's process group listens
+    (none where ``/proc`` cannot tell)."""
+    listening = listening_sockets(proc / "net")
+    busy = {port: listening[port] for port in record.ports if port in listening}
+    if not busy:
+        return []
+    ours = group_sockets(record.pgid if record.pgid is not None else record.pid, proc)
+    return sorted(port for port, inodes in busy.items() if not inodes <= ours)
 
 
 SHM_PREFIX = "/dev/shm/triton_"
