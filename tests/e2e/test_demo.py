@@ -247,11 +247,16 @@ def _snapshot(settings: Settings) -> dict[str, Any]:
 
 
 def _restart(settings: Settings) -> float:
+    """``modelship stack down && modelship stack up --replicas 2``, through the console
+    script's own function in this process (:func:`tests.inprocess.run_inprocess`: the same
+    arguments, exit codes and servers, without two CLI start-ups per restart; the console
+    script's ``stack up``/``down`` contract is tests/e2e/test_stack_cli.py's and
+    tests/integration/test_stack_heal.py's)."""
     home = settings.home
-    down = run_cli("stack", "down", home=home, timeout=120)
+    down = run_inprocess("stack", "down", home=home)
     assert down.returncode == 0, down.stderr[-2000:]
     started = time.monotonic()
-    up = run_cli("stack", "up", "--replicas", "2", home=home, timeout=400)
+    up = run_inprocess("stack", "up", "--replicas", "2", home=home)
     assert up.returncode == 0, up.stderr[-3000:]
     return time.monotonic() - started
 
