@@ -19,37 +19,46 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("modelship", "tasks", "flows", "model_registry", "bench")
 
 
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
 def _import_groups(tree: ast.Module) -> Iterator[tuple[int, int]]:
-    """(first line, last line) of each run of imports in a function body, once each."""
-    seen = set()
-    for func in ast.walk(tree):
-        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
-            continue
-        for node in ast.walk(func):
-            for _, value in ast.iter_fields(node):
-                if not (isinstance(value, list) and value and isinstance(value[0], ast.stmt)):
+    """(first line, last line) of each run of imports in a statement list inside a function
+    (its body, or any block or class nested in it), in one pass over the tree."""
+    stack: list[tuple[ast.AST, bool]] = [(tree, False)]
+    while stack:
+        node, inside = stack.pop()
+        inside = inside or isinstance(node, FUNCTIONS)
+        for _, value in ast.iter_fields(node):
+            if isinstance(value, ast.AST):
+                stack.append((value, inside))
+                continue
+            if not isinstance(value, list):
+                continue
+            stack.extend((child, inside) for child in value if isinstance(child, ast.AST))
+            if not (inside and value and isinstance(value[0], ast.stmt)):
+                continue
+            i = 0
+            while i < len(value):
+                if not isinstance(value[i], ast.Import | ast.ImportFrom):
+                    i += 1
                     continue
-                i = 0
-                while i < len(value):
-                    if not isinstance(value[i], ast.Import | ast.ImportFrom):
-                        i += 1
-                        continue
-                    j = i
-                    while j + 1 < len(value) and isinstance(value[j + 1],
-                                                            ast.Import | ast.ImportFrom):
-                        j += 1
-                    first, last = value[i].lineno, value[j].end_lineno or value[j].lineno
-                    if first not in seen:
-                        seen.add(first)
-                        yield first, last
-                    i = j + 1
+                j = i
+                while j + 1 < len(value) and isinstance(value[j + 1], ast.Import | ast.ImportFrom):
+                    j += 1
+                yield value[i].lineno, value[j].end_lineno or value[j].lineno
+                i = j + 1
 
 
 def unexplained(source: str) -> list[int]:
-    """The first line of each function-level import group without a reason comment."""
+    """The first line of each function-level import group without a reason comment (the
+    source is tokenized only when it has such a group)."""
+    groups = list(_import_groups(ast.parse(source)))
+    if not groups:
+        return []
     comments = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
                 if tok.type == tokenize.COMMENT}
-    return sorted(first for first, last in _import_groups(ast.parse(source))
+    return sorted(first for first, last in groups
                   if not comments & set(range(first - 1, last + 1)))
 
 
@@ -74,9 +83,10 @@ def test_every_function_level_import_says_why() -> None:
     offenders = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            lines = path.read_text().splitlines()
+            source = path.read_text()
+            lines = source.splitlines()
             offenders += [f"{path.relative_to(ROOT)}:{n}: {lines[n - 1].strip()}"
-                          for n in unexplained(path.read_text())]
+                          for n in unexplained(source)]
     assert not offenders, (
         "function-level imports without a reason: move each to the module's top-level "
         "imports, or keep it and say why on the line before (e.g. `# lazy: boto3 costs "
