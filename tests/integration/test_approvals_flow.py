@@ -36,6 +36,8 @@ from modelship.policy import Policy
 from modelship.settings import Settings
 from modelship.slack.client import SlackClient
 from modelship.slack.notifier import NullNotifier, SlackNotifier
+from modelship.triton.infer import TritonInference
+from modelship.triton.model_config import from_pbtxt, to_json, with_versions
 from tasks.approve import (
     WATCHER,
     ApprovalChannels,
@@ -46,7 +48,7 @@ from tasks.approve import (
     canary_cleanup,
     evidence_watch,
 )
-from tasks.canary import KEPT_LOADED, run_canary, sequential_config
+from tasks.canary import KEPT_LOADED, CanaryResult, run_canary, sequential_config, wait_ready
 from tasks.evidence import release_candidate
 from tasks.record import ReleaseJournal
 from tests import models
@@ -303,6 +305,47 @@ def _inferences(clients: Clients, version: int) -> int:
     return int(found[0].get("inference_stats", {}).get("success", {}).get("count", 0))
 
 
+@pytest.fixture(scope="module")
+def kept(stack_settings: Settings, watched: tuple[Clients, int, ReleaseCandidate],
+         tmp_path_factory: pytest.TempPathFactory) -> CanaryResult:
+    """The canary a release that waits for an approval runs, once for the module:
+    ``run_canary(keep_loaded=True)`` measures and judges the candidate against the baseline
+    and leaves both versions loaded on the canary Triton for the wait. The tests below take
+    them over from there (:func:`_held_loaded`); measuring the same canary again for each
+    would prove nothing more."""
+    clients, baseline, release = watched
+    result = run_canary(stack_settings, clients, Policy.model_validate(WATCH_POLICY),
+                        model=WATCHED, candidate=release.version, baseline=baseline,
+                        report_dir=tmp_path_factory.mktemp("kept") / "report",
+                        keep_loaded=True, release=release)
+    assert result.cleanup == KEPT_LOADED
+    assert _loaded(clients) == sorted([str(baseline), str(release.version)])
+    return result
+
+
+def _held_loaded(settings: Settings, clients: Clients, baseline: int,
+                 release: ReleaseCandidate) -> None:
+    """Both versions loaded on the canary as :func:`kept`'s canary left them. After an
+    earlier test's decision unloaded them, they are loaded again as the canary loads them
+    (one config naming both versions, staged in S3) and answer once, as after the canary's
+    load."""
+    versions = [baseline, release.version]
+    if _loaded(clients) != sorted(str(v) for v in versions):
+        canary_cleanup(clients, WATCHED)
+        assert clients.canary is not None
+        config = with_versions(from_pbtxt(release.config_pbtxt), versions)
+        clients.canary.load_model(WATCHED, config_json=to_json(config))
+        wait_ready(clients.canary, WATCHED, versions, settings.control_timeout_s)
+        inference = TritonInference(clients.canary.endpoint.http, timeout_s=30)
+        try:
+            for version in versions:
+                inference.infer(WATCHED, release.rows(1), outputs=["label"],
+                                version=str(version))
+        finally:
+            inference.close()
+    assert _loaded(clients) == sorted(str(v) for v in versions)
+
+
 @flow(name="approve-watched")
 def watched_flow(key: str, timeout_s: int) -> dict[str, Any]:
     box = BOXES[key]
@@ -329,15 +372,11 @@ def watched_flow(key: str, timeout_s: int) -> dict[str, Any]:
 @pytest.mark.parametrize("outcome", ["approve", "reject", "expire", "canary_lost"])
 def test_the_candidate_stays_loaded_and_probed_while_waiting_then_is_unloaded(
         stack_settings: Settings, watched: tuple[Clients, int, ReleaseCandidate],
-        tmp_path: Path, outcome: str) -> None:
+        kept: CanaryResult, outcome: str) -> None:
     clients, baseline, release = watched
     candidate = release.version
     policy = Policy.model_validate(WATCH_POLICY)
-    result = run_canary(stack_settings, clients, policy, model=WATCHED, candidate=candidate,
-                        baseline=baseline, report_dir=tmp_path / "report", keep_loaded=True,
-                        release=release)
-    assert result.cleanup == KEPT_LOADED
-    assert _loaded(clients) == sorted([str(baseline), str(candidate)])
+    _held_loaded(stack_settings, clients, baseline, release)  # as the kept canary left them
     digest = release.digest
     # The replicas do not serve this model: the watch looks at the canary only.
     canary_only = dataclasses.replace(clients, replicas=[])
@@ -407,7 +446,7 @@ def test_an_infrastructure_finding_fails_the_release_not_the_candidate(
 
 def test_the_bake_probe_records_per_request_latencies_on_a_real_triton(
         stack_settings: Settings, watched: tuple[Clients, int, ReleaseCandidate],
-        tmp_path: Path) -> None:
+        kept: CanaryResult) -> None:
     """The bake's window (tasks/bake.py measure_window) keeps each answered probe
     request's client latency, the samples of the always-valid latency rules, next to
     Triton's server-side mean; two windows of the same version judge as passed."""
@@ -416,10 +455,7 @@ def test_the_bake_probe_records_per_request_latencies_on_a_real_triton(
 
     clients, baseline, release = watched
     candidate = release.version
-    policy = Policy.model_validate(WATCH_POLICY)
-    run_canary(stack_settings, clients, policy, model=WATCHED, candidate=candidate,
-               baseline=baseline, report_dir=tmp_path / "report", keep_loaded=True,
-               release=release)
+    _held_loaded(stack_settings, clients, baseline, release)  # as the kept canary left them
     try:
         assert clients.canary is not None
         payload = release.rows(16)
