@@ -193,7 +193,8 @@ def test_good_onnx_candidate_with_external_data_passes(
         info = mlflow.onnx.log_model(models.sklearn_onnx(), name="model",
                                      registered_model_name="gate-onnx",
                                      signature=models.tensor_signature(),
-                                     save_as_external_data=True)
+                                     save_as_external_data=True,
+                                     pip_requirements=models.ONNX_REQUIREMENTS)
     report = _check(stack_settings, clients, tmp_path, model="gate-onnx",
                     version=int(info.registered_model_version))
     assert report.verdict == "passed"
@@ -207,7 +208,8 @@ def test_onnx_candidate_without_signature_gets_golden_rows_from_its_graph(
     point_mlflow_at(str(stack_settings.mlflow_tracking_uri))
     with mlflow.start_run():
         info = mlflow.onnx.log_model(models.sklearn_onnx(), name="model",
-                                     registered_model_name="gate-nosig")
+                                     registered_model_name="gate-nosig",
+                                     pip_requirements=models.ONNX_REQUIREMENTS)
     report = _check(stack_settings, clients, tmp_path, model="gate-nosig",
                     version=int(info.registered_model_version))
     assert report.verdict == "passed"

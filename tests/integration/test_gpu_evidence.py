@@ -115,8 +115,8 @@ def staged(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory
     clients = build_clients(stack_settings)
     uri = str(stack_settings.mlflow_tracking_uri)
     versions = []
-    for seed in (0, 0):
-        version = models.register_sklearn(uri, MODEL, seed=seed)
+    for seed in (0, 0):  # one artifact twice: the second check is the cache's pass
+        version = models.register_sklearn(uri, MODEL, seed=seed, reuse=True)
         report = run_check(stack_settings, clients, Policy(), model=MODEL, version=version,
                            workdir=tmp_path_factory.mktemp(f"check{version}"), stage=True)
         assert report.verdict == "passed"

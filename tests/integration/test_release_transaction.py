@@ -28,6 +28,7 @@ from flows.check import run_check
 from model_registry.client import RegistryClient
 from modelship.clients import Clients, build_clients
 from modelship.errors import ReleaseCancelled, ReleaseIncomplete, ReleaseLocked
+from modelship.faults import RetryPolicy
 from modelship.ledger import Ledger, ReleaseRecord, StageEntry, now_iso
 from modelship.policy import Policy
 from modelship.settings import Settings
@@ -42,6 +43,8 @@ from tests import models
 pytestmark = pytest.mark.integration
 
 MODEL = "txn-release"
+#: Retries of a registry that is down for good: still retried, with short waits.
+DOWN_RETRY = RetryPolicy(attempts=2, first_backoff_s=0.05, max_backoff_s=0.05, budget_s=1.0)
 
 
 @dataclass
@@ -95,7 +98,10 @@ def test_mlflow_down_after_the_switch_ends_incomplete_and_the_next_command_finis
     assert _swap(s, s.v1)["status"] == "released"
     assert _truth(s) == ([s.v1], s.v1, {"production": s.v1})
 
-    down = replace(s.clients, registry=RegistryClient("http://127.0.0.1:9", timeout_s=2.0))
+    # MLflow down (a closed port): each call still retries, with short waits (the default
+    # policy's 1-2-4 s backoff would only add sleep to a refusal that is certain)
+    down = replace(s.clients, registry=RegistryClient("http://127.0.0.1:9", timeout_s=2.0,
+                                                      retry=DOWN_RETRY))
     with pytest.raises(ReleaseIncomplete) as incomplete:
         _swap(s, s.v2, clients=down)
     record = _read(s, incomplete.value.details["release_id"])

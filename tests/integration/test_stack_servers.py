@@ -54,8 +54,11 @@ def test_mlflow_registers_a_model_whose_artifacts_land_in_s3(stack_settings: Set
         mlflow.set_experiment("stack-test")
         model = LogisticRegression().fit([[0.0], [1.0], [2.0], [3.0]], [0, 0, 1, 1])
         with mlflow.start_run():
+            # explicit requirements, as the product's own logs do: without them MLflow
+            # infers them in a Python subprocess that loads the model (~10 CPU-s)
             info = mlflow.sklearn.log_model(model, name="model",
-                                            registered_model_name="stack-test-model")
+                                            registered_model_name="stack-test-model",
+                                            pip_requirements=["scikit-learn"])
         version = MlflowClient().get_model_version("stack-test-model",
                                                    str(info.registered_model_version))
         assert version.status == "READY"

@@ -4,7 +4,8 @@ parent is updated in place and whose replies follow the stages.
 
 Cheap: the session stack, one model with two small versions checked and staged once, and
 three fleet changes (a first swap, a swap, a rollback) plus a no-op swap; then the
-standalone canary of a third version, which it checks and stages itself.
+standalone canary of a third version (v1's bytes again: its check hits the check cache),
+which it checks and stages itself.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ def test_standalone_swap_and_rollback_leave_a_record_with_stages_and_a_slack_thr
         assert ledger.read(MODEL, rolled["release_id"]).reason == f"rolled back from v{v2}"
 
         # the canary of a version not staged yet: it checks and stages it, then measures
-        # it with what its check found (its ReleaseCandidate), journaled the same way
-        v3 = models.register_sklearn(uri, MODEL, seed=2, reuse=True)
+        # it with what its check found (its ReleaseCandidate), journaled the same way. v3
+        # holds v1's bytes (a new version, never staged): its check is the cache's pass
+        # of those bytes, the journal is the subject here, not the check
+        v3 = models.register_sklearn(uri, MODEL, seed=0, reuse=True)
         canaried = standalone.canary(settings, clients, Policy.model_validate(CANARY),
                                      model=MODEL, version=v3)
         assert (canaried["verdict"], canaried["baseline"]) == ("passed", v1), canaried
