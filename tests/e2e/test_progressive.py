@@ -1,5 +1,5 @@
 """Live traffic in promote on the real stack (issue 20 items 3, 4 and 6), through the
-session stack's gateway, with ``modelship load`` processes as the live clients:
+session stack's gateway, with live clients sending HTTP through it:
 
 - the holdback bake: a surge during the bake of an identical version does not roll it
   back: the previous version, held back on the canary Triton, takes the same surge at the
@@ -9,15 +9,16 @@ session stack's gateway, with ``modelship load`` processes as the live clients:
 - crash safety of the split: a release killed at its first step leaves the weight, and the
   next command returns it to production.
 
-One module so both share one first release. The releases run in the test process
-(:func:`tests.inprocess.run_inprocess`).
+One module so all three share one first release. The releases run in the test process
+(:func:`tests.inprocess.run_inprocess`); the live clients send HTTP through the gateway
+from a thread of the test process (:class:`tests.e2e.organic.Organic`, ``modelship
+load``'s engine), so a surge starts the moment the swap is done; the killed release is a
+console-script process (only a process can be SIGKILLed).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,8 @@ from modelship.traffic.select import router_for
 from tests import models
 from tests.conftest import start_cli
 from tests.e2e import live_clients
-from tests.e2e.live_clients import stop as _stop
-from tests.inprocess import beside, run_inprocess
+from tests.e2e.organic import Organic, in_production, release_under_surge, when_flowing
+from tests.inprocess import run_inprocess
 from tests.integration.test_canary import slow_onnx_graph
 
 pytestmark = pytest.mark.e2e
@@ -39,18 +40,24 @@ pytestmark = pytest.mark.e2e
 MODEL = "live-traffic"
 QUICK_CANARY: dict[str, Any] = {"warmup_s": 0.5, "window_s": 1.0, "max_duration_s": 8.0,
                                 "min_samples": 100}
-"""A first release's canary (absolute gates only)."""
 GATES: list[dict[str, Any]] = [
     {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
     {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98,
      "dry_run": True},
 ]
+CANARY_GATES: list[dict[str, Any]] = [{**GATES[0], "effect": 0.03}, GATES[1]]
+"""The canary is not the subject of the releases that go on to a bake: its error rule
+sized to catch 4 % errors (179 requests per version) rather than 2 % (~1,000), and 1-s
+windows that count as stable at once, so it stops once the rule has its samples."""
 HOLDBACK: dict[str, Any] = {
-    # v2 against v1: the error rule needs ~1,000 samples per version (8 s was too short)
-    "canary": {**QUICK_CANARY, "max_duration_s": 20.0}, "gates": GATES,
+    "canary": {**QUICK_CANARY, "stability_pct": 100.0, "min_samples": 200,
+               "max_duration_s": 20.0},
+    "gates": CANARY_GATES,
     # a third of live traffic on the held-back version: per server, the same share as each
-    # of the 2 replicas (tasks/holdback.py: the control's own queueing is then matched)
-    "bake": {"duration_s": 24.0, "window_s": 2.0, "probe_rps": 40.0, "holdback_pct": 33.0,
+    # of the 2 replicas (tasks/holdback.py: the control's own queueing is then matched).
+    # 6 windows, every one under the surge (in-process clients: it starts the moment the
+    # replicas serve v2): each is judged against the holdback's window of the same time.
+    "bake": {"duration_s": 12.0, "window_s": 2.0, "probe_rps": 40.0, "holdback_pct": 33.0,
              "max_latency_increase_pct": 25.0},
 }
 PROGRESSIVE: dict[str, Any] = {
@@ -70,15 +77,11 @@ def _status(settings: Settings) -> dict[str, Any]:
     return live_clients.status(settings, MODEL)
 
 
-def _organic(settings: Settings, rate: float, seconds: float) -> subprocess.Popen[str]:
+def _organic(settings: Settings, rate: float, seconds: float) -> Organic:
     # HTTP: a release's split covers its own model's requests only, and gRPC ones only
     # when the fleet serves no other model (tasks/live_traffic.split_scope); the session
     # stack's replicas serve other modules' models too
-    return live_clients.organic(settings, MODEL, rate, seconds, protocol="http")
-
-
-def _when_serving(settings: Settings, done: threading.Event, version: int) -> bool:
-    return live_clients.when_serving(settings, MODEL, done, version)
+    return Organic(settings, MODEL, rate, seconds, protocol="http")
 
 
 def _live_rps(windows: list[dict[str, Any]]) -> list[float]:
@@ -104,16 +107,10 @@ def _at_production(settings: Settings) -> bool:
 
 
 @pytest.fixture(scope="module")
-def first(stack_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> int:
-    """v1 in production (a first release, no bake)."""
-    uri = str(stack_settings.mlflow_tracking_uri)
-    version = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
-    quick = models.write_policy(tmp_path_factory.mktemp("live-first") / "quick.yaml",
-                                {"canary": QUICK_CANARY, "gates": GATES,
-                                 "bake": {"duration_s": 0.0}})
-    code, record = _promote(stack_settings, quick, version)
-    assert code == 0, record
-    return version
+def first(stack_settings: Settings) -> int:
+    """v1 in production, staged and swapped (no check, no canary: a first release has no
+    bake either, and the releases under test are the later ones)."""
+    return in_production(stack_settings, MODEL)
 
 
 def test_a_surge_during_a_holdback_bake_does_not_roll_back_an_identical_version(
@@ -125,21 +122,9 @@ def test_a_surge_during_a_holdback_bake_does_not_roll_back_an_identical_version(
     policy = models.write_policy(tmp_path / "holdback.yaml", HOLDBACK)
     uri = str(stack_settings.mlflow_tracking_uri)
     same = models.register_onnx(uri, MODEL, models.onnx_graph("softmax"))
-    background = _organic(stack_settings, ORGANIC_RPS, 200)
-    surges: list[subprocess.Popen[str]] = []
-
-    def surge_once_serving(done: threading.Event) -> None:
-        if _when_serving(stack_settings, done, same) and not done.is_set():
-            surges.append(_organic(stack_settings, 10 * ORGANIC_RPS, 30))
-
-    try:
-        live_clients.when_flowing(stack_settings, MODEL, background)
-        with beside(surge_once_serving) as surging:
-            code, record = _promote(stack_settings, policy, same)
-        surging.result()
-    finally:
-        for process in (*surges, background):
-            _stop(process)
+    # HTTP clients (see _organic)
+    code, record = release_under_surge(stack_settings, MODEL, policy, same,
+                                       rate=ORGANIC_RPS, protocol="http")
     bake = record.get("bake", {})
     print(json.dumps({"code": code, "outcome": bake.get("outcome"),
                       "reason": bake.get("reason"),
@@ -179,14 +164,11 @@ def test_a_slow_candidate_is_stepped_back_at_the_first_step(
     uri = str(stack_settings.mlflow_tracking_uri)
     serving = _status(stack_settings)["production_version"]
     slow = models.register_onnx(uri, MODEL, slow_onnx_graph(width=512, layers=64))
-    live = _organic(stack_settings, 100.0, 120)
-    try:
-        live_clients.when_flowing(stack_settings, MODEL, live)  # the first step sees them
+    with _organic(stack_settings, 100.0, 300) as live:
+        when_flowing(stack_settings, live)  # the first step sees them
         started = time.monotonic()
         code, record = _promote(stack_settings, policy, slow)
         took = time.monotonic() - started
-    finally:
-        _stop(live)
     traffic = record.get("traffic") or {}
     events = traffic.get("events", [])
     print(json.dumps({"code": code, "seconds": round(took, 1), "events": events,

@@ -16,7 +16,6 @@ of the model meanwhile is refused by the model's lock and writes nothing.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.request
 from collections import Counter
@@ -38,7 +37,8 @@ from tasks.shadow_plan import SampledRequest, grpc_as_http, versioned_uri
 from tests import models
 from tests.conftest import start_cli
 from tests.e2e import live_clients
-from tests.inprocess import beside, run_inprocess
+from tests.e2e.organic import Organic
+from tests.inprocess import run_inprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -111,22 +111,14 @@ def test_a_candidate_that_disagrees_on_live_inputs_only_is_rejected(
     assert gateway, "the session stack runs a gateway"
     policy = models.write_policy(tmp_path / "policy.yaml", POLICY)
 
-    def clients(done: threading.Event) -> Counter[str]:
-        """Live traffic through the gateway until the promotion returns: the versions
-        that answered the clients."""
-        seen: Counter[str] = Counter()
-        while not done.is_set():
-            report = run_load_sync([gateway], MODEL, {"input": LIVE}, LoadSpec(
-                protocol="http", rate_rps=80.0, duration_s=1.0, warmup_s=0.0,
-                timeout_s=10.0))
-            seen.update(r.model_version if r.ok else f"error: {r.error}"
-                        for r in report.records)
-        return seen
-
-    with beside(clients) as traffic:
+    # live traffic through the gateway until the promotion returns (one open-loop run of
+    # modelship load's engine on a thread): the versions that answered the clients
+    with Organic(stack_settings, MODEL, 80.0, 600, protocol="http", rows={"input": LIVE}
+                 ) as clients:
         done = run_inprocess("promote", MODEL, "--version", str(v2), "--policy", str(policy),
                              "--json", home=stack_settings.home, timeout=600)
-    answered = traffic.result()
+    answered = Counter(r.model_version if r.ok else f"error: {r.error}"
+                       for r in clients.report.records)
     assert done.returncode == 4, done.stderr[-4000:]
     record = json.loads(done.stdout)["details"]["record"]
     gates = record["gates"]
