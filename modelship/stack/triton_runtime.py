@@ -7,14 +7,16 @@ Triton breaks with numpy 2). ONNX models are served by a Python-based backend na
 ``config.pbtxt`` works here and on a GPU server with the C++ backend.
 
 These helpers are pure apart from :func:`prepare_backend_dir`, which writes a small
-folder of symlinks and one copied file. Starting and supervising the process is the job of
-the stack's process supervisor.
+folder of symlinks, one copied file and their byte-code. Starting and supervising the
+process is the job of the stack's process supervisor.
 """
 
 from __future__ import annotations
 
 import os
+import py_compile
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +180,29 @@ def _place_copy(source: Path, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
+def _byte_compile(runtime: TritonRuntime, sources: Sequence[Path]) -> None:
+    """Write each source's ``__pycache__`` entry next to the path the stub imports it from.
+
+    Every Python-backend stub (one per model instance load) imports ``model.py`` and
+    ``triton_python_backend_utils.py`` from this folder; with ``PYTHONDONTWRITEBYTECODE``
+    set (as in the tests) and nothing cached here (the utils file is a symlink, whose
+    cache Python looks for beside the link), each stub compiled both again, ~12 ms of CPU
+    per stub. Only when the runtime's Python is this one (same magic number and cache
+    tag); otherwise the stubs compile as before. Checked like any cache: the ``.pyc``
+    records the source's mtime and size, so an edited source is compiled again. An
+    ``OSError`` (the folder is not writable) is the caller's :class:`StackError`.
+    """
+    if runtime.python_version != f"{sys.version_info.major}.{sys.version_info.minor}":
+        return
+    tag = sys.implementation.cache_tag
+    for source in sources:
+        cached = source.parent / "__pycache__" / f"{source.stem}.{tag}.pyc"
+        try:
+            py_compile.compile(str(source), cfile=str(cached), doraise=True)
+        except py_compile.PyCompileError:
+            continue  # the stub compiles it and reports the error at the model's load
+
+
 def prepare_backend_dir(runtime: TritonRuntime, dest: Path) -> Path:
     """Create the ``--backend-directory`` for a server, without touching the installed wheel.
 
@@ -185,8 +210,8 @@ def prepare_backend_dir(runtime: TritonRuntime, dest: Path) -> Path:
     Triton refuses a backend library that resolves outside the backend directory; symlinks
     to ``triton_python_backend_utils.py`` and to the stub for the runtime's Python, named
     ``triton_python_backend_stub``) and ``onnxruntime/model.py``, a copy of modelship's
-    Python-based onnxruntime backend. Calling it again is cheap and brings the folder up to
-    date.
+    Python-based onnxruntime backend, both byte-compiled (:func:`_byte_compile`). Calling
+    it again is cheap and brings the folder up to date.
 
     Args:
         runtime: The runtime from :func:`find_triton_runtime`.
@@ -218,6 +243,7 @@ def prepare_backend_dir(runtime: TritonRuntime, dest: Path) -> Path:
             tmp = onnx_dir / f".model.py.tmp-{os.getpid()}"
             tmp.write_bytes(source)
             os.replace(tmp, model_py)
+        _byte_compile(runtime, [model_py, python_dir / _PYTHON_BACKEND_UTILS])
     except OSError as exc:
         raise StackError(
             f"could not prepare the Triton backend directory {dest}: {exc}",
