@@ -57,11 +57,13 @@ def check_flow(params: CheckParams) -> dict[str, Any]:
     settings = load_settings()
     clients = build_clients(settings)
     try:
+        # The folder goes with the run, so no Data Docs are built into it (their paths would
+        # dangle in the report), and a passed check of the same bytes and policy is reused.
         with tempfile.TemporaryDirectory(prefix="modelship-check-") as tmp:
             report = run_check(settings, clients, policy_for(params.model, settings.policies_dir),
                                model=params.model, version=params.version, alias=params.alias,
                                workdir=Path(tmp), stage=params.stage and not params.dry_run,
-                               progress=print)
+                               docs=False, progress=print)
             return report.to_dict()
     finally:
         clients.close()
