@@ -98,16 +98,23 @@ start, :data:`tests.faults.GATE_AT_START`) until the component is back through `
 stack up`` (same ports, same data); the rest of the cell (the faulted run's record,
 ``status``, the next command) shares the stack again: it touches its own model only. The
 matrix leaves the stack with every component running (:func:`_heal`) and its models
-converged, for the tests after it. Each lane spends one or two setup releases before its
-first cell (a killed one needs a release, a rollback one a version that served before),
-beside the others. The policy is the smallest that still runs every stage: one threshold gate (the
-canary stops after its first window, 0.5 s, of at least 100 requests), a 1-s bake of one
-window on errors alone (a 1-s reference is below two windows, so no latency rule), and a
-30-s swap deadline (a replica that cannot load, S3 down, is given up on then, not after the
-default 60 s; 8 s in the cell that kills S3 mid-swap, alone on the stack from the swap's
-start, where a healthy switch has done its part before the fault). The progressive cells
-hold their first step (``step_min_s`` 120) until the fault, which comes right after its
-weight is set. Every ``modelship`` run is a fork of one CLI zygote
+converged, for the tests after it. A lane opens with a cell that needs at most one
+release before it (a first release, beside the others: a rollback cell needs a version
+that served before, which a lane's first promote cell leaves), and the staging cell's lane
+with none: its cell half-publishes the lane's first release. Most of the matrix's CPU goes
+to Triton model loads (a Python-backend stub each) and to the commands' own work, so the
+policy is the smallest that still reaches every fault point: one threshold gate (the canary
+stops after its first round, 0.5 s, of at least 20 requests a version, no warm-up); a bake
+only where the cell's fault needs it (the bake and the record, which comes after a passed
+bake): a 1-s bake of one window on errors alone (a 1-s reference is below two windows, so
+no latency rule); batching paused at the swap only in the swap cells (their fault point is
+after the pause: three reloads per replica; one elsewhere), and the cells' ``rollback``
+with the same policy (the console script's plain ``rollback MODEL``: the default policy);
+and a 30-s swap deadline (a replica that cannot load, S3 down, is given up on then, not
+after the default 60 s; 8 s in the cell that kills S3 mid-swap, alone on the stack from the
+swap's start, where a healthy switch has done its part before the fault). The progressive
+cells hold their first step (``step_min_s`` 120) until the fault, which comes right after
+its weight is set. Every ``modelship`` run is a fork of one CLI zygote
 (:func:`tests.faults.cli_zygote`, ``tests/zygote.py``; the lanes' runs side by side): a
 process that imported the CLI, the flows and what their stages import late (Prefect,
 MLflow, GX, ONNX: 10-30 s a run) once, while the session stack came up (the stack's home is
@@ -173,19 +180,28 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 MODEL = "fault-matrix"
 POLICY: dict[str, Any] = {
     # The matrix is about the ways out, not the gates: one threshold rule needs only
-    # min_samples, so the canary ends after its first window.
-    "canary": {"warmup_s": 0.3, "window_s": 0.5, "stability_pct": 100.0,
-               "max_duration_s": 8.0, "min_samples": 100},
+    # min_samples, so the canary ends after its first round (0.5 s, the shortest a round
+    # is; no warm-up).
+    "canary": {"warmup_s": 0.0, "window_s": 0.25, "stability_pct": 100.0,
+               "max_duration_s": 8.0, "min_samples": 20},
     "gates": [
         {"name": "error_rate", "metric": "error_rate", "test": "threshold", "max": 0.01},
     ],
-    "bake": {"duration_s": 1.0, "window_s": 1.0, "baseline_s": 1.0,
-             "max_latency_increase_pct": 400.0},
+    # no bake and no batching pause at the swap (one reload per replica, not three), but
+    # where the cell's fault is: :attr:`Cell.policy` (a bake cell bakes, a swap cell pauses)
+    "bake": {"duration_s": 0.0},
     # a replica that cannot load (S3 down) is given up on after this, not the default 60 s
     # (a healthy switch of this model takes a few seconds even on a loaded machine, with
     # the other lanes' releases beside it)
-    "swap": {"deadline_s": 30.0},
+    "swap": {"deadline_s": 30.0, "pause_batching": False},
 }
+#: The bake of the cells whose fault point is the bake or the record (the bake passed):
+#: one 1-s window on errors alone (a 1-s reference is below two windows, so no latency
+#: rule).
+BAKE: dict[str, Any] = {"duration_s": 1.0, "window_s": 1.0, "baseline_s": 1.0,
+                        "max_latency_increase_pct": 400.0}
+#: The fault points a release reaches only through its bake.
+BAKED = frozenset({"bake", "record"})
 #: The swap deadline of the cell that kills S3 mid-swap: both the failing switch and the
 #: abort wait it out (S3 down, a load hangs), and the first replica's switch, healthy,
 #: is done before the fault (a tiny model's switch takes 1-3 s on a loaded machine, the
@@ -240,13 +256,32 @@ class Cell:
         return self.fault.stage == "progressive"
 
     @property
+    def paused(self) -> bool:
+        """The swap pauses batching (the swap's fault point is after the pause, at the
+        switch); elsewhere one reload per replica does."""
+        return self.fault.stage == "swap"
+
+    @property
     def policy(self) -> dict[str, Any]:
-        policy = {**POLICY, **PROGRESSIVE} if self.progressive else POLICY
-        return {**policy, "swap": {**POLICY["swap"], "deadline_s": self.swap_deadline_s}}
+        policy = {**POLICY, **PROGRESSIVE} if self.progressive else dict(POLICY)
+        if self.fault.stage in BAKED:
+            policy["bake"] = BAKE
+        return {**policy, "swap": {**POLICY["swap"], "deadline_s": self.swap_deadline_s,
+                                   "pause_batching": self.paused}}
 
     @property
     def policy_name(self) -> str:
-        return f"{'progressive-' if self.progressive else ''}swap-{self.swap_deadline_s:g}s"
+        return (f"{'progressive-' if self.progressive else ''}"
+                f"{'baked-' if self.fault.stage in BAKED else ''}"
+                f"swap-{self.swap_deadline_s:g}s{'-paused' if self.paused else ''}")
+
+    @property
+    def rollback_policy(self) -> tuple[str, dict[str, Any]]:
+        """The policy of the cell's ``rollback`` (its name, its content): the setup's, with
+        the cell's batching pause (a swap cell's rollback pauses, as its release did)."""
+        if not self.paused:
+            return "setup", POLICY
+        return "rollback-paused", {**POLICY, "swap": {**POLICY["swap"], "pause_batching": True}}
 
     @property
     def gated(self) -> bool:
@@ -267,28 +302,29 @@ def _cell(kind: str, stage: str, next_command: str, *, console: tuple[str, ...] 
 #: stack (tests/e2e/crash_lanes.py), each lane's cells in order: each starts from what the
 #: one before it left. The cells that kill a component (K) take the stack alone from their
 #: fault point (S3 mid-swap and the gateway mid-step from their stage's start) until the
-#: component is back, and every other cell waits meanwhile, so where they sit decides the
-#: file's time: four of them open the four lanes, so that they reach their points together
-#: (one wait for the stack, while nothing else runs: not one per kill while the other lanes'
-#: cells end), are alone one after the other, and their ends run side by side with the
-#: other lanes' cells (a turn shared again waits until no cell waits to be alone); the
-#: fifth, the shortest alone (the gateway, restarted in seconds), ends its lane, where the
-#: other lanes end theirs anyway. Each lane carries about the same work besides (a
-#: rollback cell first spends two setup releases, a promote cell one: :func:`_start`). The
-#: console script runs once per command in the file, in lane a: a ``status`` and a
-#: ``promote`` that finishes a release killed past its point of no return (a no-op on the
-#: fleet: no check, no canary), and a ``rollback``.
+#: component is back, and every other cell waits meanwhile. Setup releases cost what a
+#: cell does, so a lane opens with a cell that needs at most one (:func:`_start`): the
+#: staging cell (none: it half-publishes the lane's first release) or a promote cell (one,
+#: a first release; its rerun leaves the version that served before, which a rollback cell
+#: needs); the two K cells that are promote cells open their lanes (they reach their
+#: points together: one wait for the stack), the two K rollback cells come second after
+#: a promote cell, and the gateway, the shortest alone (restarted in seconds), ends its
+#: lane. Never two K cells in a row in one lane. The console script runs once per command
+#: in the file, in lane a: a ``status`` and a ``promote`` that finishes a release killed
+#: past its point of no return (a no-op on the fleet: no check, no canary), and a
+#: ``rollback``.
 LANES = {
     "a": [
-        _cell("prefect", "bake", "rollback"),  # K
-        # a version not staged yet (its own bytes, :func:`_own_bytes`), half-published
+        # the lane's first release, half-published: a version of its own bytes
+        # (:func:`_setup_graphs`), not staged yet
         _cell("sigkill", "stage", "promote"),
         _cell("sigkill", "record", "promote", console=("status", "promote")),
+        _cell("prefect", "bake", "rollback"),  # K
         _cell("sigkill", "check", "rollback", console=("rollback",)),
     ],
     "b": [
-        _cell("s3", "swap", "rollback", swap_deadline_s=S3_SWAP_DEADLINE_S),  # K
         _cell("sigterm", "record", "promote"),
+        _cell("s3", "swap", "rollback", swap_deadline_s=S3_SWAP_DEADLINE_S),  # K
         _cell("sigkill", "canary", "rollback"),
         _cell("sigkill", "approval", "rollback"),
         _cell("sigterm", "bake", "rollback"),
@@ -388,9 +424,11 @@ class Matrix:
             return run_cli(*args, home=self.home, timeout=timeout)
         return self.zygote.run(["modelship", *args], timeout=timeout)
 
-    def policy(self, cell: Cell | None = None) -> Path:
-        """The policy file of ``cell`` (None: of a setup release, :data:`POLICY`)."""
-        policy, name = (POLICY, "setup") if cell is None else (cell.policy, cell.policy_name)
+    def policy(self, cell: Cell | None = None, *, rollback: bool = False) -> Path:
+        """The policy file of ``cell``'s release (None: of a setup release, :data:`POLICY`),
+        or of its rollback (:attr:`Cell.rollback_policy`)."""
+        name, policy = ("setup", POLICY) if cell is None else cell.rollback_policy \
+            if rollback else (cell.policy_name, cell.policy)
         if name not in self.policies:
             self.policies[name] = models.write_policy(
                 self.workdir / f"policy-{name}.yaml", policy)
@@ -508,12 +546,14 @@ def _own_bytes(*, seed: int) -> Any:
 def _setup_graphs() -> list[Any]:
     """Two versions' ONNX graphs for each lane (:func:`_own_bytes`), MLflow's ONNX flavor
     imported. The lanes share them, so the check of one lane's version is the others'
-    cached; the staging cell, which must upload a blob, stages a version of its own
-    (:func:`_converge`: a version is staged once)."""
+    cached; the staging cell, which must upload a blob, stages a version of its own: the
+    lane's first version when the cell opens its lane (the lane's first release), else a
+    new one (:func:`_converge`: a version is staged once)."""
     import mlflow.onnx  # noqa: F401 - imported here, beside the stack's start
 
     shared = [_own_bytes(seed=seed) for seed in (0, 7)]
-    return [shared for _ in LANES]
+    return [[_own_bytes(seed=0), shared[1]] if cells[0].fault.stage == "stage" else shared
+            for cells in LANES.values()]
 
 
 def _fresh_name(tracking_uri: str, base: str) -> str:
@@ -890,8 +930,10 @@ def _converge(matrix: Matrix, cell: Cell, clock: Clock, hold: Hold) -> None:
     # the next command converges
     if cell.next_command == "promote":  # the rerun, no approval asked again
         after_args = matrix.promote(candidate, cell=cell)
-    else:
-        after_args = ["rollback", matrix.model, "--json"]
+    else:  # the model's policy, as its releases' (the console script's: the default)
+        console = "rollback" in cell.console
+        after_args = ["rollback", matrix.model, "--json",
+                      *(() if console else ("--policy", str(matrix.policy(cell, rollback=True))))]
     console = cell.next_command in cell.console
     launched = time.time()
     nxt = matrix.cli(*after_args, timeout=600, console=console)
