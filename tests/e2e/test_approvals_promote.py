@@ -30,13 +30,15 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "cli-approvals"
 POLICY: dict[str, Any] = {
-    # 1-s windows that count as stable at once (stability_pct 100): the canary stops as
-    # soon as its error rule has its samples; the approval is tested here
-    "canary": {"warmup_s": 0.5, "window_s": 1.0, "stability_pct": 100.0,
-               "max_duration_s": 8.0, "min_samples": 200},
-    # sized to catch 4% errors (179 requests, so min_samples decides), not 2% (982)
+    # Half-second windows that count as stable at once (stability_pct 100): the canary
+    # stops as soon as its error rule has its samples (3 windows, then a sized round if
+    # the samples are short of its plan); the approval is tested here. The cap is only
+    # reached by a machine too busy for 100 answers per version in 20 s.
+    "canary": {"warmup_s": 0.25, "window_s": 0.5, "stability_pct": 100.0,
+               "max_duration_s": 20.0, "min_samples": 100},
+    # sized to catch 5% errors (117 requests), not 2% (982)
     "gates": [{"name": "error_rate", "metric": "error_rate", "test": "exact_rate",
-               "max_rate": 0.01, "effect": 0.03}],
+               "max_rate": 0.01, "effect": 0.04}],
     "bake": {"duration_s": 2.0, "window_s": 1.0, "baseline_s": 1.0,
              "max_latency_increase_pct": 400.0},
     "approval": {"timeout_s": 300},
