@@ -1,11 +1,10 @@
 """Helpers of the e2e tests that send live traffic beside a release: the release and the
-status in-process, live clients as ``modelship load`` processes (through the gateway, its
-default), and waiting for the swap. Parameterized by model, for any e2e file."""
+status in-process, the replicas' answers, and waiting for the swap (the live clients
+themselves: :mod:`tests.e2e.organic`). Parameterized by model, for any e2e file."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 import urllib.error
@@ -15,7 +14,6 @@ from typing import Any
 
 from modelship.clients import build_clients
 from modelship.settings import Settings
-from tests.conftest import start_cli
 from tests.inprocess import run_inprocess
 
 
@@ -32,19 +30,6 @@ def promote(settings: Settings, model: str, policy: Path, version: int) -> tuple
 def status(settings: Settings, model: str) -> dict[str, Any]:
     return dict(json.loads(run_inprocess("status", model, "--json",
                                          home=settings.home).stdout))
-
-
-def organic(settings: Settings, model: str, rate: float, seconds: float,
-            protocol: str = "grpc") -> subprocess.Popen[str]:
-    """Live clients: ``modelship load`` at ``rate`` req/s (through the gateway)."""
-    return start_cli("load", model, "--rate", f"{rate:g}", "--duration", f"{seconds:g}",
-                     "--protocol", protocol, "--json", home=settings.home)
-
-
-def stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.kill()
-    process.communicate(timeout=30)
 
 
 def replica_urls(settings: Settings) -> list[str]:
@@ -94,15 +79,3 @@ def answered(urls: list[str], model: str) -> int:
         for entry in stats.get("model_stats") or []:
             total += int(entry.get("inference_stats", {}).get("success", {}).get("count", 0))
     return total
-
-
-def when_flowing(settings: Settings, model: str, process: subprocess.Popen[str], *,
-                 requests: int = 40, timeout_s: float = 120) -> None:
-    """Wait until the live clients' requests reach the replicas: ``modelship load`` starts
-    in seconds, more on a loaded machine, so a release started at once could see none."""
-    urls = replica_urls(settings)
-    before, deadline = answered(urls, model), time.monotonic() + timeout_s
-    while answered(urls, model) < before + requests:
-        assert process.poll() is None, process.communicate(timeout=30)
-        assert time.monotonic() < deadline, f"no live requests after {timeout_s:g} s"
-        time.sleep(0.25)
