@@ -14,15 +14,9 @@ export GX_ANALYTICS_ENABLED := false
 .PHONY: install uv browser gateway demo test test-fast lint unit bench clean-stack deploy worker
 
 install: browser gateway
-	@# The two venvs side by side: each is mostly copying wheels out of uv's cache and
-	@# byte-compiling, and neither needs the other.
+	@# The two venvs side by side: each is mostly linking wheels out of uv's cache, and
+	@# neither needs the other.
 	@$(MAKE) --no-print-directory -s -j2 $(VENV)/.installed $(RUNTIME)/.installed
-	@# The project's own modules as well (the editable install runs them from this tree):
-	@# with PYTHONDONTWRITEBYTECODE set no .pyc is ever written at run time, and every
-	@# process compiled ~120 modules again (~1 s of CPU per CLI run). Only changed files are
-	@# compiled again; a stale .pyc is ignored (its source's mtime differs), never run.
-	@$(BIN)/python -m compileall -q -j 0 modelship tasks flows model_registry bench tests \
-	  >/dev/null 2>&1 || true
 
 # Debian's headless Chromium and its driver, for the Slack emulator web-view test (selenium
 # drives it); installed only when missing, with apt (root, or sudo when not root).
@@ -54,19 +48,24 @@ TORCH_FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)/torch-*.whl),--find-links $(
 uv:
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
 
-# --compile-bytecode: PYTHONDONTWRITEBYTECODE may be set on these machines, and without .pyc
-# files every process compiles mlflow/GX/skl2onnx again (~10 s). uv compiles the whole
-# site-packages (not only what it installed), so no compileall pass follows (one over the
-# compiled venv found nothing to do and took ~25 s of CPU, ~55 s of wall).
+# No --compile-bytecode: compiling all of site-packages (22,489 files) took 72 s of CPU and
+# most of the install's 2 minutes, where a first `make test` imports about a third of
+# them. Bytecode is written instead by the processes themselves, once, on first import:
+# make runs its recipes without PYTHONDONTWRITEBYTECODE (which these machines may set;
+# with it, every process would compile mlflow/GX/skl2onnx again, ~10 s each). The writes
+# are atomic (a temporary file, then a rename), so two processes importing one module at
+# once are safe.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(VENV)/.installed: pyproject.toml | uv
 	@test -x $(BIN)/python || $(UV) venv -q --python $(PYTHON) $(VENV)
-	@$(UV) pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]' \
+	@$(UV) pip install -q --python $(BIN)/python -e '.[dev]' \
 	  $(if $(TORCH),'$(TORCH)') $(TORCH_FIND_LINKS)
 	@touch $@
 
 $(RUNTIME)/.installed: requirements-triton.txt | uv
 	@test -x $(RUNTIME)/bin/python || $(UV) venv -q --python $(PYTHON) $(RUNTIME)
-	@$(UV) pip install -q --compile-bytecode --python $(RUNTIME)/bin/python -r requirements-triton.txt
+	@$(UV) pip install -q --python $(RUNTIME)/bin/python -r requirements-triton.txt
 	@touch $@
 
 demo: install
