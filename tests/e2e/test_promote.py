@@ -24,11 +24,12 @@ that stops as soon as its error rule has its samples, since what it proves happe
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -152,9 +153,22 @@ POISON = 1e6
 #: proven (the e-process itself is tests/unit's).
 BREACH_BAKE: dict[str, Any] = {**POLICY["bake"], "duration_s": 20.0, "window_s": 1.0,
                                "baseline_s": 1.0, "alpha": 0.05}
+#: How long the poisoned version's dynamic batcher holds a batch open for more requests,
+#: in µs (the default is 100), and how often each replica's one sender sends a poisoned row,
+#: in s. A probe row fails when a poisoned row arrives within 20 ms either side of it, so
+#: about 2 × 20 / 80 = half of them fail (at 12.5 poisoned requests/s a replica, where eight
+#: senders flooding at full speed were needed with 100-µs batches). Not all of them: a
+#: replica whose every probe request fails in a window has stopped answering (the bake
+#: exits 1 then, an infrastructure failure, not a breach), and a first deploy's probe must
+#: get an answer through.
+POISON_QUEUE_DELAY_US = 20_000
+POISON_PERIOD_S = 0.08
 #: The release of a poisoned version: :data:`QUICK`'s canary (the golden rows never trip
-#: the poison), then :data:`BREACH_BAKE`.
-BREACH: dict[str, Any] = {**QUICK, "bake": BREACH_BAKE}
+#: the poison), then :data:`BREACH_BAKE`, with batches held open
+#: (:data:`POISON_QUEUE_DELAY_US`).
+BREACH: dict[str, Any] = {
+    **QUICK, "bake": BREACH_BAKE,
+    "triton": {"dynamic_batching": {"max_queue_delay_us": POISON_QUEUE_DELAY_US}}}
 
 
 def poison_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
@@ -191,21 +205,36 @@ def poison_onnx_graph(n_features: int = models.N_FEATURES) -> Any:
                                    n_features=n_features)
 
 
-def _send_poison(http_url: str, model: str = MODEL) -> bool:
-    """One poisoned request; True when Triton answered it with an error."""
+def _send_poison(http_url: str, model: str, done: threading.Event,
+                 counts: dict[str, int], lock: threading.Lock) -> None:
+    """A poisoned row to one replica every :data:`POISON_PERIOD_S` over one keep-alive
+    connection, until ``done``; counts what was sent and what Triton answered with an
+    error."""
     row = [POISON] + [0.0] * (models.N_FEATURES - 1)
-    body = {"inputs": [{"name": "input", "shape": [1, models.N_FEATURES],
-                        "datatype": "FP32", "data": row}]}
-    request = urllib.request.Request(f"{http_url}/v2/models/{model}/infer",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, models.N_FEATURES],
+                                   "datatype": "FP32", "data": row}]}).encode()
+    address = urllib.parse.urlsplit(http_url)
+    connection = http.client.HTTPConnection(address.hostname or "127.0.0.1", address.port,
+                                            timeout=5)
+    due = time.monotonic()
     try:
-        with urllib.request.urlopen(request, timeout=5):
-            return False
-    except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False
+        while not done.is_set():
+            try:
+                connection.request("POST", f"/v2/models/{model}/infer", body,
+                                   {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                response.read()  # the whole answer: the connection is free for the next
+                failed = response.status >= 400
+            except (OSError, http.client.HTTPException):
+                connection.close()  # the next request connects again
+                failed = False
+            with lock:
+                counts["sent"] += 1
+                counts["failed"] += failed
+            due = max(due + POISON_PERIOD_S, time.monotonic())
+            done.wait(due - time.monotonic())
+    finally:
+        connection.close()
 
 
 def _start_promote(settings: Settings, policy: Path, version: int,
@@ -220,30 +249,26 @@ def _start_promote(settings: Settings, policy: Path, version: int,
 
 def _poison_during_bake(settings: Settings, policy: Path, model: str,
                         version: int) -> tuple[int, Any]:
-    """Promote ``version`` (in-process) and, once every replica serves it, flood it with
-    poisoned rows from a thread beside the release until the release ends.
+    """Promote ``version`` (in-process) and, once every replica serves it (asked every
+    0.2 s), send it poisoned rows from a thread beside the release until the release ends.
 
     This CPU runtime (ONNX Runtime behind pytriton's backend stub) does not count a backend
     error in ``nv_inference_request_failure``, so the bake sees the breach the way its probe
     does: the dynamic batcher puts probe rows in the same batch as poisoned ones, and the
-    whole batch fails. Four senders per replica keep poisoned rows in most batches.
+    whole batch fails. ``policy`` holds the poisoned version's batches open
+    (:data:`POISON_QUEUE_DELAY_US`), so one slow sender per replica puts a poisoned row in
+    about half the batches.
     """
     counts = {"sent": 0, "failed": 0}
     lock = threading.Lock()
 
     def poison_once_serving(done: threading.Event) -> None:
-        def flood(url: str) -> None:
-            while not done.is_set():
-                failed = _send_poison(url, model)
-                with lock:
-                    counts["sent"] += 1
-                    counts["failed"] += failed
-
-        if not live_clients.when_serving(settings, model, done, version):
-            return
-        urls = [url for url in live_clients.replica_urls(settings) for _ in range(4)]
+        urls = [replica.http for replica in settings.triton_replicas]
+        while not live_clients.serving_everywhere(urls, model, version):
+            if done.wait(0.2):  # the release ended first
+                return
         with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-            list(pool.map(flood, urls))
+            list(pool.map(lambda url: _send_poison(url, model, done, counts, lock), urls))
 
     with beside(poison_once_serving) as poisoning:
         done = run_inprocess("promote", model, "--version", str(version), "--policy",
