@@ -20,7 +20,7 @@ import pytest
 from flows import standalone
 from modelship.clients import build_clients
 from modelship.ledger import Ledger, ReleaseRecord
-from modelship.policy import Policy
+from modelship.policy import Policy, SwapPolicy
 from modelship.settings import Settings
 from tasks.check import run_check
 from tasks.evidence import read_candidate_digest
@@ -29,10 +29,16 @@ from tests import models
 pytestmark = pytest.mark.integration
 
 MODEL = "standalone-journal"
-CANARY: dict[str, Any] = {  # the cheapest canary: a deterministic error gate, 1 s windows
-    "canary": {"warmup_s": 0.5, "window_s": 1.0, "max_duration_s": 60.0, "min_samples": 50},
+#: The cheapest canary: a deterministic error gate that needs only ``min_samples``, so the
+#: canary ends after its first round (0.5 s, no warm-up), as the fault matrix's does.
+CANARY: dict[str, Any] = {
+    "canary": {"warmup_s": 0.0, "window_s": 0.25, "stability_pct": 100.0,
+               "max_duration_s": 60.0, "min_samples": 20},
     "gates": [{"name": "errors", "metric": "error_rate", "test": "threshold", "max": 0.01}],
 }
+#: The fleet changes' policy: no batching pause (one reload per replica, not three; the
+#: pause is test_swap's subject, the journal is this file's).
+FLEET = Policy(swap=SwapPolicy(pause_batching=False))
 
 
 def _messages(settings: Settings) -> list[dict[str, Any]]:
@@ -70,11 +76,11 @@ def test_standalone_swap_and_rollback_leave_a_record_with_stages_and_a_slack_thr
         ledger = Ledger(clients.storage)
 
         def swap(target: int) -> dict[str, Any]:
-            return standalone.swap(settings, clients, Policy(), model=MODEL, target=target,
+            return standalone.swap(settings, clients, FLEET, model=MODEL, target=target,
                                    force=True, requester="journal-test")
 
         first, second = swap(v1), swap(v2)
-        rolled = standalone.rollback(settings, clients, Policy(), model=MODEL, to=None,
+        rolled = standalone.rollback(settings, clients, FLEET, model=MODEL, to=None,
                                      requester="journal-test")
         noop = swap(v1)  # v1 serves again after the rollback: nothing to change
         assert (first["status"], second["status"], rolled["status"]) == (

@@ -86,6 +86,13 @@ def swap(fleet: Fleet, target: int, *, pause_batching: bool = True,
         print("\n".join(lines))
 
 
+def settle(fleet: Fleet, version: int) -> SwapReport:
+    """A test's starting point: every replica serves ``version`` (a no-op when it does
+    already). Setup, not the subject: no batching pause, one reload per replica rather than
+    three (the pause is tested where a swap is the subject)."""
+    return swap(fleet, version, pause_batching=False)
+
+
 def assert_skew_bounded(report: SwapReport, *, deadline_s: float) -> None:
     """The skew is the spread of the replicas' first answers as C, each answer fell inside
     the swap, and the spread is within one phase deadline (a later replica aborts)."""
@@ -197,7 +204,7 @@ def test_first_deploy_serves_v1_on_every_replica(fleet: Fleet) -> None:
 def test_swap_v1_to_v2_under_load_fails_no_request_and_never_goes_back(
         fleet: Fleet) -> None:
     v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
-    swap(fleet, v1)  # a no-op after the first deploy; a first deploy when run alone
+    settle(fleet, v1)  # a no-op after the first deploy; a first deploy when run alone
     with LoadLog(fleet.replicas) as load:
         report = swap(fleet, v2, pause_batching=True)
     print("load:", load.summary(), "report:", report.to_dict())
@@ -226,7 +233,7 @@ def test_swap_v1_to_v2_under_load_fails_no_request_and_never_goes_back(
 
 def test_running_it_again_is_a_noop(fleet: Fleet) -> None:
     v2 = fleet.versions["v2"]
-    swap(fleet, v2)
+    settle(fleet, v2)
     report = swap(fleet, v2)
     assert report.kind == "noop" and report.phases == [] and not report.aborted
     assert_serves(fleet, v2)
@@ -234,7 +241,7 @@ def test_running_it_again_is_a_noop(fleet: Fleet) -> None:
 
 def test_a_mixed_fleet_is_refused_before_anything_changes(fleet: Fleet) -> None:
     v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
-    swap(fleet, v1)
+    settle(fleet, v1)
     odd = fleet.replicas[1]
     config = from_pbtxt(fleet.storage.get_bytes(
         f"{fleet.settings.repository_prefix}/{MODEL}/{v2}/config.pbtxt").decode())
@@ -262,7 +269,7 @@ def test_a_mixed_fleet_is_refused_before_anything_changes(fleet: Fleet) -> None:
 
 def test_a_candidate_whose_files_changed_is_refused(fleet: Fleet, tmp_path: Path) -> None:
     v1 = fleet.versions["v1"]
-    swap(fleet, v1)
+    settle(fleet, v1)
     # v1's bytes as a new version, staged on its own: its check is the cache's pass of
     # those bytes (the subject is the swap's preflight of v3's staged files)
     v3 = models.register_sklearn(str(fleet.settings.mlflow_tracking_uri), MODEL, seed=0,
@@ -297,7 +304,7 @@ def test_a_candidate_whose_files_changed_is_refused(fleet: Fleet, tmp_path: Path
 def test_a_switch_failing_on_one_replica_aborts_every_replica_back_to_v1(
         fleet: Fleet) -> None:
     v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
-    swap(fleet, v1)
+    settle(fleet, v1)
     victim = fleet.replicas[1].name
 
     def fault(replica: str) -> None:
@@ -324,7 +331,7 @@ def test_a_replica_past_the_deadline_aborts_and_its_late_thread_changes_nothing(
     """The victim's switch load is held in flight past the deadline, then lands: the
     phase fails naming the deadline, and the abort leaves every replica on v1."""
     v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
-    swap(fleet, v1)
+    settle(fleet, v1)
     victim = fleet.replicas[0].name
     deadline_s = 5.0
 
@@ -345,7 +352,7 @@ def test_a_replica_past_the_deadline_aborts_and_its_late_thread_changes_nothing(
 
 def test_rollback_is_a_swap_back_without_the_pause(fleet: Fleet) -> None:
     v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
-    swap(fleet, v2)
+    settle(fleet, v2)
     with LoadLog(fleet.replicas) as load:
         report = swap(fleet, v1, pause_batching=False)
     print("load:", load.summary(), "report:", report.to_dict())
@@ -358,7 +365,7 @@ def test_rollback_is_a_swap_back_without_the_pause(fleet: Fleet) -> None:
 
 def test_pause_at_switch_under_load_fails_no_request_and_never_goes_back(fleet: Fleet) -> None:
     v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
-    swap(fleet, v1, pause_batching=False)
+    settle(fleet, v1)
     with LoadLog(fleet.replicas) as load:
         report = swap(fleet, v2, pause_mode="at_switch")
     print("load:", load.summary(), "report:", report.to_dict())
@@ -370,7 +377,7 @@ def test_pause_at_switch_under_load_fails_no_request_and_never_goes_back(fleet: 
 
 def test_an_unsigned_or_forged_manifest_is_refused_with_exit_3(fleet: Fleet) -> None:
     v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
-    swap(fleet, v1)
+    settle(fleet, v1)
     mkey = f"{fleet.settings.repository_prefix}/{MODEL}/{v2}/release.json"
     genuine = fleet.storage.get_bytes(mkey)
     manifest = json.loads(genuine)
@@ -393,7 +400,7 @@ def test_other_bytes_under_the_right_version_fail_the_golden_probe_and_abort(
         fleet: Fleet) -> None:
     """Bytes changed after the preflight (P's graph under C's number) never stay serving."""
     v1, v2 = fleet.versions["v1"], fleet.versions["v2"]
-    swap(fleet, v1)
+    settle(fleet, v1)
     prefix = fleet.settings.repository_prefix
     names = sorted(json.loads(fleet.storage.get_bytes(
         f"{prefix}/{MODEL}/{v2}/release.json"))["files"])
