@@ -295,7 +295,8 @@ def _checked(settings: Settings, name: str, process: subprocess.Popen[str],
     its check: it stages and takes the model's lock next, within a second or two; fail if
     the process ended first. (Waiting only for its flow run was not enough: on a loaded
     machine the console's check imports took 22 s more, and the release started beside
-    it had released and let go of the lock before the console asked for it.)"""
+    it had released and let go of the lock before the console asked for it.) Asked every
+    0.5 s, two Prefect queries each: the console's imports alone take 10-30 s."""
     api = settings.prefect_api_url
     deadline = time.monotonic() + timeout_s
     while True:
@@ -308,7 +309,7 @@ def _checked(settings: Settings, name: str, process: subprocess.Popen[str],
             if any(t["name"].split(" ")[0] == "check" and t.get("state_type") == "COMPLETED"
                    for t in tasks):
                 return
-        time.sleep(0.2)
+        time.sleep(0.5)
 
 
 @dataclass
