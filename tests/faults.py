@@ -474,15 +474,17 @@ def _pid_alive(holder: Mapping[str, Any]) -> bool | None:
     return process_start_ticks(pid) is not None
 
 
-def observe(settings: Any, model: str, *, locks: Callable[[], Sequence[Mapping[str, Any]]]
-            ) -> Observation:
-    """Read every source now (``locks``: the rows of ``modelship locks MODEL --json``)."""
+def observe(settings: Any, model: str, *, locks: Callable[[], Sequence[Mapping[str, Any]]],
+            clients: Any = None) -> Observation:
+    """Read every source now (``locks``: the rows of ``modelship locks MODEL --json``),
+    through ``clients`` (:class:`modelship.clients.Clients`; None: built for this read)."""
     from modelship.clients import build_clients
     from modelship.ledger import Ledger
     from modelship.signing import key_bytes
     from tasks.reconcile import read_pin
 
-    clients = build_clients(settings)
+    own = clients is None
+    clients = build_clients(settings) if own else clients
     try:
         assert clients.storage is not None and clients.registry is not None
         replicas = tuple(_replica(server, model) for server in clients.replicas)
@@ -504,7 +506,8 @@ def observe(settings: Any, model: str, *, locks: Callable[[], Sequence[Mapping[s
             pin.config.HasField("dynamic_batching") if pin else None, dict(aliases), tag,
             records, tuple(locks()), leftovers)
     finally:
-        clients.close()
+        if own:
+            clients.close()
 
 
 def _release_tag(tracking_uri: str, model: str, version: int | None) -> str | None:

@@ -21,20 +21,24 @@ What the fork must not carry over, and how it is kept out:
   single-threaded, and it never runs anything but imports.
 - **One run's changes.** Each child forks from the zygote, never from an earlier child, so
   nothing one run changes (module globals, monkeypatches, caches) reaches the next.
+- **Copies.** The server freezes what its imports built (``gc.freeze``) before each fork:
+  no collection in a child walks those objects (writing their headers), so their memory
+  pages stay shared with the server instead of being copied into each child.
 - **Buffers and exit.** Python's buffers are flushed before the fork; a child runs every
   exit handler, flushes and leaves with ``os._exit`` (as ``modelship``'s console script
   does since it skips the interpreter teardown), so the zygote's own state is never torn
   down in a child.
 
 :func:`serve` is the server; :class:`Zygote` starts it and runs commands through it, from
-one thread or several at once (each run its own child; :meth:`Zygote.bound`: with some late
-variables set for every run).
+one thread or several at once (each run its own child, reported with its CPU time;
+:meth:`Zygote.bound`: with some late variables set for every run).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import json
 import logging
@@ -177,6 +181,7 @@ def _serve(listener: socket.socket, late: frozenset[str], target: Callable[[], A
             conn.close()
             return
         _flush()
+        gc.freeze()  # what the imports built: no child's collection touches (copies) it
         pid = os.fork()
         if pid == 0:
             listener.close()
@@ -194,7 +199,7 @@ _POLL_S = 0.05
 def _reap(running: dict[int, socket.socket], *, block: bool = False) -> None:
     """Send each ended child's exit status to its caller (``block``: wait for one)."""
     while running:
-        pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+        pid, status, usage = os.wait4(-1, 0 if block else os.WNOHANG)
         if pid == 0:
             return
         conn = running.pop(pid, None)
@@ -202,7 +207,8 @@ def _reap(running: dict[int, socket.socket], *, block: bool = False) -> None:
             continue
         with conn:
             try:
-                _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+                _send(conn, {"returncode": os.waitstatus_to_exitcode(status),
+                             "cpu_s": round(usage.ru_utime + usage.ru_stime, 3)})
             except OSError:  # the client went away (it timed out): the child is reaped
                 pass
         if block:
@@ -212,7 +218,7 @@ def _reap(running: dict[int, socket.socket], *, block: bool = False) -> None:
 def serve(config_path: str) -> None:
     """The server: prepare, import, then serve (see the module)."""
     config = json.loads(Path(config_path).read_text())
-    began = time.monotonic()
+    began, cpu = time.monotonic(), time.process_time()
     if config.get("prepare"):
         _resolve(config["prepare"])()
     for name in config.get("preload", ()):
@@ -227,6 +233,7 @@ def serve(config_path: str) -> None:
     listener.listen(1)
     print(json.dumps({"ready": True, "pid": os.getpid(),
                       "import_s": round(time.monotonic() - began, 2),
+                      "import_cpu_s": round(time.process_time() - cpu, 2),
                       "modules": len(sys.modules)}), flush=True)
     try:
         _serve(listener, frozenset(config.get("late_env", ())), target)
@@ -238,6 +245,16 @@ def serve(config_path: str) -> None:
 
 # --------------------------------------------------------------------------------------
 # the client
+
+
+class Completed(subprocess.CompletedProcess[str]):
+    """A run's :class:`subprocess.CompletedProcess`, and its CPU time: user + system
+    seconds of the child and of the processes it waited for (None: not reported)."""
+
+    def __init__(self, args: list[str], returncode: int, stdout: str, stderr: str, *,
+                 cpu_s: float | None = None) -> None:
+        super().__init__(args, returncode, stdout, stderr)
+        self.cpu_s = cpu_s
 
 
 class Zygote:
@@ -300,11 +317,11 @@ class Zygote:
         return self.ready
 
     def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-            timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+            timeout: float | None = None) -> Completed:
         """Run one command (``argv[0]`` is its program name, as ``sys.argv``) in a forked
         child; like ``subprocess.run(..., capture_output=True, text=True)``: its exit code
-        (negative: the signal that killed it), stdout and stderr. On ``timeout`` the child
-        is killed and :class:`subprocess.TimeoutExpired` raised."""
+        (negative: the signal that killed it), stdout and stderr, and its CPU time. On
+        ``timeout`` the child is killed and :class:`subprocess.TimeoutExpired` raised."""
         self.wait_ready()
         with self._count:
             self.runs += 1
@@ -318,7 +335,7 @@ class Zygote:
             pid = json.loads(lines.next())["pid"]
             conn.settimeout(timeout)
             try:
-                code = json.loads(lines.next())["returncode"]
+                ended = json.loads(lines.next())
             except TimeoutError:
                 os.kill(pid, signal.SIGKILL)
                 conn.settimeout(None)
@@ -329,8 +346,8 @@ class Zygote:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 raise
-        result = subprocess.CompletedProcess(list(argv), code, out.read_text(),
-                                             err.read_text())
+        result = Completed(list(argv), ended["returncode"], out.read_text(), err.read_text(),
+                           cpu_s=ended.get("cpu_s"))
         out.unlink()
         err.unlink()
         return result
@@ -376,5 +393,5 @@ class Bound:
         self.zygote, self.env = zygote, dict(env)
 
     def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-            timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+            timeout: float | None = None) -> Completed:
         return self.zygote.run(argv, env={**self.env, **(env or {})}, timeout=timeout)

@@ -125,7 +125,9 @@ of the file (their exit code and JSON are the contract; :data:`LANES` names the 
 cheapest of each command). ``status`` is read by the CLI in the first cell of each fault
 kind and otherwise in this process through the function the CLI calls
 (:func:`tasks.status.status_report`; exit 1 unless ``consistent``); ``stack up`` runs only
-after a component was killed. What remains is the product's: every faulted run starts the
+after a component was killed. This process reads the stack through one set of clients
+(:class:`StackClients`) and logs each graph once, registering it again in the other lanes
+(:func:`_register`). What remains is the product's: every faulted run starts the
 Prefect flow run, resolves, checks (GX, export, trial load; a check-stage fault never takes
 a cached check, the others may) and, from the canary on, runs a canary.
 """
@@ -146,7 +148,8 @@ from typing import Any
 
 import pytest
 
-from modelship.clients import build_clients
+from model_registry.client import point_mlflow_at
+from modelship.clients import Clients, build_clients
 from modelship.ledger import Ledger
 from modelship.locks import list_locks
 from modelship.settings import Settings
@@ -375,10 +378,19 @@ def _epoch(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
 
-def timeline(record: RecordState, launched: float, ended: float) -> str:
+def cpu(done: subprocess.CompletedProcess[str]) -> str:
+    """A run's CPU time, said (a zygote's run reports it, :class:`tests.zygote.Completed`;
+    the console script's is not measured)."""
+    cpu_s = getattr(done, "cpu_s", None)
+    return "" if cpu_s is None else f", {cpu_s:.1f} CPU-s"
+
+
+def timeline(record: RecordState, launched: float, ended: float,
+             done: subprocess.CompletedProcess[str] | None = None) -> str:
     """Where one CLI run's time went, from its record (``launched``/``ended``: wall clock
-    around the run): start-up until the record began (imports, the Prefect flow run),
-    each stage, the gaps between them, and the exit after the last one."""
+    around the run; ``done``: the run, for its CPU time): start-up until the record began
+    (imports, the Prefect flow run), each stage, the gaps between them, and the exit after
+    the last one."""
     if record.started_at is None:
         return f"{record.kind} {record.id}: no timings"
     began = _epoch(record.started_at)
@@ -388,13 +400,37 @@ def timeline(record: RecordState, launched: float, ended: float) -> str:
     parts = [f"start-up {began - launched:.1f}",
              *(f"{name} {b - a:.1f}" for name, a, b in spans),
              f"between stages {last - began - staged:.1f}", f"exit {ended - last:.1f}"]
-    return f"  {record.kind} {record.status}: {ended - launched:.1f} s ({', '.join(parts)})"
+    return (f"  {record.kind} {record.status}: {ended - launched:.1f} s"
+            f"{cpu(done) if done is not None else ''} ({', '.join(parts)})")
 
 
 #: The test process's own calls of the stack (MLflow's fluent API and client, boto3's
 #: clients: neither is made to be set up from several threads at once), one at a time
 #: across the lanes; the lanes' ``modelship`` runs are processes and go side by side.
 IN_PROCESS = threading.RLock()
+
+
+class StackClients:
+    """The test process's clients of the stack (:func:`modelship.clients.build_clients`),
+    built once for the matrix and used under :data:`IN_PROCESS`: a build costs ~0.05-0.08
+    CPU-s (boto3's client above all), and a cell reads the stack about eight times. A
+    component killed and restarted comes back on its ports, where the clients reconnect."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._clients: Clients | None = None
+
+    def get(self) -> Clients:
+        with IN_PROCESS:
+            if self._clients is None:
+                self._clients = build_clients(self.settings)
+            return self._clients
+
+    def close(self) -> None:
+        with IN_PROCESS:
+            if self._clients is not None:
+                self._clients.close()
+                self._clients = None
 
 
 @dataclass
@@ -406,6 +442,7 @@ class Matrix:
     versions: tuple[int, int]
     workdir: Path
     released: list[int]  # the versions released so far, in order
+    stack: StackClients  # the lanes' clients of the stack, used under IN_PROCESS
     settled: Observation | None = None  # what the last cell that passed ended in
     zygote: Bound | None = None  # runs of `modelship` (None: every run a process)
     policies: dict[str, Path] = field(default_factory=dict)  # by Cell.policy_name
@@ -441,11 +478,7 @@ class Matrix:
             return self._locks()
 
     def _locks(self) -> list[dict[str, Any]]:
-        clients = build_clients(self.settings)
-        try:
-            rows = list_locks(storage=clients.storage, home=self.home)
-        finally:
-            clients.close()
+        rows = list_locks(storage=self.stack.get().storage, home=self.home)
         return [row for row in rows if row.get("model") == self.model]
 
     def version_keys(self, version: int) -> list[str]:
@@ -454,17 +487,15 @@ class Matrix:
             return self._version_keys(version)
 
     def _version_keys(self, version: int) -> list[str]:
-        clients = build_clients(self.settings)
-        try:
-            assert clients.storage is not None
-            return list(clients.storage.list_keys(
-                f"{self.settings.repository_prefix}/{self.model}/{version}/"))
-        finally:
-            clients.close()
+        storage = self.stack.get().storage
+        assert storage is not None
+        return list(storage.list_keys(
+            f"{self.settings.repository_prefix}/{self.model}/{version}/"))
 
     def observe(self) -> Observation:
         with IN_PROCESS:
-            return observe(self.settings, self.model, locks=self.locks)
+            return observe(self.settings, self.model, locks=self.locks,
+                           clients=self.stack.get())
 
     def register(self, graph: Any) -> int:
         """A new version of the model from ``graph``."""
@@ -480,13 +511,10 @@ class Matrix:
         if cli:
             done = self.cli("status", self.model, "--json", timeout=120, console=console)
             assert "Traceback (most recent call last)" not in done.stderr, done.stderr
+            self.said.append(f"status: exit {done.returncode}{cpu(done)}")
             return done.returncode, json_document(done.stdout) or done.stdout[-3000:]
         with IN_PROCESS:
-            clients = build_clients(self.settings)
-            try:
-                doc = status_report(self.settings, clients, model=self.model)
-            finally:
-                clients.close()
+            doc = status_report(self.settings, self.stack.get(), model=self.model)
         return (0 if doc["consistent"] else 1), doc
 
     def live_split(self) -> dict[str, float]:
@@ -499,25 +527,17 @@ class Matrix:
         """``status``'s ``traffic`` (the live weights it shows), read as the CLI reads it:
         through the configured router (:func:`tasks.status.status_report`)."""
         with IN_PROCESS:
-            clients = build_clients(self.settings)
-            try:
-                doc = status_report(self.settings, clients, model=self.model,
-                                    router=router_for(self.settings))
-            finally:
-                clients.close()
+            doc = status_report(self.settings, self.stack.get(), model=self.model,
+                                router=router_for(self.settings))
         traffic: dict[str, Any] | None = doc["traffic"]
         return traffic
 
     def traffic_record(self, release_id: str) -> dict[str, Any]:
         """The release's ``traffic`` document in the ledger (its split and step events)."""
         with IN_PROCESS:
-            clients = build_clients(self.settings)
-            try:
-                assert clients.storage is not None
-                record = next(r for r in Ledger(clients.storage).records(self.model)
-                              if r.id == release_id)
-            finally:
-                clients.close()
+            storage = self.stack.get().storage
+            assert storage is not None
+            record = next(r for r in Ledger(storage).records(self.model) if r.id == release_id)
         return dict(record.traffic)
 
     def promote(self, version: int, *extra: str, cell: Cell | None = None) -> list[str]:
@@ -530,7 +550,8 @@ class Matrix:
         done = self.cli(*self.promote(version), timeout=600)
         assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
         self.released.append(version)
-        self.said.append(f"setup: promote v{version}: {time.monotonic() - began:.1f} s")
+        self.said.append(f"setup: promote v{version}: {time.monotonic() - began:.1f} s"
+                         f"{cpu(done)}")
 
 
 def _own_bytes(*, seed: int) -> Any:
@@ -545,15 +566,33 @@ def _own_bytes(*, seed: int) -> Any:
 
 def _setup_graphs() -> list[Any]:
     """Two versions' ONNX graphs for each lane (:func:`_own_bytes`), MLflow's ONNX flavor
-    imported. The lanes share them, so the check of one lane's version is the others'
-    cached; the staging cell, which must upload a blob, stages a version of its own: the
-    lane's first version when the cell opens its lane (the lane's first release), else a
-    new one (:func:`_converge`: a version is staged once)."""
+    imported. The lanes share them (each logged once, :func:`_register`), so the check of
+    one lane's version is the others' cached; the staging cell, which must upload a blob,
+    stages a version of its own: the lane's first version when the cell opens its lane
+    (the lane's first release), else a new one (:func:`_converge`: a version is staged
+    once)."""
     import mlflow.onnx  # noqa: F401 - imported here, beside the stack's start
 
     shared = [_own_bytes(seed=seed) for seed in (0, 7)]
     return [[_own_bytes(seed=0), shared[1]] if cells[0].fault.stage == "stage" else shared
             for cells in LANES.values()]
+
+
+def _register(tracking_uri: str, model: str, graph: Any, logged: dict[int, str]) -> int:
+    """A new version of ``model`` from ``graph``: logged the first time (``logged``: the
+    MLflow source of each graph logged so far, by ``id``), else the artifact logged then,
+    registered again (the same bytes and run: what a lane's check finds in the check
+    cache, as the log of equal bytes did, for a registration instead of a log)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    if id(graph) not in logged:
+        version = models.register_onnx(tracking_uri, model, graph)
+        client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+        logged[id(graph)] = client.get_model_version(model, str(version)).source
+        return version
+    point_mlflow_at(tracking_uri)
+    return int(mlflow.register_model(logged[id(graph)], model).version)
 
 
 def _fresh_name(tracking_uri: str, base: str) -> str:
@@ -614,11 +653,12 @@ def matrix(request: pytest.FixtureRequest,
             graphs = dict(zip(LANES, training.result(), strict=True))
         print(f"session stack: {time.monotonic() - started:.1f} s")
         assert not dead_components(settings.home), dead_components(settings.home)
-        uri, turns = str(settings.mlflow_tracking_uri), Turns()
+        uri, turns, stack = str(settings.mlflow_tracking_uri), Turns(), StackClients(settings)
         bound = zygote.bound({HOME: str(settings.home)})
         ready = zygote.wait_ready()
         print(f"zygote ready at {time.monotonic() - started:.1f} s: {ready}")
         matrices: dict[str, Matrix] = {}
+        logged: dict[int, str] = {}  # id(graph) -> the MLflow source it was logged as
 
         def registered(lane: str) -> Matrix:
             """The lane's model and its two versions, registered by its first cell (the
@@ -626,12 +666,11 @@ def matrix(request: pytest.FixtureRequest,
             if lane not in matrices:
                 with IN_PROCESS:
                     model = _fresh_name(uri, f"{MODEL}-{lane}")
-                    v_a, v_b = (models.register_onnx(uri, model, graph)
-                                for graph in graphs[lane])
+                    v_a, v_b = (_register(uri, model, graph, logged) for graph in graphs[lane])
                 lane_dir = workdir / lane
                 lane_dir.mkdir()
                 matrices[lane] = Matrix(settings, model, (v_a, v_b), lane_dir, released=[],
-                                        zygote=bound, turns=turns)
+                                        stack=stack, zygote=bound, turns=turns)
                 matrices[lane].said.append(
                     f"setup: registered v{v_a}, v{v_b} of {model} at "
                     f"{time.monotonic() - started:.1f} s")
@@ -653,6 +692,7 @@ def matrix(request: pytest.FixtureRequest,
             yield runner
         finally:
             runner.stop()
+            stack.close()
             _heal(settings.home)
             print(f"matrix total (incl. setup): {time.monotonic() - started:.1f} s")
 
@@ -906,7 +946,8 @@ def _converge(matrix: Matrix, cell: Cell, clock: Clock, hold: Hold) -> None:
     # the faulted run: ended as it must; its record (if it ended) says what serves
     mid = matrix.observe()
     (faulted,) = [r.id for r in mid.records if r.id not in before_ids and r.kind == "promote"]
-    clock.notes.append(timeline(mid.record(faulted), launched, ended))
+    clock.notes.append(timeline(mid.record(faulted), launched, ended, run.result))
+    clock.notes.extend(f"  stack up: {up.returncode}{cpu(up)}" for up in ups)
     _check_faulted_exit(run, mid, faulted)
     _check_left_behind(matrix, cell, mid, faulted)
     _check_record_truth(mid, faulted, run)
@@ -943,7 +984,7 @@ def _converge(matrix: Matrix, cell: Cell, clock: Clock, hold: Hold) -> None:
     clock.lap(f"{cell.next_command} (console script)" if console else cell.next_command)
     end = matrix.observe()
     new = [r for r in end.records if r.id not in before_ids]
-    clock.notes.extend(timeline(r, launched, ended) for r in new
+    clock.notes.extend(timeline(r, launched, ended, nxt) for r in new
                        if r.id not in {m.id for m in mid.records})
     problems = disagreements(end) + story_breaks(new, end.serving, start=current) + \
         loose_ends(end)
