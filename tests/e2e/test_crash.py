@@ -305,37 +305,41 @@ def _cell(kind: str, stage: str, next_command: str, *, console: tuple[str, ...] 
 #: stack (tests/e2e/crash_lanes.py), each lane's cells in order: each starts from what the
 #: one before it left. The cells that kill a component (K) take the stack alone from their
 #: fault point (S3 mid-swap and the gateway mid-step from their stage's start) until the
-#: component is back, and every other cell waits meanwhile. Setup releases cost what a
-#: cell does, so a lane opens with a cell that needs at most one (:func:`_start`): the
+#: component is back, and every other cell waits meanwhile: a K cell at its point waits
+#: for the cells running beside it to end, so the K cells come where the lanes reach them
+#: at about the same time, one wait for the stack for all of them. Setup releases cost what
+#: a cell does, so a lane opens with a cell that needs at most one (:func:`_start`): the
 #: staging cell (none: it half-publishes the lane's first release) or a promote cell (one,
 #: a first release; its rerun leaves the version that served before, which a rollback cell
-#: needs); the two K cells that are promote cells open their lanes (they reach their
-#: points together: one wait for the stack), the two K rollback cells come second after
-#: a promote cell, and the gateway, the shortest alone (restarted in seconds), ends its
-#: lane. Never two K cells in a row in one lane. The console script runs once per command
-#: in the file, in lane a: a ``status`` and a ``promote`` that finishes a release killed
-#: past its point of no return (a no-op on the fleet: no check, no canary), and a
-#: ``rollback``.
+#: needs). So the first K cell of each lane comes right after the lane's opening promote
+#: cell (two releases: what a K rollback cell needs), the K cells whose runs reach their
+#: points soonest (S3 mid-swap: at the swap's start) after the longest opening cells, or
+#: opens its lane (the S3 bake cell, a promote cell: alone first and briefly, while the
+#: other lanes' opening cells run); the gateway, the shortest alone (restarted in
+#: seconds), ends its lane. Never two K cells in a row in one lane. The console script runs
+#: once per command in the file: a ``promote`` that finishes a release killed past its
+#: point of no return (a no-op on the fleet: no check, no canary; a lane's opening cell),
+#: and, after the K cells (its start-up is slow), a ``rollback`` and a ``status``.
 LANES = {
     "a": [
         # the lane's first release, half-published: a version of its own bytes
         # (:func:`_setup_graphs`), not staged yet
         _cell("sigkill", "stage", "promote"),
-        _cell("sigkill", "record", "promote", console=("status", "promote")),
-        _cell("prefect", "bake", "rollback"),  # K
+        _cell("mlflow", "record", "promote"),  # K
         _cell("sigkill", "check", "rollback", console=("rollback",)),
+        _cell("sigterm", "approval", "rollback"),
     ],
     "b": [
-        _cell("sigterm", "record", "promote"),
+        _cell("sigkill", "record", "promote", console=("promote",)),
         _cell("s3", "swap", "rollback", swap_deadline_s=S3_SWAP_DEADLINE_S),  # K
         _cell("sigkill", "canary", "rollback"),
         _cell("sigkill", "approval", "rollback"),
         _cell("sigterm", "bake", "rollback"),
     ],
     "c": [
-        _cell("mlflow", "record", "promote"),  # K
+        _cell("sigterm", "record", "promote"),
+        _cell("prefect", "bake", "rollback"),  # K
         _cell("sigkill", "swap", "rollback"),
-        _cell("sigterm", "approval", "rollback"),
         _cell("sigterm", "check", "rollback"),
         # K: the gateway killed while the candidate has 5 %, restarted under the live run
         _cell("gateway", "progressive", "rollback", restart_at_point=True),
@@ -344,7 +348,7 @@ LANES = {
         _cell("s3", "bake", "promote"),  # K
         _cell("sigint", "swap", "rollback"),
         _cell("sigterm", "progressive", "rollback"),
-        _cell("sigkill", "bake", "rollback"),
+        _cell("sigkill", "bake", "rollback", console=("status",)),
     ],
 }
 CELLS = [cell for cells in LANES.values() for cell in cells]
