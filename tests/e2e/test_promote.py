@@ -231,7 +231,9 @@ def _send_poison(http_url: str, model: str, done: threading.Event,
             with lock:
                 counts["sent"] += 1
                 counts["failed"] += failed
-            due = max(due + POISON_PERIOD_S, time.monotonic())
+            # never sooner than half a period after an answer: a slow answer (a loaded
+            # machine) cannot make the sender cover every batch
+            due = max(due + POISON_PERIOD_S, time.monotonic() + POISON_PERIOD_S / 2)
             done.wait(due - time.monotonic())
     finally:
         connection.close()
