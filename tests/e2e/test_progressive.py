@@ -38,20 +38,21 @@ from tests.integration.test_canary import slow_onnx_graph
 pytestmark = pytest.mark.e2e
 
 MODEL = "live-traffic"
-QUICK_CANARY: dict[str, Any] = {"warmup_s": 0.5, "window_s": 1.0, "max_duration_s": 8.0,
-                                "min_samples": 100}
 GATES: list[dict[str, Any]] = [
     {"name": "error_rate", "metric": "error_rate", "test": "exact_rate", "max_rate": 0.01},
     {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98,
      "dry_run": True},
 ]
-CANARY_GATES: list[dict[str, Any]] = [{**GATES[0], "effect": 0.03}, GATES[1]]
-"""The canary is not the subject of the releases that go on to a bake: its error rule
-sized to catch 4 % errors (179 requests per version) rather than 2 % (~1,000), and 1-s
-windows that count as stable at once, so it stops once the rule has its samples."""
+CANARY_GATES: list[dict[str, Any]] = [
+    {"name": "error_rate", "metric": "error_rate", "test": "threshold", "max": 0.01},
+    GATES[1]]
+"""The canary is not the subject of the release that goes on to a bake (the bake and its
+holdback are): as the fault matrix's releases, one threshold error rule needs only
+``min_samples``, so the canary ends after its first round (0.25-s windows, no warm-up; the
+exact-rate rule sized to catch 4 % errors needed 200 requests a version)."""
 HOLDBACK: dict[str, Any] = {
-    "canary": {**QUICK_CANARY, "stability_pct": 100.0, "min_samples": 200,
-               "max_duration_s": 20.0},
+    "canary": {"warmup_s": 0.0, "window_s": 0.25, "stability_pct": 100.0,
+               "max_duration_s": 8.0, "min_samples": 20},
     "gates": CANARY_GATES,
     # a third of live traffic on the held-back version: per server, the same share as each
     # of the 2 replicas (tasks/holdback.py: the control's own queueing is then matched).
@@ -59,6 +60,8 @@ HOLDBACK: dict[str, Any] = {
     # replicas serve v2): each is judged against the holdback's window of the same time.
     "bake": {"duration_s": 12.0, "window_s": 2.0, "probe_rps": 40.0, "holdback_pct": 33.0,
              "max_latency_increase_pct": 25.0},
+    # the swap is not the subject: no batching pause (one reload per replica, not three)
+    "swap": {"pause_batching": False},
 }
 PROGRESSIVE: dict[str, Any] = {
     "canary": {"traffic": "progressive", "steps": [5.0, 25.0, 50.0], "step_min_s": 2.0,
@@ -67,7 +70,11 @@ PROGRESSIVE: dict[str, Any] = {
                            "test": "mann_whitney", "max_increase_pct": 25.0}],
     "bake": {"duration_s": 0.0},
 }
-ORGANIC_RPS = 20.0
+ORGANIC_RPS = 12.0
+"""The holdback test's organic rate; its surge is x10 (release_under_surge): 132 req/s in
+all, two thirds (~88) on the fleet, above the asserted 3x organic (36), a third (~44) on
+the holdback, above the organic rate (12). The surge's size, not an absolute rate, is
+what the test needs (it was 20, 220 in all)."""
 
 def _promote(settings: Settings, policy: Path, version: int) -> tuple[int, Any]:
     return live_clients.promote(settings, MODEL, policy, version)
@@ -164,6 +171,12 @@ def test_a_slow_candidate_is_stepped_back_at_the_first_step(
     uri = str(stack_settings.mlflow_tracking_uri)
     serving = _status(stack_settings)["production_version"]
     slow = models.register_onnx(uri, MODEL, slow_onnx_graph(width=512, layers=64))
+    # checked and staged before the clients start (staging is idempotent, and the promote's
+    # check of the same bytes and policy is a cache hit): they only need to flow while the
+    # canary's steps run, not through the check
+    staged = run_inprocess("stage", MODEL, "--version", str(slow), "--policy", str(policy),
+                           "--json", home=stack_settings.home)
+    assert staged.returncode == 0, staged.stderr[-4000:]
     with _organic(stack_settings, 100.0, 300) as live:
         when_flowing(stack_settings, live)  # the first step sees them
         started = time.monotonic()
