@@ -5,12 +5,19 @@ demo's model released through the restarted stack in between.
 
 The demo runs with its own policy (policies/demo-fraud.yaml, what `make demo` releases
 with) and only the durations of its load and watches shortened (:data:`FASTER`): every
-rule, test, threshold and stage stays, and the demo's code path is the same.
+rule, test, threshold and stage stays, and the demo's code path is the same. It runs
+through the console script's own function in this process
+(:func:`tests.inprocess.run_inprocess`: the same arguments, exit code and one JSON document
+on stdout), so its imports (the promote flow, GX, skops, MLflow, matplotlib) are paid once
+with the release after the restart, not twice (in a worker that ran other files first, not
+at all); the console script's start and its ``--json`` contract are
+tests/e2e/test_promote.py's and tests/integration/test_exits.py's.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -29,12 +36,14 @@ from modelship.jsonable import jsonable
 from modelship.policy import load_policy
 from modelship.settings import Settings
 from modelship.stack import manager
-from tests.conftest import ROOT, mlflow_pointers_hidden, run_cli, stack_settings_at
+from tests.conftest import ROOT, mlflow_pointers_hidden, stack_settings_at
 from tests.e2e.test_approvals_browser import CHROMEDRIVER, CHROMIUM
 from tests.inprocess import run_inprocess
 from tests.integration.test_prefect_deployments import POLICY as WORKER_RUN_POLICY
 
-pytestmark = pytest.mark.e2e
+#: The demo (two releases, once per module) runs in the setup of the first test that asks
+#: for it, under that test's timeout: the 900 s its console run was given.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 MODEL = "demo-fraud"
 #: What `make demo` releases with.
@@ -112,9 +121,24 @@ def demo_policies(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+#: Loggers the demo quiets (modelship.cli.demo._quiet_libraries), created before it runs so
+#: that run_inprocess puts back their levels for the tests this worker runs next.
+QUIETED = ("mlflow", "alembic", "urllib3", "botocore", "great_expectations", "httpx")
+
+
 def _demo(home: Path, policies: Path) -> dict[str, Any]:
-    done = run_cli("demo", "--json", home=home, timeout=900,
-                   env={"MODELSHIP_POLICIES_DIR": str(policies)})
+    """``modelship demo --json`` in this process; what the demo sets process-wide beyond
+    what run_inprocess restores (MLflow's active experiment: the demo's) is put back."""
+    from mlflow.tracking import fluent
+
+    for name in QUIETED:
+        logging.getLogger(name)
+    experiment = fluent._active_experiment_id
+    try:
+        done = run_inprocess("demo", "--json", home=home,
+                             env={"MODELSHIP_POLICIES_DIR": str(policies)})
+    finally:
+        fluent._active_experiment_id = experiment
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout))  # exactly one JSON document, nothing else on stdout
 
