@@ -96,7 +96,9 @@ lint: install
 # comes up first, and lint runs beside them at idle priority (SCHED_IDLE: it gets a core
 # only when nothing else wants one, so the latency tests see a quiet machine) and costs no
 # time of its own; its output follows theirs, and a lint failure stops `make test` before the
-# long part, as a failure of the canary's tests does not (both parts run).
+# long part, as a failure of the canary's tests does not (both parts run). The canary's stack
+# then serves the first worker as its session stack (tests/stack_fixtures.py), one stack
+# start fewer; the exit trap stops it.
 PYTEST := $(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 ALONE := tests/integration/test_canary.py
 ALONE_STACK = env MODELSHIP_HOME="$$home" MODELSHIP_TRITON_RUNTIME=$(CURDIR)/$(RUNTIME) \
@@ -111,11 +113,10 @@ test: install
 	echo "MODELSHIP_TEST_STACK_HOME=$$home pytest --durations=5 $(ALONE)"; \
 	MODELSHIP_TEST_STACK_HOME="$$home" $(BIN)/pytest -q -p no:cacheprovider --durations=5 \
 	  $(ALONE); alone=$$?; \
-	$(ALONE_STACK) down >/dev/null; \
 	wait $$lint; linted=$$?; cat "$$home.lint.log"; \
 	[ $$linted -eq 0 ] || { echo "lint failed (above): fix it, then run make test again"; exit $$linted; }; \
-	echo "$(PYTEST) --durations=25 --ignore=$(ALONE)"; \
-	$(PYTEST) --durations=25 --ignore=$(ALONE); rest=$$?; \
+	echo "MODELSHIP_TEST_STACK_HOME_gw0=$$home $(PYTEST) --durations=25 --ignore=$(ALONE)"; \
+	MODELSHIP_TEST_STACK_HOME_gw0="$$home" $(PYTEST) --durations=25 --ignore=$(ALONE); rest=$$?; \
 	exit $$(( alone ? alone : rest ))
 
 # Lint and the unit tests only: the quick loop while editing. Lint (one core: mypy) runs

@@ -113,6 +113,7 @@ FILE_SECONDS = {
     "tests/integration/test_gpu_evidence.py": 12, "tests/integration/test_exits.py": 20,
     "tests/integration/test_local_gateway.py": 36,
     "tests/integration/test_standalone_journal.py": 15,
+    "tests/integration/test_canary_outcomes.py": 45,
     "tests/unit/test_gates_calibration.py": 12, "tests/integration/test_loadgen.py": 25,
     "tests/e2e/test_stack_cli.py": 22, "tests/unit/test_sequential.py": 16,
     "tests/unit/test_live_judge_traffic.py": 22, "tests/unit/test_export.py": 18,

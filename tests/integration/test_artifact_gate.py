@@ -7,7 +7,7 @@ and stderr progress); the other commands run in the test process
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ import pytest
 
 from flows.check import run_check
 from model_registry.client import point_mlflow_at
-from modelship.clients import Clients, build_clients
+from modelship.clients import Clients
 from modelship.errors import ModelNotFound, ModelshipError
 from modelship.policy import Policy, policy_for
 from modelship.settings import Settings
@@ -38,13 +38,6 @@ class Production:
     outputs: dict[str, np.ndarray]
     feed: dict[str, np.ndarray]
     report: Any  # its check: a fresh one (new bytes), staged, with Data Docs
-
-
-@pytest.fixture(scope="module")
-def clients(stack_settings: Settings) -> Iterator[Clients]:
-    built = build_clients(stack_settings)
-    yield built
-    built.close()
 
 
 def _check(stack_settings: Settings, clients: Clients, tmp: Path, *, version: int | None = None,

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from flows.check import run_check
-from modelship.clients import Clients, build_clients
+from modelship.clients import Clients
 from modelship.policy import Policy
 from modelship.settings import Settings
 from tasks.canary import CanaryResult, run_canary
@@ -28,13 +27,6 @@ SHORT = Policy.model_validate({
     "canary": {"warmup_s": 0.5, "window_s": 1.0, "max_duration_s": 6.0, "min_samples": 50},
     "gates": [{"name": "errors", "metric": "error_rate", "test": "threshold", "max": 0.01}],
 })
-
-
-@pytest.fixture(scope="module")
-def clients(stack_settings: Settings) -> Iterator[Clients]:
-    built = build_clients(stack_settings)
-    yield built
-    built.close()
 
 
 @pytest.fixture(scope="module")
