@@ -67,10 +67,16 @@ def gateway(stack_settings: Settings) -> Iterator[LocalGateway]:
         undo()
 
 
+#: Requests per second of :func:`answers`: who answers is the subject there, not load, so
+#: an open loop (a closed loop of 4 ran as fast as the two cores allowed, thousands a
+#: second through nginx, the client and Triton): 400 in a second, 1,200 for a 3-s share.
+ANSWERS_RPS = 400.0
+
+
 def answers(target: str, protocol: str, seconds: float = 2.0) -> Counter[str]:
     """The answering versions of the requests sent through the gateway for ``seconds``."""
     report = run_load_sync([target], MODEL, PAYLOAD, LoadSpec(
-        protocol=protocol, concurrency=4, duration_s=seconds, warmup_s=0.0,
+        protocol=protocol, rate_rps=ANSWERS_RPS, duration_s=seconds, warmup_s=0.0,
         timeout_s=10.0))
     assert all(r.ok for r in report.records), [r.error for r in report.records if not r.ok][:3]
     assert len(report.records) >= 20
@@ -137,13 +143,18 @@ def test_moving_weights_and_mirror_under_load_fails_no_request(
     steps = [TrafficSplit(5, 0), TrafficSplit(5, 50), TrafficSplit(50, 50),
              TrafficSplit(100, 0), TrafficSplit(25, 100), TrafficSplit(0, 0)]
     reports: dict[str, LoadReport] = {}
+    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+    started = threading.Event()
 
     def load() -> None:
         async def both() -> None:
+            stop = asyncio.Event()
+            running.append((asyncio.get_running_loop(), stop))
+            started.set()
             http, grpc = await asyncio.gather(*[
                 run_load([target], MODEL, PAYLOAD,
                          LoadSpec(protocol=protocol, concurrency=4, duration_s=9.0,
-                                  warmup_s=0.0, timeout_s=10.0))
+                                  warmup_s=0.0, timeout_s=10.0), stop=stop)
                 for protocol, target in (("http", state["gateway"]["http"]),
                                          ("grpc", state["gateway"]["grpc"]))])
             reports["http"], reports["grpc"] = http, grpc
@@ -152,12 +163,17 @@ def test_moving_weights_and_mirror_under_load_fails_no_request(
 
     thread = threading.Thread(target=load)
     thread.start()
+    assert started.wait(30)
     time.sleep(1.0)
     for step in steps:
         gateway.set_weights(step.canary_pct)
         gateway.mirror(step.mirror_pct)
         assert gateway.live() == step
         time.sleep(0.8)
+    # the load ends 0.8 s after the last move (at 9 s at the latest), not at 9 s whatever
+    # the moves took: what comes after them is no part of the test
+    loop, stop = running[0]
+    loop.call_soon_threadsafe(stop.set)
     thread.join(timeout=60)
     assert not thread.is_alive()
     for protocol, report in reports.items():
@@ -200,7 +216,8 @@ def test_a_split_scoped_to_one_model_leaves_other_models_requests_on_production(
         assert set(answers(http, "http")) == {"2"}  # gw over HTTP: the canary
         assert set(answers(grpc, "grpc")) == {"1"}  # gw over gRPC: production
         other = run_load_sync([http], OTHER, PAYLOAD, LoadSpec(
-            protocol="http", concurrency=4, duration_s=2.0, warmup_s=0.0, timeout_s=10.0))
+            protocol="http", rate_rps=ANSWERS_RPS, duration_s=2.0, warmup_s=0.0,
+            timeout_s=10.0))
         assert len(other.records) >= 20
         assert [r.error for r in other.records if not r.ok] == []
         assert {r.model_version for r in other.records} == {"1"}
