@@ -1,4 +1,12 @@
-"""`modelship stack up | status | down` through the real console script."""
+"""`modelship stack up | status | down`, each a real ``modelship`` process.
+
+The processes are forked from one pre-imported ``modelship`` (:class:`tests.zygote.Zygote`,
+as tests/integration/test_exits.py and the fault matrix run their CLIs): each runs the
+console script's ``main`` to its exit status, with its own home (and runtime) in its
+environment, its stdout and stderr, and the servers it starts are its own children. What
+differs from the console script is only that the interpreter and the CLI's imports are
+paid once for the module, not once per command (about 0.5-1 CPU-s each).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +15,42 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 from modelship.stack.process import ProcessRecord, process_start_ticks
-from tests.conftest import run_cli
+from tests.conftest import ROOT, cli_env
+from tests.zygote import Completed, Zygote
 
 pytestmark = pytest.mark.e2e
+
+#: What the stack commands import before they run (the rest each imports itself).
+PRELOAD = ("modelship.cli", "modelship.stack.manager", "tasks.reconcile")
+#: What a run sets in its environment: its home, and the runtime where a test fakes one
+#: (both read when the command runs, never at import).
+LATE_ENV = ("MODELSHIP_HOME", "MODELSHIP_TRITON_RUNTIME")
+
+
+#: ``run_cli(*args, home=..., env=...)``, as :func:`tests.conftest.run_cli`.
+Cli = Callable[..., Completed]
+
+
+@pytest.fixture(scope="module")
+def run_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
+    """``modelship *args`` with ``home`` (and ``env``) as :func:`tests.conftest.run_cli`
+    gives them, each run a process forked from one zygote."""
+    base = tmp_path_factory.mktemp("stack-cli") / ".modelship"
+    with Zygote(target="modelship.cli:main", preload=PRELOAD, env=cli_env(base), cwd=ROOT,
+                late_env=LATE_ENV, prepare="tests.faults:cli_defaults") as zygote:
+        zygote.wait_ready()
+
+        def run(*args: str, home: Path, env: Mapping[str, str] | None = None) -> Completed:
+            return zygote.run(["modelship", *args],
+                              env={"MODELSHIP_HOME": str(home), **(env or {})}, timeout=300)
+
+        yield run
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -38,13 +74,13 @@ def processes_mentioning(text: str) -> list[int]:
 # module brings up with the console script (one stack start for both).
 
 
-def test_down_with_nothing_running_says_so(tmp_path: Path) -> None:
+def test_down_with_nothing_running_says_so(tmp_path: Path, run_cli: Cli) -> None:
     done = run_cli("stack", "down", home=tmp_path / "empty")
     assert done.returncode == 0
     assert "nothing to stop" in done.stdout
 
 
-def test_status_without_a_stack_says_what_to_do(tmp_path: Path) -> None:
+def test_status_without_a_stack_says_what_to_do(tmp_path: Path, run_cli: Cli) -> None:
     done = run_cli("stack", "status", "--json", home=tmp_path / "empty")
     assert done.returncode == 1
     error = json.loads(done.stdout)
@@ -52,7 +88,8 @@ def test_status_without_a_stack_says_what_to_do(tmp_path: Path) -> None:
     assert "modelship stack up" in error["hint"]
 
 
-def test_missing_triton_runtime_names_the_fix_and_starts_nothing(tmp_path: Path) -> None:
+def test_missing_triton_runtime_names_the_fix_and_starts_nothing(
+        tmp_path: Path, run_cli: Cli) -> None:
     home = tmp_path / ".modelship"
     done = run_cli("stack", "up", home=home,
                    env={"MODELSHIP_TRITON_RUNTIME": str(tmp_path / "no-such-venv")})
@@ -62,7 +99,7 @@ def test_missing_triton_runtime_names_the_fix_and_starts_nothing(tmp_path: Path)
     assert not processes_mentioning(str(home))
 
 
-def test_port_already_in_use_is_named(tmp_path: Path) -> None:
+def test_port_already_in_use_is_named(tmp_path: Path, run_cli: Cli) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -90,7 +127,8 @@ def _fake_runtime(root: Path, server_script: str) -> Path:
     return root
 
 
-def test_component_dying_during_startup_is_named_and_everything_stops(tmp_path: Path) -> None:
+def test_component_dying_during_startup_is_named_and_everything_stops(
+        tmp_path: Path, run_cli: Cli) -> None:
     home = tmp_path / ".modelship"
     runtime = _fake_runtime(tmp_path / "fake-venv",
                             "#!/bin/sh\necho 'simulated: cannot open model repository' >&2\n"
@@ -105,7 +143,7 @@ def test_component_dying_during_startup_is_named_and_everything_stops(tmp_path: 
     assert not processes_mentioning(str(home))
 
 
-def test_broken_binary_is_named(tmp_path: Path) -> None:
+def test_broken_binary_is_named(tmp_path: Path, run_cli: Cli) -> None:
     runtime = _fake_runtime(tmp_path / "fake-venv", "not a program")
     (runtime / "lib/python3.11/site-packages/pytriton/tritonserver/bin/tritonserver").chmod(0o644)
     done = run_cli("stack", "up", home=tmp_path / ".modelship",
@@ -121,7 +159,7 @@ def _write_state(home: Path, processes: list[ProcessRecord]) -> None:
     (home / "stack.json").write_text(json.dumps(state))
 
 
-def test_half_up_stack_is_refused_and_down_cleans_it(tmp_path: Path) -> None:
+def test_half_up_stack_is_refused_and_down_cleans_it(tmp_path: Path, run_cli: Cli) -> None:
     home = tmp_path / ".modelship"
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                                start_new_session=True)
@@ -143,7 +181,7 @@ def test_half_up_stack_is_refused_and_down_cleans_it(tmp_path: Path) -> None:
         sleeper.wait()
 
 
-def test_recycled_pid_is_never_signalled(tmp_path: Path) -> None:
+def test_recycled_pid_is_never_signalled(tmp_path: Path, run_cli: Cli) -> None:
     home = tmp_path / ".modelship"
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
@@ -160,7 +198,7 @@ def test_recycled_pid_is_never_signalled(tmp_path: Path) -> None:
         stranger.wait()
 
 
-def test_corrupt_state_file_says_what_to_do(tmp_path: Path) -> None:
+def test_corrupt_state_file_says_what_to_do(tmp_path: Path, run_cli: Cli) -> None:
     home = tmp_path / ".modelship"
     home.mkdir()
     (home / "stack.json").write_text("{not json")
@@ -169,7 +207,7 @@ def test_corrupt_state_file_says_what_to_do(tmp_path: Path) -> None:
     assert "stack.json" in done.stderr and "stack up" in done.stderr
 
 
-def test_zero_replicas_is_a_usage_error_and_starts_nothing(tmp_path: Path) -> None:
+def test_zero_replicas_is_a_usage_error_and_starts_nothing(tmp_path: Path, run_cli: Cli) -> None:
     home = tmp_path / ".modelship"
     up = run_cli("stack", "up", "--replicas", "0", home=home)
     assert up.returncode == 2, up.stderr[-2000:]
