@@ -62,7 +62,9 @@ def _json(*args: str, settings: Settings, code: int = 0,
           env: dict[str, str] | None = None) -> Any:
     """``modelship ARGS --json``, in-process: its JSON document, once its exit code is ``code``."""
     done = run_inprocess(*args, "--json", home=settings.home, env=env)
-    assert done.returncode == code, (done.stdout[-3000:], done.stderr[-3000:])
+    # the document's head too: status puts its verdict (consistent, disagreements) first
+    assert done.returncode == code, (done.stdout[:2000], done.stdout[-2000:],
+                                     done.stderr[-3000:])
     return json.loads(done.stdout)
 
 
@@ -74,8 +76,15 @@ def _status(settings: Settings, code: int, env: dict[str, str] | None = None) ->
 
 
 def _serving(settings: Settings, version: int) -> dict[str, Any]:
-    """``version`` on the whole fleet, whatever an earlier test left there."""
-    return dict(_json("swap", MODEL, "--to", str(version), "--force", settings=settings))
+    """``version`` on the whole fleet, whatever an earlier test left there (a no-op when it
+    serves already). Setup, not the subject: no batching pause, one reload per replica
+    rather than three (the pause is asserted where a swap is the subject:
+    test_swap_status_noop_lock_and_rollback)."""
+    policy = settings.home / f"{MODEL}-settle.yaml"
+    if not policy.exists():
+        models.write_policy(policy, {"swap": {"pause_batching": False}})
+    return dict(_json("swap", MODEL, "--to", str(version), "--force", "--policy", str(policy),
+                      settings=settings))
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +345,11 @@ def test_status_compares_the_fleet_with_the_pin_the_alias_and_the_ledger(
         assert _json("swap", MODEL, "--to", str(v1), settings=stack_settings)["repaired"]
         assert _status(stack_settings, 0)["aliases"]["production"] == v1
 
-        # A release whose process is gone, still `running` in the ledger.
+        # A release whose process is gone, still `running` in the ledger. Release ids sort
+        # by their second (modelship.ledger.new_release_id), then by a random suffix: the
+        # dead one starts in a later second than the repair before it, or it may not be
+        # the newest record (seen once: the same second, the repair's suffix higher).
+        time.sleep(1.0 - time.time() % 1.0)
         gone = subprocess.Popen(["true"])
         gone.wait()
         dead = ReleaseRecord.start("promote", MODEL, from_version=v1, to_version=versions[1])
