@@ -251,7 +251,9 @@ def main() -> None:
 
 #: What a CLI zygote imports once (:func:`cli_zygote`): the CLI, the release and rollback
 #: flows (and with them gRPC and the canary's load generator), what their stages import
-#: late (check: GX, pandas, ONNX, MLflow's flavors; the canary report: matplotlib). Not
+#: late (check: GX, pandas, ONNX, MLflow's flavors, the golden rows' parquet reader; the
+#: canary report: matplotlib), and what Prefect's flow call and MLflow's exit import late
+#: (each run imported them again: ~4% of the runs' samples in a profile of the suite). Not
 #: tritonclient.http: it imports gevent, whose hub is not known to be fork-safe, so a run
 #: imports it itself.
 CLI_PRELOAD = ("modelship.cli", "flows.promote", "flows.standalone", "tasks.check",
@@ -259,7 +261,9 @@ CLI_PRELOAD = ("modelship.cli", "flows.promote", "flows.standalone", "tasks.chec
                "tasks.status", "tasks.recovery", "tasks.reconcile", "model_registry.golden",
                "mlflow", "mlflow.onnx", "mlflow.pyfunc", "mlflow.sklearn", "pandas", "onnx",
                "onnxruntime", "great_expectations", "great_expectations.expectations",
-               "matplotlib.figure", "matplotlib.backends.backend_agg")
+               "matplotlib.figure", "matplotlib.backends.backend_agg", "pyarrow.parquet",
+               "prefect.flow_engine", "prefect.task_engine", "prefect.utilities.visualization",
+               "mlflow.tracing.processor.base_mlflow", "mlflow.tracking.request_header.registry")
 #: Variables a zygote's run may add: read when it runs (by :func:`cli_main`, and the
 #: check cache's switch by the settings), not at import.
 FAULT_ENV = ("FAULT", "FAULT_STAGE", "FAULT_MARK", "FAULT_GATE", "FAULT_RESUME",
