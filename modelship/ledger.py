@@ -13,7 +13,7 @@ The decisions the ledger feeds are pure functions of the records, table-tested w
 - :func:`rollback_target` — the default rollback target: what served before the current
   production version, as the ledger (not a possibly stale alias) says.
 
-Release ids sort by time (``20261201T004455Z-1a2b3c``), so "newest first" is a sort.
+Release ids sort by time (``20261201T004455.123456Z-1a2b3c``), so "newest first" is a sort.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import json
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,8 +54,22 @@ def now_iso() -> str:
 
 
 def new_release_id() -> str:
-    """A time-sortable unique id, e.g. ``20261201T004455Z-1a2b3c``."""
-    return f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}"
+    """A time-sortable unique id, e.g. ``20261201T004455.123456Z-1a2b3c``.
+
+    To the microsecond: "newest first" is a sort of ids, so two records of one model started
+    within the same second (a repair, then the next release) must not be ordered by their
+    random suffix. (Ids of the seconds-only form, from before, sort after this form's ids of
+    the same second, and correctly against every other second.)
+    """
+    global _last_id_time
+    with _id_lock:  # strictly increasing in this process, even within one microsecond
+        stamp = max(datetime.now(UTC), _last_id_time + timedelta(microseconds=1))
+        _last_id_time = stamp
+    return f"{stamp.strftime('%Y%m%dT%H%M%S.%fZ')}-{secrets.token_hex(3)}"
+
+
+_id_lock = threading.Lock()
+_last_id_time = datetime.min.replace(tzinfo=UTC)
 
 
 @dataclass
