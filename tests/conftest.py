@@ -101,17 +101,17 @@ pytest_plugins = ["tests.stack_fixtures"]
 #: A file missing here is estimated from its number of tests (:data:`SECONDS_PER_TEST`).
 #: Refresh from a run's ``--durations=0`` when a file's weight changes a lot.
 FILE_SECONDS = {
-    "tests/e2e/test_crash.py": 380, "tests/e2e/test_promote.py": 160,
-    "tests/e2e/test_fleet_cli.py": 160, "tests/e2e/test_demo.py": 150,
-    "tests/integration/test_prefect_deployments.py": 70, "tests/e2e/test_bake_traffic.py": 110,
-    "tests/e2e/test_progressive.py": 85, "tests/e2e/test_nightly.py": 85,
+    "tests/e2e/test_crash.py": 300, "tests/e2e/test_promote.py": 130,
+    "tests/e2e/test_fleet_cli.py": 125, "tests/e2e/test_demo.py": 130,
+    "tests/integration/test_prefect_deployments.py": 50, "tests/e2e/test_bake_traffic.py": 110,
+    "tests/e2e/test_progressive.py": 85, "tests/e2e/test_nightly.py": 70,
     "tests/integration/test_artifact_gate.py": 50, "tests/integration/test_stack_heal.py": 70,
     "tests/integration/test_approvals_flow.py": 58, "tests/e2e/test_shadow.py": 55,
-    "tests/e2e/test_approvals_promote.py": 50, "tests/integration/test_swap.py": 40,
+    "tests/e2e/test_approvals_promote.py": 30, "tests/integration/test_swap.py": 40,
     "tests/e2e/test_pytorch_promote.py": 60, "tests/integration/test_release_transaction.py": 15,
     "tests/integration/test_swap_faults.py": 15, "tests/integration/test_canary_slot.py": 12,
     "tests/integration/test_gpu_evidence.py": 12, "tests/integration/test_exits.py": 20,
-    "tests/integration/test_local_gateway.py": 36,
+    "tests/integration/test_local_gateway.py": 30,
     "tests/integration/test_standalone_journal.py": 15,
     "tests/integration/test_canary_outcomes.py": 45,
     "tests/unit/test_gates_calibration.py": 12, "tests/integration/test_loadgen.py": 25,
