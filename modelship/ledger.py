@@ -13,7 +13,7 @@ The decisions the ledger feeds are pure functions of the records, table-tested w
 - :func:`rollback_target` — the default rollback target: what served before the current
   production version, as the ledger (not a possibly stale alias) says.
 
-Release ids sort by time (``20261201T004455.123456Z-1a2b3c``), so "newest first" is a sort.
+Release ids sort by time (``20261201T004455123456Z-1a2b3c``), so "newest first" is a sort.
 """
 
 from __future__ import annotations
@@ -54,18 +54,20 @@ def now_iso() -> str:
 
 
 def new_release_id() -> str:
-    """A time-sortable unique id, e.g. ``20261201T004455.123456Z-1a2b3c``.
+    """A time-sortable unique id, e.g. ``20261201T004455123456Z-1a2b3c``.
 
     To the microsecond: "newest first" is a sort of ids, so two records of one model started
     within the same second (a repair, then the next release) must not be ordered by their
-    random suffix. (Ids of the seconds-only form, from before, sort after this form's ids of
-    the same second, and correctly against every other second.)
+    random suffix. The characters are those of the seconds-only ids from before (digits,
+    ``T``, ``Z``, ``-``, lowercase hex), so every name built from an id stays valid (a
+    Prefect pause key takes lowercase letters, digits and dashes); ids of that older form sort
+    after this form's ids of the same second, and correctly against every other second.
     """
     global _last_id_time
     with _id_lock:  # strictly increasing in this process, even within one microsecond
         stamp = max(datetime.now(UTC), _last_id_time + timedelta(microseconds=1))
         _last_id_time = stamp
-    return f"{stamp.strftime('%Y%m%dT%H%M%S.%fZ')}-{secrets.token_hex(3)}"
+    return f"{stamp.strftime('%Y%m%dT%H%M%S%fZ')}-{secrets.token_hex(3)}"
 
 
 _id_lock = threading.Lock()
