@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from modelship.errors import ModelshipError, StorageError
 from modelship.jsonable import jsonable
+from modelship.procinfo import process_start_ticks
 from modelship.storage import S3Storage
 
 LEDGER_PREFIX = "releases"
@@ -72,6 +73,22 @@ def new_release_id() -> str:
 
 _id_lock = threading.Lock()
 _last_id_time = datetime.min.replace(tzinfo=UTC)
+
+
+def holder_process_alive(holder: dict[str, Any], here: str) -> bool | None:
+    """Whether the process that holds a record still runs: True or False on its own host,
+    None on another host (unknown from here) or when the record names no pid.
+
+    Pids are recycled: a process with the holder's pid that started at another time than
+    the holder's recorded ``pid_start`` is another process, and the holder is gone. (Records
+    from before ``pid_start`` was kept are judged by their pid alone.)
+    """
+    pid = holder.get("pid")
+    if holder.get("host") != here or not isinstance(pid, int):
+        return None
+    ticks = process_start_ticks(pid)
+    recorded = holder.get("pid_start")
+    return ticks is not None and (not isinstance(recorded, int) or recorded == ticks)
 
 
 @dataclass
@@ -168,8 +185,9 @@ class ReleaseRecord:
               requester: str | None = None, **fields: Any) -> ReleaseRecord:
         """A new running record, held by this process."""
         return cls(id=new_release_id(), kind=kind, model=model, trigger=trigger,
-                   requester=requester, holder={"host": socket.gethostname(),
-                                                "pid": os.getpid()}, **fields)
+                   requester=requester,
+                   holder={"host": socket.gethostname(), "pid": os.getpid(),
+                           "pid_start": process_start_ticks(os.getpid())}, **fields)
 
     def stage(self, name: str) -> StageEntry | None:
         """The last entry of stage ``name``, or None."""

@@ -42,8 +42,13 @@ from typing import Any, Literal, Protocol
 
 from model_registry.client import PREVIOUS_ALIAS, PRODUCTION_ALIAS
 from modelship.errors import InfrastructureError, ModelshipError, ReleaseIncomplete
-from modelship.ledger import RELEASE_ID_TAG, ReleaseRecord, now_iso, sort_newest_first
-from modelship.procinfo import process_start_ticks
+from modelship.ledger import (
+    RELEASE_ID_TAG,
+    ReleaseRecord,
+    holder_process_alive,
+    now_iso,
+    sort_newest_first,
+)
 from modelship.progress import Progress, quiet
 from modelship.signals import deferred, exit_code_for, stop_signal
 from tasks.reconcile import read_pin
@@ -443,10 +448,8 @@ def close(record: ReleaseRecord, closing: Closing, *, observe: Callable[[Release
 def _process_gone(record: ReleaseRecord, here: str) -> bool | None:
     """True: the holder's process on this host is gone; False: it lives; None: another
     host (unknown from here)."""
-    pid = record.holder.get("pid")
-    if record.holder.get("host") != here or not isinstance(pid, int):
-        return None
-    return process_start_ticks(pid) is None
+    alive = holder_process_alive(record.holder, here)
+    return None if alive is None else not alive
 
 
 def dead_runs(ledger: Any, model: str, current: str) -> list[ReleaseRecord]:

@@ -32,9 +32,8 @@ from model_registry.client import PRODUCTION_ALIAS
 from modelship.clients import Clients
 from modelship.errors import InfrastructureError, ModelNotFound, ModelshipError, Unreachable
 from modelship.faults import translate
-from modelship.ledger import Ledger, ReleaseRecord, sort_newest_first
+from modelship.ledger import Ledger, ReleaseRecord, holder_process_alive, sort_newest_first
 from modelship.locks import list_locks
-from modelship.procinfo import process_start_ticks
 from modelship.settings import Settings
 from modelship.signing import key_bytes
 from modelship.traffic.port import TrafficRouter
@@ -159,11 +158,9 @@ def _lock_seen(rows: list[dict[str, Any]]) -> LockSeen | None:
 
 
 def _pid_running(record: ReleaseRecord, here: str) -> bool | None:
-    pid = record.holder.get("pid")
-    if record.status != "running" or record.holder.get("host") != here \
-            or not isinstance(pid, int):
+    if record.status != "running":
         return None
-    return process_start_ticks(pid) is not None
+    return holder_process_alive(record.holder, here)
 
 
 def _summary(record: ReleaseRecord, verdict: Truth) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,10 +15,20 @@ import pytest
 from modelship.ledger import ReleaseRecord, StageEntry, now_iso
 from tasks.recovery import dead_runs, recover
 
+#: Each pid's start time (clock ticks since boot), as a record's holder keeps it.
+STARTS: dict[int, int] = {}
+
+
+def _start_ticks(pid: int) -> int:
+    """The start time of ``pid``, whatever its state (a zombie's too)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
 
 def _gone_pid() -> int:
-    """The pid of a process that has exited (and been reaped)."""
+    """The pid of a process that has exited (and been reaped), its start time kept: a later
+    process that is given the same pid is not taken for it (pids are recycled)."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
+    STARTS[child.pid] = _start_ticks(child.pid)  # exited or not, not reaped yet
     child.wait()
     return child.pid
 
@@ -34,7 +45,7 @@ def _record(*, host: str, pid: int, stages: tuple[str, ...] = ("resolve", "check
             status: str = "running", kind: str = "promote", dry_run: bool = False,
             model: str = "m") -> ReleaseRecord:
     record = ReleaseRecord.start(kind, model, dry_run=dry_run)  # type: ignore[arg-type]
-    record.holder = {"host": host, "pid": pid}
+    record.holder = {"host": host, "pid": pid, "pid_start": STARTS.get(pid)}
     record.status = status
     record.stages = [StageEntry(name, now_iso()) for name in stages]
     return record
@@ -42,11 +53,20 @@ def _record(*, host: str, pid: int, stages: tuple[str, ...] = ("resolve", "check
 
 HERE = socket.gethostname()
 DEAD = _gone_pid()
+STARTS[os.getpid()] = _start_ticks(os.getpid())
+
+
+def _recycled() -> ReleaseRecord:
+    """A running record whose pid now belongs to another process: this one, started later."""
+    record = _record(host=HERE, pid=os.getpid())
+    record.holder["pid_start"] = STARTS[os.getpid()] - 1
+    return record
 
 
 @pytest.mark.parametrize(("record", "dead"), [
     (_record(host=HERE, pid=DEAD), True),                        # same host, process gone
     (_record(host=HERE, pid=os.getpid()), False),                # same host, alive
+    (_recycled(), True),                                         # its pid recycled
     (_record(host="other", pid=1, stages=("resolve", "check")), False),  # maybe still checking
     (_record(host="other", pid=1, stages=("resolve", "check", "stage", "canary")), True),
     (_record(host=HERE, pid=DEAD, status="released"), False),    # finished
