@@ -99,9 +99,10 @@ lint: install
 # long part, as a failure of the canary's tests does not (both parts run). The canary's stack
 # then serves the first worker as its session stack (tests/stack_fixtures.py), one stack
 # start fewer; the exit trap stops it. The unit tests (pure: no server, no wall-clock
-# verdict) run beside the two workers in one process at nice 19: the workers leave about a
-# fifth of the cores idle while their tests wait on servers, windows and bakes, and the unit
-# tests take that time instead of a worker's; their output follows the workers'.
+# verdict) run beside the two workers in one process at idle priority, as lint does: the
+# workers leave about a fifth of the cores idle while their tests wait on servers, windows
+# and bakes, and the unit tests take that time instead of a worker's (at nice 19 rather
+# than SCHED_IDLE, the e2e files took ~10% longer); their output follows the workers'.
 PYTEST := $(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 ALONE := tests/integration/test_canary.py
 ALONE_STACK = env MODELSHIP_HOME="$$home" MODELSHIP_TRITON_RUNTIME=$(CURDIR)/$(RUNTIME) \
@@ -118,8 +119,8 @@ test: install
 	  $(ALONE); alone=$$?; \
 	wait $$lint; linted=$$?; cat "$$home.lint.log"; \
 	[ $$linted -eq 0 ] || { echo "lint failed (above): fix it, then run make test again"; exit $$linted; }; \
-	echo "nice -n 19 $(BIN)/pytest -q -p no:cacheprovider --durations=5 tests/unit (beside)"; \
-	nice -n 19 $(BIN)/pytest -q -p no:cacheprovider --durations=5 tests/unit \
+	echo "$(IDLE) $(BIN)/pytest -q -p no:cacheprovider --durations=5 tests/unit (beside)"; \
+	$(IDLE) $(BIN)/pytest -q -p no:cacheprovider --durations=5 tests/unit \
 	  >"$$home.unit.log" 2>&1 & unit=$$!; \
 	echo "MODELSHIP_TEST_STACK_HOME_gw0=$$home $(PYTEST) --durations=25 --ignore=$(ALONE) --ignore=tests/unit"; \
 	MODELSHIP_TEST_STACK_HOME_gw0="$$home" $(PYTEST) --durations=25 --ignore=$(ALONE) \

@@ -27,23 +27,17 @@ from modelship.settings import Settings
 from tests import models
 from tests.conftest import ROOT, cli_env
 from tests.inprocess import beside, run_inprocess
+from tests.policies import short_policy
 from tests.zygote import Zygote
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "cli-approvals"
-POLICY: dict[str, Any] = {
-    # The approval is tested here, not the canary (test_canary, test_promote) nor the bake
-    # (test_bake_traffic, test_promote). As the fault matrix's releases: one threshold rule
-    # needs only min_samples, so the canary ends after its first round (0.5 s, no warm-up)
-    # and its report (with the plot the approval request shows) is written; no bake.
-    "canary": {"warmup_s": 0.0, "window_s": 0.25, "stability_pct": 100.0,
-               "max_duration_s": 20.0, "min_samples": 20},
-    "gates": [{"name": "error_rate", "metric": "error_rate", "test": "threshold",
-               "max": 0.01}],
-    "bake": {"duration_s": 0.0},
-    "approval": {"timeout_s": 300},
-}
+#: The approval is tested here, not the canary nor the bake: the short release
+#: (tests/policies.py; its canary's report, with the plot the approval request shows, is
+#: written), no bake, and the swap's default batching pause.
+POLICY = short_policy(canary={"max_duration_s": 20.0}, swap=None,
+                      approval={"timeout_s": 300})
 APPROVAL = ["--require-approval", "--approvers", "U0ALICE,S0APPROVERS",
             "--requested-by", "U0CAROL"]
 

@@ -173,6 +173,7 @@ from tests.faults import (
     run_faulted,
     story_breaks,
 )
+from tests.policies import NO_PAUSE, ONE_WINDOW_BAKE, short_policy
 from tests.zygote import Bound
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -181,28 +182,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 #: does not know yet (:func:`_fresh_name`: a run after another on one stack starts from
 #: fresh models as it does on its own).
 MODEL = "fault-matrix"
-POLICY: dict[str, Any] = {
-    # The matrix is about the ways out, not the gates: one threshold rule needs only
-    # min_samples, so the canary ends after its first round (0.5 s, the shortest a round
-    # is; no warm-up).
-    "canary": {"warmup_s": 0.0, "window_s": 0.25, "stability_pct": 100.0,
-               "max_duration_s": 8.0, "min_samples": 20},
-    "gates": [
-        {"name": "error_rate", "metric": "error_rate", "test": "threshold", "max": 0.01},
-    ],
-    # no bake and no batching pause at the swap (one reload per replica, not three), but
-    # where the cell's fault is: :attr:`Cell.policy` (a bake cell bakes, a swap cell pauses)
-    "bake": {"duration_s": 0.0},
-    # a replica that cannot load (S3 down) is given up on after this, not the default 60 s
-    # (a healthy switch of this model takes a few seconds even on a loaded machine, with
-    # the other lanes' releases beside it)
-    "swap": {"deadline_s": 30.0, "pause_batching": False},
-}
-#: The bake of the cells whose fault point is the bake or the record (the bake passed):
-#: one 1-s window on errors alone (a 1-s reference is below two windows, so no latency
-#: rule).
-BAKE: dict[str, Any] = {"duration_s": 1.0, "window_s": 1.0, "baseline_s": 1.0,
-                        "max_latency_increase_pct": 400.0}
+#: The matrix is about the ways out, not the gates: the short release (tests/policies.py),
+#: no bake and no batching pause at the swap, but where the cell's fault is
+#: (:attr:`Cell.policy`: a bake cell bakes, a swap cell pauses). A replica that cannot load
+#: (S3 down) is given up on after ``deadline_s``, not the default 60 s (a healthy switch of
+#: this model takes a few seconds even on a loaded machine, with the other lanes' releases
+#: beside it).
+POLICY = short_policy(swap={**NO_PAUSE, "deadline_s": 30.0})
+#: The bake of the cells whose fault point is the bake or the record (the bake passed).
+BAKE = ONE_WINDOW_BAKE
 #: The fault points a release reaches only through its bake.
 BAKED = frozenset({"bake", "record"})
 #: The swap deadline of the cell that kills S3 mid-swap: both the failing switch and the

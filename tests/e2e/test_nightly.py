@@ -21,25 +21,14 @@ from tasks import train as training
 from tests import models
 from tests.conftest import run_cli
 from tests.inprocess import run_inprocess
+from tests.policies import short_policy
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "nightly-e2e"
-# Every release stage, each as short as it can be: the night is tested (its verdict, its
-# promote subflow, its notice), not the stages' measurements (test_canary, test_promote,
-# test_bake_traffic, test_swap). As the fault matrix's releases: one threshold error rule
-# needs only ``min_samples``, so the canary ends after its first round (0.25-s windows, no
-# warm-up; the exact-rate rule ran until it had 200 requests a version, up to its 12-s
-# cap); no bake; the swap does not pause batching (one reload per replica, not three).
-POLICY: dict[str, Any] = {
-    "canary": {"warmup_s": 0.0, "window_s": 0.25, "stability_pct": 100.0,
-               "max_duration_s": 8.0, "min_samples": 20},
-    "gates": [
-        {"name": "error_rate", "metric": "error_rate", "test": "threshold", "max": 0.01},
-    ],
-    "bake": {"duration_s": 0.0},
-    "swap": {"pause_batching": False},
-}
+#: The night is tested (its verdict, its promote subflow, its notice), not the stages'
+#: measurements: the short release (tests/policies.py), no bake.
+POLICY = short_policy()
 
 
 def train_weak(request: training.TrainRequest) -> str:

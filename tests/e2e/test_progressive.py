@@ -34,6 +34,7 @@ from tests.e2e import live_clients
 from tests.e2e.organic import Organic, in_production, release_under_surge, when_flowing
 from tests.inprocess import run_inprocess
 from tests.integration.test_canary import slow_onnx_graph
+from tests.policies import ERROR_GATE, short_policy
 
 pytestmark = pytest.mark.e2e
 
@@ -43,26 +44,16 @@ GATES: list[dict[str, Any]] = [
     {"name": "agreement", "metric": "agreement", "test": "threshold", "min": 0.98,
      "dry_run": True},
 ]
-CANARY_GATES: list[dict[str, Any]] = [
-    {"name": "error_rate", "metric": "error_rate", "test": "threshold", "max": 0.01},
-    GATES[1]]
-"""The canary is not the subject of the release that goes on to a bake (the bake and its
-holdback are): as the fault matrix's releases, one threshold error rule needs only
-``min_samples``, so the canary ends after its first round (0.25-s windows, no warm-up; the
-exact-rate rule sized to catch 4 % errors needed 200 requests a version)."""
-HOLDBACK: dict[str, Any] = {
-    "canary": {"warmup_s": 0.0, "window_s": 0.25, "stability_pct": 100.0,
-               "max_duration_s": 8.0, "min_samples": 20},
-    "gates": CANARY_GATES,
+#: The canary is not the subject of the release that goes on to a bake (the bake and its
+#: holdback are): the short release (tests/policies.py), with the dry-run agreement rule.
+HOLDBACK = short_policy(
+    gates=[ERROR_GATE, GATES[1]],
     # a third of live traffic on the held-back version: per server, the same share as each
     # of the 2 replicas (tasks/holdback.py: the control's own queueing is then matched).
     # 6 windows, every one under the surge (in-process clients: it starts the moment the
     # replicas serve v2): each is judged against the holdback's window of the same time.
-    "bake": {"duration_s": 12.0, "window_s": 2.0, "probe_rps": 40.0, "holdback_pct": 33.0,
-             "max_latency_increase_pct": 25.0},
-    # the swap is not the subject: no batching pause (one reload per replica, not three)
-    "swap": {"pause_batching": False},
-}
+    bake={"duration_s": 12.0, "window_s": 2.0, "probe_rps": 40.0, "holdback_pct": 33.0,
+          "max_latency_increase_pct": 25.0})
 PROGRESSIVE: dict[str, Any] = {
     "canary": {"traffic": "progressive", "steps": [5.0, 25.0, 50.0], "step_min_s": 2.0,
                "step_max_s": 30.0},

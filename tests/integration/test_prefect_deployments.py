@@ -26,27 +26,14 @@ from tasks import train as training
 from tests import models
 from tests.conftest import MODELSHIP, ROOT, RUNTIME_VENV
 from tests.inprocess import run_inprocess
+from tests.policies import ONE_WINDOW_BAKE, short_policy
 
 pytestmark = pytest.mark.integration
 
 MODEL = "nightly-worker"
-#: The runs' releases: every stage, each as short as it can be (what this file proves is the
-#: deploy, the worker and the triggers; the stages' measurements are tested in test_canary,
-#: test_promote and test_bake_traffic). As the fault matrix's releases: one threshold rule
-#: needs only ``min_samples``, so the canary ends after its first round (0.5 s, no warm-up;
-#: the exact-rate rule at its default effect ran to the 12-s cap); a bake of one 1-s window
-#: on errors alone (a 1-s reference is below two windows: no latency rule); the swap does
-#: not pause batching (one reload per replica, not three: the pause is test_swap's).
-POLICY: dict[str, Any] = {
-    "canary": {"warmup_s": 0.0, "window_s": 0.25, "stability_pct": 100.0,
-               "max_duration_s": 8.0, "min_samples": 20},
-    "gates": [
-        {"name": "error_rate", "metric": "error_rate", "test": "threshold", "max": 0.01},
-    ],
-    "bake": {"duration_s": 1.0, "window_s": 1.0, "baseline_s": 1.0,
-             "max_latency_increase_pct": 400.0},
-    "swap": {"pause_batching": False},
-}
+#: The runs' releases: what this file proves is the deploy, the worker and the triggers, not
+#: the stages' measurements: the short release (tests/policies.py) with a one-window bake.
+POLICY = short_policy(bake=ONE_WINDOW_BAKE)
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 #: The worker asks the server for runs every 2 s, not Prefect's default 10 s (each run
 #: waited 5 s on average, up to 13 s with its jitter, before the worker even saw it), nor

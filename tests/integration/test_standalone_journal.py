@@ -25,17 +25,13 @@ from modelship.settings import Settings
 from tasks.check import run_check
 from tasks.evidence import read_candidate_digest
 from tests import models
+from tests.policies import ERROR_GATE, FIRST_ROUND_CANARY
 
 pytestmark = pytest.mark.integration
 
 MODEL = "standalone-journal"
-#: The cheapest canary: a deterministic error gate that needs only ``min_samples``, so the
-#: canary ends after its first round (0.5 s, no warm-up), as the fault matrix's does.
-CANARY: dict[str, Any] = {
-    "canary": {"warmup_s": 0.0, "window_s": 0.25, "stability_pct": 100.0,
-               "max_duration_s": 60.0, "min_samples": 20},
-    "gates": [{"name": "errors", "metric": "error_rate", "test": "threshold", "max": 0.01}],
-}
+#: The cheapest canary (tests/policies.py), given up to 60 s on a loaded machine.
+CANARY = {"canary": {**FIRST_ROUND_CANARY, "max_duration_s": 60.0}, "gates": [ERROR_GATE]}
 #: The fleet changes' policy: no batching pause (one reload per replica, not three; the
 #: pause is test_swap's subject, the journal is this file's).
 FLEET = Policy(swap=SwapPolicy(pause_batching=False))
