@@ -207,17 +207,28 @@ def _scoped_choice(variable: str, drawn: str | None, hit: str, miss: str) -> str
             f"        default {miss};\n    }}\n")
 
 
-def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
-                  generation: str, scope: SplitScope | None = None) -> str:
-    """The whole ``nginx.conf`` for ``layout`` with this split (pure).
+@dataclass(frozen=True)
+class _Routes:
+    """Where a split sends each kind of request, and which requests are mirrored and
+    sampled: the variable part of the rendered configuration."""
 
-    Shares are quantized to nginx's two decimals (:func:`quantize_pct`); the admin port
-    answers with exactly the rendered (quantized) shares, the scope and ``generation``, so
-    a caller can tell when the workers running this configuration are the ones answering.
-    With a ``scope``, the split applies to its requests only (:class:`SplitScope`).
-    """
-    canary, mirror = quantize_pct(canary_pct), quantize_pct(mirror_pct)
-    prefix = layout.prefix
+    choosers: str
+    """The ``split_clients``/``map`` blocks that draw and scope the shares."""
+    http_backend: str
+    grpc_backend: str
+    http_mirror: bool
+    grpc_mirror: bool
+    http_copy: str
+    """What draws an HTTP request's copy for the mirror: the scope's choice, the mirror's
+    share, or '' (every request)."""
+    sampled: str
+    """The HTTP location's sample log line (the mirrored share's bodies), or ''."""
+    grpc_sampled: str
+
+
+def _routes(layout: GatewayLayout, canary: float, mirror: float,
+            scope: SplitScope | None) -> _Routes:
+    """The routes of quantized shares ``canary`` and ``mirror`` (pure)."""
     http_backend = grpc_backend = _backend(canary)
     choosers = ""
     if 0 < canary < 100:
@@ -238,7 +249,6 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
             copy = "$modelship_copy"
         if not scope.grpc:
             grpc_backend, grpc_mirror = "production", False
-    mirror_on = "            mirror /_modelship_mirror;\n"
     sampled = grpc_sampled = ""
     if mirror > 0:  # the mirrored share's bodies, for the shadow canary's agreement
         only = f" if={copy}" if copy else ""
@@ -249,9 +259,71 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
         grpc_only = " if=$modelship_mirror" if 0 < mirror < 100 else ""
         grpc_sampled = (f"            access_log {layout.sample_log} "
                         f"modelship_sample{grpc_only};\n")
+    return _Routes(choosers=choosers, http_backend=http_backend, grpc_backend=grpc_backend,
+                   http_mirror=http_mirror, grpc_mirror=grpc_mirror, http_copy=copy,
+                   sampled=sampled, grpc_sampled=grpc_sampled)
+
+
+_MIRROR_ON = "            mirror /_modelship_mirror;\n"
+
+
+def _client_servers(layout: GatewayLayout, routes: _Routes, mirror: float) -> str:
+    """The two servers clients talk to: KServe HTTP/REST and KServe gRPC (pure)."""
+    return (
+        "    server {  # KServe HTTP/REST\n"
+        f"        listen {layout.host}:{layout.http_port};\n"
+        "        location / {\n"
+        f"{_MIRROR_ON if routes.http_mirror else ''}{routes.sampled}"
+        f"            proxy_pass http://{routes.http_backend}_http;\n"
+        "            proxy_http_version 1.1;\n"
+        '            proxy_set_header Connection "";\n'
+        "            proxy_read_timeout 300s;\n"
+        "        }\n"
+        + (_mirror_location("http", routes.http_copy) if routes.http_mirror else "")
+        + "    }\n"
+        "    server {  # KServe gRPC (h2c)\n"
+        f"        listen {layout.host}:{layout.grpc_port} http2;\n"
+        "        location / {\n"
+        f"{_MIRROR_ON + routes.grpc_sampled if routes.grpc_mirror else ''}"
+        f"            grpc_pass grpc://{routes.grpc_backend}_grpc;\n"
+        "            grpc_read_timeout 300s;\n"
+        "        }\n"
+        # gRPC's copies are drawn by the mirror's share alone (its scope is all or nothing)
+        + (_mirror_location("grpc", "$modelship_mirror" if 0 < mirror < 100 else "")
+           if routes.grpc_mirror else "")
+        + "    }\n"
+    )
+
+
+def _admin_server(layout: GatewayLayout, live: str) -> str:
+    """The admin server: answers :data:`SPLIT_PATH` with ``live``, never serves clients."""
+    return (
+        "    server {  # admin: the live split, never for clients\n"
+        f"        listen {layout.host}:{layout.admin_port};\n"
+        f"        location = {SPLIT_PATH} {{\n"
+        "            default_type application/json;\n"
+        f"            return 200 '{live}\\n';\n"
+        "        }\n"
+        "        location / {\n            return 404;\n        }\n"
+        "    }\n"
+    )
+
+
+def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
+                  generation: str, scope: SplitScope | None = None) -> str:
+    """The whole ``nginx.conf`` for ``layout`` with this split (pure).
+
+    Shares are quantized to nginx's two decimals (:func:`quantize_pct`); the admin port
+    answers with exactly the rendered (quantized) shares, the scope and ``generation``, so
+    a caller can tell when the workers running this configuration are the ones answering.
+    With a ``scope``, the split applies to its requests only (:class:`SplitScope`).
+    """
+    canary, mirror = quantize_pct(canary_pct), quantize_pct(mirror_pct)
+    routes = _routes(layout, canary, mirror, scope)
     live = json.dumps({"canary_pct": canary, "mirror_pct": mirror, "generation": generation,
                        "scope": scope.to_dict() if scope is not None else None},
                       sort_keys=True)
+    prefix = layout.prefix
     return (
         f"# Rendered by modelship (generation {generation}); it is rewritten on every change\n"
         "# of the traffic split: edit modelship/nginx.py instead.\n"
@@ -267,37 +339,10 @@ def render_config(layout: GatewayLayout, canary_pct: float, mirror_pct: float,
         + _upstreams("production_grpc", [g for _, g in layout.production], 64)
         + _upstreams("canary_http", [layout.canary[0]], 32)
         + _upstreams("canary_grpc", [layout.canary[1]], 32)
-        + choosers
-        + "    server {  # KServe HTTP/REST\n"
-        f"        listen {layout.host}:{layout.http_port};\n"
-        "        location / {\n"
-        f"{mirror_on if http_mirror else ''}{sampled}"
-        f"            proxy_pass http://{http_backend}_http;\n"
-        "            proxy_http_version 1.1;\n"
-        '            proxy_set_header Connection "";\n'
-        "            proxy_read_timeout 300s;\n"
-        "        }\n"
-        + (_mirror_location("http", copy) if http_mirror else "")
-        + "    }\n"
-        "    server {  # KServe gRPC (h2c)\n"
-        f"        listen {layout.host}:{layout.grpc_port} http2;\n"
-        "        location / {\n"
-        f"{mirror_on + grpc_sampled if grpc_mirror else ''}"
-        f"            grpc_pass grpc://{grpc_backend}_grpc;\n"
-        "            grpc_read_timeout 300s;\n"
-        "        }\n"
-        + (_mirror_location("grpc", "$modelship_mirror" if 0 < mirror < 100 else "")
-           if grpc_mirror else "")
-        + "    }\n"
-        "    server {  # admin: the live split, never for clients\n"
-        f"        listen {layout.host}:{layout.admin_port};\n"
-        f"        location = {SPLIT_PATH} {{\n"
-        "            default_type application/json;\n"
-        f"            return 200 '{live}\\n';\n"
-        "        }\n"
-        "        location / {\n            return 404;\n        }\n"
-        "    }\n"
-        "}\n"
+        + routes.choosers
+        + _client_servers(layout, routes, mirror)
+        + _admin_server(layout, live)
+        + "}\n"
     )
 
 

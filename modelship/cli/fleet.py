@@ -214,28 +214,32 @@ def load(model: ModelArg, version: VersionOpt = None,
 
         return with_clients(body)
 
-    def render(doc: dict[str, Any]) -> str:
-        lat = doc["latency_ms"]
-        return table(["requests", "errors", "req/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms"],
-                     [(doc["requests"], doc["errors"], f"{doc['throughput_rps']:.0f}",
-                       *(f"{lat[k]:.2f}" if lat[k] is not None else "-"
-                         for k in ("p50", "p90", "p95", "p99")))])
+    finish(run_reporting(action, as_json=as_json, render=_load_table, to_json=lambda d: d,
+                          exit_code=lambda doc: _load_exit_code(doc, max_error_rate)))
 
-    def code(doc: dict[str, Any]) -> int:
-        # Nothing answered: the run measured nothing (wrong model, version or server).
-        if doc["requests"] == 0:
-            return 1
-        rate = doc["errors"] / doc["requests"]
-        if rate > max_error_rate:
-            reasons = "; ".join(f"{text} x{count}"
-                                for text, count in doc.get("error_texts", {}).items())
-            progress(f"error: {doc['errors']} of {doc['requests']} requests failed "
-                     f"({rate:.2%} > --max-error-rate {max_error_rate:g}): {reasons}")
-            return 1
-        return 0
 
-    finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d,
-                          exit_code=code))
+def _load_table(doc: dict[str, Any]) -> str:
+    """``modelship load``'s report as a table."""
+    lat = doc["latency_ms"]
+    return table(["requests", "errors", "req/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms"],
+                 [(doc["requests"], doc["errors"], f"{doc['throughput_rps']:.0f}",
+                   *(f"{lat[k]:.2f}" if lat[k] is not None else "-"
+                     for k in ("p50", "p90", "p95", "p99")))])
+
+
+def _load_exit_code(doc: dict[str, Any], max_error_rate: float) -> int:
+    """1 when nothing answered (the run measured nothing: a wrong model, version or server)
+    or more than ``max_error_rate`` of the requests failed (said on stderr), else 0."""
+    if doc["requests"] == 0:
+        return 1
+    rate = doc["errors"] / doc["requests"]
+    if rate > max_error_rate:
+        reasons = "; ".join(f"{text} x{count}"
+                            for text, count in doc.get("error_texts", {}).items())
+        progress(f"error: {doc['errors']} of {doc['requests']} requests failed "
+                 f"({rate:.2%} > --max-error-rate {max_error_rate:g}): {reasons}")
+        return 1
+    return 0
 
 
 VERDICT_EXIT = {"passed": 0, "noop": 0, "failed": 4, "inconclusive": 6, "error": 1}
