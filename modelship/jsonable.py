@@ -13,24 +13,32 @@ from typing import Any
 import numpy as np
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: Any, *, nonfinite_as_text: bool = False) -> Any:
     """Plain JSON values: numpy scalars and arrays become Python ones, NaN and ±inf become
     None (JSON has none, and no data is never a number), paths and dates become strings,
-    dataclasses and objects with ``to_dict()`` become dicts, anything else its ``str``."""
+    dataclasses and objects with ``to_dict()`` become dicts, anything else its ``str``.
+
+    With ``nonfinite_as_text``, NaN and ±inf become ``"nan"``, ``"inf"`` and ``"-inf"``
+    instead: where the value itself is the finding (a data check that observed a NaN)."""
+    def inner(item: Any) -> Any:
+        return jsonable(item, nonfinite_as_text=nonfinite_as_text)
+
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, float | np.floating):
-        return float(value) if math.isfinite(value) else None
+        if math.isfinite(value):
+            return float(value)
+        return str(float(value)) if nonfinite_as_text else None
     if isinstance(value, np.integer | np.bool_):
         return value.item()
     if isinstance(value, np.ndarray):
-        return jsonable(value.tolist())
+        return inner(value.tolist())
     if isinstance(value, Enum):
-        return jsonable(value.value)
+        return inner(value.value)
     if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {str(k): inner(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
-        return [jsonable(v) for v in value]
+        return [inner(v) for v in value]
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     if isinstance(value, datetime | date):
@@ -39,7 +47,7 @@ def jsonable(value: Any) -> Any:
         return str(value)
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):
-        return jsonable(to_dict())
+        return inner(to_dict())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return jsonable(dataclasses.asdict(value))
+        return inner(dataclasses.asdict(value))
     return str(value)

@@ -49,7 +49,6 @@ Decisions, and why:
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -61,6 +60,7 @@ import numpy as np
 import pandas as pd
 
 from modelship.errors import ValidationFailed
+from modelship.jsonable import jsonable
 from modelship.policy import ValidationPolicy
 
 __all__ = [
@@ -619,20 +619,9 @@ def _run(
 
 
 def _jsonable(value: Any) -> Any:
-    """Plain JSON: numpy scalars become Python ones, NaN and ±inf become strings."""
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)
+    """A data check's values as plain JSON: NaN and ±inf kept as text, since they are often
+    the finding itself."""
+    return jsonable(value, nonfinite_as_text=True)
 
 
 def _failure(raw: Mapping[str, Any]) -> dict[str, Any]:
