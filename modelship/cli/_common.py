@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
 from modelship.output import progress, run_reporting, table
+
+if TYPE_CHECKING:  # the types only: importing them costs pydantic, numpy and tritonclient
+    from modelship.clients import Clients
+    from modelship.settings import Settings
+
+T = TypeVar("T")
 
 __all__ = ["AliasOpt", "BreakingOpt", "DryRunOpt", "ForceOpt", "JsonOpt", "ModelArg",
            "PolicyOpt", "VersionOpt", "app", "finish", "progress", "run_reporting",
@@ -40,7 +47,8 @@ ForceOpt = Annotated[bool, typer.Option(
     "--force", help="Skip the evidence check (no passing canary on record); recorded.")]
 
 
-def settings() -> Any:
+def settings() -> Settings:
+    """This machine's settings (environment, then the stack's stack.json)."""
     from modelship.settings import load_settings  # lazy: pydantic (~0.3 s) when a command runs
 
     return load_settings()
@@ -50,7 +58,7 @@ def finish(code: int) -> None:
     raise typer.Exit(code)
 
 
-def with_clients(body: Any) -> Any:
+def with_clients(body: Callable[[Settings, Clients], T]) -> T:
     """Run ``body(settings, clients)`` with clients built once and closed after."""
     # lazy: the clients pull pydantic, numpy and the Triton client (~0.8 s); when a command runs
     from modelship.clients import build_clients
@@ -63,7 +71,7 @@ def with_clients(body: Any) -> Any:
         clients.close()
 
 
-def workdir(current: Any, model: str) -> Path:
+def workdir(current: Settings, model: str) -> Path:
     """A fresh folder for this run's artifacts (exported graph, GX results, Data Docs)."""
     path = current.home / "runs" / f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     path.mkdir(parents=True, exist_ok=True)
