@@ -153,9 +153,10 @@ def _weed_binary() -> Path:
     return Path(found)
 
 
-def _allocate_ports(count: int, base_port: int | None) -> list[int]:
+def _allocate_ports(count: int, base_port: int | None,
+                    avoid: set[int] | None = None) -> list[int]:
     if base_port is None:
-        return free_ports(count)
+        return free_ports(count, avoid=avoid)
     ports = list(range(base_port, base_port + count))
     busy = [p for p in ports if port_open(p)]
     if busy:
@@ -228,10 +229,13 @@ def up(
             if base_port is not None or not port_taken(exc):
                 raise
             # Free ports are picked, released, then bound by the server: another process
-            # (a second stack starting at the same moment) can bind one in between.
+            # (a second stack starting at the same moment) can bind one in between. The
+            # port may look free again now (nothing listens on it), so this home's last
+            # ports are not reused: the retry draws new ones.
             progress(f"{exc.details.get('component', 'a server')} found a port taken by "
                      "another process while starting; starting again on new ports")
-            return _up_locked(settings, replicas, base_port, progress, on_ready)
+            return _up_locked(settings, replicas, base_port, progress, on_ready,
+                              new_ports=True)
 
 
 def port_taken(exc: StackError) -> bool:
@@ -242,14 +246,15 @@ def port_taken(exc: StackError) -> bool:
 
 
 def _up_locked(settings: Settings, replicas: int, base_port: int | None, progress: Progress,
-               on_ready: ReadyHook | None) -> tuple[dict[str, Any], StartupReport]:
+               on_ready: ReadyHook | None, *, new_ports: bool = False
+               ) -> tuple[dict[str, Any], StartupReport]:
     resumed = _resume_existing(settings, replicas, progress, on_ready)
     if resumed is not None:
         return resumed
 
     started = time.monotonic()
     home = _prepare_home(settings, progress)
-    ports = _choose_ports(home.path, replicas + 1, base_port, progress)
+    ports = _choose_ports(home.path, replicas + 1, base_port, progress, reuse=not new_ports)
     binaries = _resolve_binaries(settings, home.path)
     state = _initial_state(settings, home, ports, replicas)
     startup = _Startup(settings, state, home, progress, started)
@@ -355,14 +360,19 @@ class _StackPorts:
 
 
 def _choose_ports(home: Path, n_triton: int, base_port: int | None,
-                  progress: Progress) -> _StackPorts:
-    """Name the stack's ports and save them in the home for the next start.
+                  progress: Progress, *, reuse: bool = True) -> _StackPorts:
+    """Name the stack's ports and save them in the home for the next start; with ``reuse``,
+    this home's last ones where they are free.
 
     Raises:
         StackError: a port the stack needs is taken by another process.
     """
     count = len(c.SEAWEED_PORT_NAMES) + 3 + 3 * n_triton
-    ports, approvals_port, webhooks_port = _port_numbers(home, count, base_port, progress)
+    previous = saved_ports(home) if reuse else {}
+    # a start again after a taken port avoids every port of the attempt before
+    avoid = set() if reuse else _port_set(saved_ports(home))
+    ports, approvals_port, webhooks_port = _port_numbers(previous, count, base_port, progress,
+                                                         avoid)
     seaweed_ports = dict(zip(c.SEAWEED_PORT_NAMES, ports, strict=False))
     # SeaweedFS's built-in worker always dials the admin port + 10000, whatever the flag says.
     seaweed_ports["admin_grpc"] = seaweed_ports["admin"] + 10000
@@ -372,7 +382,7 @@ def _choose_ports(home: Path, n_triton: int, base_port: int | None,
             hint="run `modelship stack up` again to pick other ports, or free that port",
         )
     rest = ports[len(c.SEAWEED_PORT_NAMES):]
-    gateway = _gateway_ports(saved_ports(home), {*ports, approvals_port, webhooks_port,
+    gateway = _gateway_ports(previous, {*avoid, *ports, approvals_port, webhooks_port,
                                                  seaweed_ports["admin_grpc"]},
                              None if base_port is None else base_port + len(ports) + 2)
     save_ports(home, {"ports": ports, "approvals": approvals_port, "webhooks": webhooks_port,
@@ -400,14 +410,21 @@ def _gateway_ports(saved: dict[str, Any], avoid: set[int],
     return http, grpc, admin
 
 
-def _port_numbers(home: Path, count: int, base_port: int | None,
-                  progress: Progress) -> tuple[list[int], int, int]:
+def _port_set(saved: dict[str, Any]) -> set[int]:
+    """Every port number in a saved ports document (pure)."""
+    values = [*saved.get("ports", []), saved.get("approvals"), saved.get("webhooks"),
+              *saved.get("gateway", [])]
+    return {v for v in values if isinstance(v, int)}
+
+
+def _port_numbers(previous: dict[str, Any], count: int, base_port: int | None,
+                  progress: Progress, avoid: set[int]) -> tuple[list[int], int, int]:
     """``count`` server ports plus the approvals and webhooks ports.
 
-    Without ``--base-port``, this home's last ports are kept when all are free, so links
-    recorded before (Slack buttons, webhooks) keep working; otherwise new ones are taken.
+    Without ``--base-port``, this home's last ports (``previous``) are kept when all are
+    free, so links recorded before (Slack buttons, webhooks) keep working; otherwise new
+    ones are taken.
     """
-    previous = saved_ports(home)
     admin = c.SEAWEED_PORT_NAMES.index("admin")
     kept = reusable_ports(previous, count=count, is_busy=port_open,
                           derived=lambda p: [p[admin] + 10000]) if base_port is None else None
@@ -416,10 +433,12 @@ def _port_numbers(home: Path, count: int, base_port: int | None,
     if previous.get("ports") and base_port is None:
         progress("the ports of this home's last stack are taken or differ in number: "
                  "using new ones (links recorded before point at the old ports)")
-    ports = _allocate_ports(count, base_port)
-    approvals_port = (free_ports(1, avoid=set(ports))[0] if base_port is None
+    ports = _allocate_ports(count, base_port, avoid)
+    taken = {*avoid, *ports, ports[admin] + 10000}  # and the SeaweedFS admin's gRPC port
+    approvals_port = (free_ports(1, avoid=taken)[0] if base_port is None
                       else _allocate_ports(1, base_port + len(ports))[0])
-    webhooks_port = (free_ports(1, avoid={*ports, approvals_port})[0] if base_port is None
+    webhooks_port = (free_ports(1, avoid={*taken, approvals_port})[0]
+                     if base_port is None
                      else _allocate_ports(1, base_port + len(ports) + 1)[0])
     return ports, approvals_port, webhooks_port
 

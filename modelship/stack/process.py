@@ -60,6 +60,47 @@ class ProcessRecord:
         )
 
 
+#: The kernel's default range of ephemeral ports (Linux), when /proc does not say.
+EPHEMERAL_DEFAULT = (32768, 60999)
+#: The lowest port a stack takes: below, the well-known and commonly configured ports.
+PORT_FLOOR = 10000
+#: SeaweedFS derives a gRPC port as the HTTP port + this; the pair must both stay clear.
+GRPC_OFFSET = 10000
+
+
+def ephemeral_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")
+                    ) -> tuple[int, int]:
+    """The kernel's ephemeral port range: where every outgoing connection's local port comes
+    from."""
+    try:
+        low, high = (int(v) for v in path.read_text().split())
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+    return low, high
+
+
+def pick_range(ephemeral: tuple[int, int]) -> tuple[int, int] | None:
+    """The ports a stack picks from, ``[low, high)``: below the ephemeral range, with room
+    for :data:`GRPC_OFFSET` above each; None when that leaves fewer than 2,000 (pure).
+
+    A port picked inside the ephemeral range, released and bound a few seconds later by its
+    server, can meanwhile become the local end of any outgoing connection (a client's, or
+    the stack's own servers talking to each other), and the server then fails with
+    'address already in use'. Outside it, only another picker can take it.
+    """
+    high = min(ephemeral[0], 65536) - GRPC_OFFSET
+    return (PORT_FLOOR, high) if high - PORT_FLOOR >= 2000 else None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port that is free on loopback right now (the kernel picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -68,17 +109,35 @@ def free_port() -> int:
 
 
 def free_ports(count: int, *, avoid: set[int] | None = None) -> list[int]:
-    """``count`` distinct free loopback ports, none of them in ``avoid``."""
+    """``count`` distinct free loopback ports, none of them in ``avoid``.
+
+    They come from :func:`pick_range`, consecutive from a random start (two stacks that
+    start at once rarely draw overlapping blocks, and one whose port was taken tries
+    again, :func:`modelship.stack.manager.up`); from the kernel's own choice when the
+    ephemeral range leaves no room below it.
+    """
     chosen: list[int] = []
     taken = set(avoid or ())
-    while len(chosen) < count:
-        port = free_port()
-        # SeaweedFS derives gRPC ports as HTTP + 10000: keep HTTP ports below 55535.
-        if port in taken or port > 55000:
-            continue
-        taken.add(port)
-        chosen.append(port)
-    return chosen
+    span = pick_range(ephemeral_range())
+    if span is None:
+        while len(chosen) < count:
+            port = free_port()
+            # SeaweedFS derives gRPC ports as HTTP + 10000: keep HTTP ports below 55535.
+            if port not in taken and port <= 55000:
+                taken.add(port)
+                chosen.append(port)
+        return chosen
+    low, high = span
+    start = int.from_bytes(os.urandom(4), "big") % (high - low)
+    for offset in range(high - low):
+        port = low + (start + offset) % (high - low)
+        if port not in taken and _bindable(port):
+            taken.add(port)
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise StackError(f"no {count} free loopback ports between {low} and {high}",
+                     hint="stop what holds them (`modelship stack down` in other homes)")
 
 
 def port_open(port: int, host: str = LOOPBACK, timeout_s: float = 0.5) -> bool:
