@@ -18,7 +18,6 @@ import pytest
 from modelship.errors import StackError
 from modelship.progress import quiet
 from modelship.stack import manager, process
-from modelship.stack.keys import save_ports
 from modelship.stack.process import (
     EPHEMERAL_DEFAULT,
     GRPC_OFFSET,
