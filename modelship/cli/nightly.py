@@ -146,6 +146,11 @@ def deploy(
 
         current = settings()
         env = prefect_env(current.prefect_api_url, current.home)
+        _require_server(env["PREFECT_API_URL"], current.http_timeout_s)
+        # Prefect's own retries with backoff (not the CLI's one): its SQLite answers 503
+        # while another write holds it, and a deploy beside running flows failed so; a server
+        # that does not answer at all was refused just above, at once
+        env = service_env(env)
         names = [d["name"] for d in
                  yaml.safe_load((repo_dir() / "prefect.yaml").read_text())["deployments"]]
         if pool == PROCESS_POOL:
@@ -166,6 +171,27 @@ def deploy(
                 + f"\nregistered on {doc['prefect_api_url']}; run them with `modelship worker`")
 
     finish(run_reporting(action, as_json=as_json, render=render, to_json=lambda d: d))
+
+
+def _require_server(api_url: str, timeout_s: float) -> None:
+    """Refuse at once when the Prefect server does not answer its health check.
+
+    Raises:
+        InfrastructureError: it does not answer (exit 1).
+    """
+    # lazy: urllib.request pulls ssl, email and http.client (~30 ms) the CLI starts without
+    import urllib.error
+    import urllib.request
+
+    url = f"{api_url.rstrip('/')}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
+            response.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise InfrastructureError(
+            f"the Prefect server at {api_url} does not answer ({exc}); nothing was deployed",
+            hint="run `modelship stack up` (or start your Prefect server), then `modelship "
+            "doctor`, and deploy again", component="prefect") from exc
 
 
 def _deployments(api_url: str | None, timeout_s: float) -> list[dict[str, Any]]:

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from modelship.cli import exit_status
+from modelship.cli.nightly import _require_server
+from modelship.errors import InfrastructureError
+from modelship.stack.process import free_ports
 
 SCRIPT = Path(sys.executable).parent / "modelship"
 
@@ -30,3 +33,11 @@ def test_the_console_script_keeps_its_status_and_flushes_its_output(
     assert done.returncode == status, done.stderr
     assert out in done.stdout and err in done.stderr
     assert done.stdout.endswith("\n") or not done.stdout
+
+
+def test_deploy_refuses_at_once_a_prefect_server_that_does_not_answer() -> None:
+    """`modelship deploy` checks the server's health before it runs `prefect deploy` (whose
+    retries ride out a busy server, and would wait on a dead one)."""
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}/api"
+    with pytest.raises(InfrastructureError, match="does not answer.*nothing was deployed"):
+        _require_server(dead, timeout_s=2)
